@@ -1,0 +1,186 @@
+"""The ``rlinf-vla`` command line.
+
+Each subcommand composes its config from the YAML groups shipped in ``rlinf_vla/configs/``
+with Hydra overrides (``group=choice``, ``section.key=value``), converts it into typed,
+validated configs (pure: nothing is started), then runs::
+
+    rlinf-vla bench                                   # the default config
+    rlinf-vla bench benchmark.rounds=5 cluster.num_cpus=2
+    rlinf-vla bench --cfg job                         # print the resolved config and exit
+    rlinf-vla bench --help                            # its config groups and their choices
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlinf_vla.config import ConfigError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its primary config and the module implementing ``validate`` and ``run``.
+
+    ``validate(cfg) -> job`` must be pure; ``run(job)`` does the work.
+    """
+
+    name: str
+    help: str
+    config_name: str
+    module: str
+
+    def load(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+        mod = importlib.import_module(self.module)
+        return mod.validate, mod.run
+
+
+COMMANDS: dict[str, Command] = {
+    c.name: c
+    for c in [
+        Command(
+            "bench",
+            "measure a part of the system (default: channel latency/throughput); prints a table, writes JSON",
+            "bench",
+            "rlinf_vla.bench",
+        ),
+    ]
+}
+
+
+# --------------------------------------------------------------------------- config groups
+def config_groups(config_name: str) -> dict[str, list[str]]:
+    """The config groups a primary config composes, with their available choices."""
+    data = yaml.safe_load((CONFIG_DIR / f"{config_name}.yaml").read_text()) or {}
+    groups: dict[str, list[str]] = {}
+    for entry in data.get("defaults", []):
+        if isinstance(entry, dict):
+            for group in entry:
+                group = group.split("@")[0].removeprefix("override ").strip()
+                folder = CONFIG_DIR / group
+                if folder.is_dir():
+                    groups[group] = sorted(p.stem for p in folder.glob("*.yaml"))
+    return groups
+
+
+def _default_choices(config_name: str) -> dict[str, str]:
+    data = yaml.safe_load((CONFIG_DIR / f"{config_name}.yaml").read_text()) or {}
+    return {
+        k.split("@")[0]: str(v)
+        for entry in data.get("defaults", [])
+        if isinstance(entry, dict)
+        for k, v in entry.items()
+    }
+
+
+def _check_group_choices(config_name: str, overrides: Sequence[str]) -> None:
+    groups = config_groups(config_name)
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep:
+            raise ConfigError(
+                f"cannot parse {override!r}: overrides look like group=choice or section.key=value"
+            )
+        key = key.lstrip("+~")
+        if key in groups and value not in groups[key]:
+            raise ConfigError(
+                f"unknown choice {value!r} for config group {key!r} (known: {', '.join(groups[key])})"
+            )
+
+
+def compose(config_name: str, overrides: Sequence[str] = ()) -> Any:
+    """Compose the primary config ``config_name`` with Hydra ``overrides``.
+
+    Raises:
+        ConfigError: an unknown group choice (listing the known ones) or an unknown key
+            (naming it), or an unparsable override.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    _check_group_choices(config_name, overrides)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def _explain(error: BaseException) -> str:
+    """A one-line reason from Hydra/OmegaConf's nested errors."""
+    cause: BaseException | None = error
+    while cause is not None:
+        full_key = getattr(cause, "full_key", None)
+        if full_key and "not in struct" in str(cause):
+            return f"unknown config key: {full_key}"
+        cause = cause.__cause__ or cause.__context__
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+# --------------------------------------------------------------------------- argument parsing
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlinf-vla",
+        description="Post-train vision-language-action policies with reinforcement learning.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `rlinf-vla <command> --help` for a command's config groups and their choices.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for command in COMMANDS.values():
+        groups = config_groups(command.config_name)
+        defaults = _default_choices(command.config_name)
+        lines = [
+            f"  {g:<12} {', '.join(c + (' (default)' if c == defaults.get(g) else '') for c in cs)}"
+            for g, cs in groups.items()
+        ]
+        p = sub.add_parser(
+            command.name,
+            help=command.help,
+            description=f"{command.help}\n\nconfig groups (choose with group=choice):\n"
+            + "\n".join(lines)
+            + "\n\nany value can be set with section.key=value, e.g. cluster.num_cpus=2",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument(
+            "overrides", nargs="*", metavar="override", help="group=choice or section.key=value"
+        )
+        p.add_argument("--cfg", choices=["job"], help="print the resolved config and exit")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    command = COMMANDS[args.command]
+    try:
+        cfg = compose(command.config_name, args.overrides)
+        validate, run = command.load()
+        job = validate(cfg)
+    except ConfigError as e:
+        print(f"rlinf-vla {command.name}: invalid config: {e}", file=sys.stderr)
+        return 2
+    if args.cfg == "job":
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+        return 0
+    run(job)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

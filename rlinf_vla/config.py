@@ -1,0 +1,137 @@
+"""Typed component configs: convert a config section into a validated dataclass.
+
+Every component owns a dataclass with its defaults and checks (``__post_init__``). The CLI
+composes YAML with Hydra, then each section crosses into its component through
+:func:`from_section`, which rejects unknown keys by their full dotted name and checks value
+types, so a typo can never become a silent default. Nothing here starts any process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the offending keys."""
+
+
+def from_section(cls: type[T], section: Mapping[str, Any] | None, path: str = "") -> T:
+    """Build the dataclass ``cls`` from a mapping (a dict or an OmegaConf ``DictConfig``).
+
+    Args:
+        cls: a dataclass type; nested dataclass fields are built recursively.
+        section: the values; missing keys take the dataclass defaults.
+        path: the dotted name of the section (``"cluster"``), used in error messages.
+
+    Raises:
+        ConfigError: unknown keys, missing required keys, wrong value types, or a
+            ``__post_init__`` check that failed (its message is prefixed with ``path``).
+    """
+    section = _to_plain(section) if section is not None else {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {section!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(section) - set(fields))
+    if unknown:
+        names = ", ".join(_join(path, k) for k in unknown)
+        raise ConfigError(f"unknown config key(s): {names} (known: {', '.join(sorted(fields))})")
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        key = _join(path, name)
+        if name not in section:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"missing required config key: {key}")
+            continue
+        values[name] = _convert(hints[name], section[name], key)
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path or cls.__name__}: {e}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass config back to plain dicts/lists (for saving a resolved config)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _to_plain(value: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - hydra is a core dependency
+        return value
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; build nested dataclasses."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} does not match {_type_name(tp)}")
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_section(tp, value, key)
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        items = [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        _, val_tp = typing.get_args(tp) or (Any, Any)
+        return {k: _convert(val_tp, v, f"{key}.{k}") for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp in (str, bool):
+        if not isinstance(value, tp):
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+        return value
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")

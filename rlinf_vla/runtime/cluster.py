@@ -1,0 +1,209 @@
+"""The cluster: a connection to Ray and the list of devices workers are placed on.
+
+``Cluster()`` starts an embedded local Ray instance (the default); ``Cluster(address="auto")``
+or ``Cluster(address="ray://host:10001")`` connects to a running one. The cluster numbers
+its devices globally, node by node: the GPUs of each node when it has any, otherwise CPU
+"slots" (by default one per CPU core, configurable). Workers are pinned to a device's node
+and see only that device (``CUDA_VISIBLE_DEVICES``); Ray's own GPU accounting is not used,
+so several workers may share a device (collocated placement).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rlinf_vla.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterConfig:
+    """The ``cluster`` section of a run config.
+
+    Attributes:
+        address: ``None`` starts a local Ray instance; ``"auto"``, ``"host:port"`` or
+            ``"ray://host:port"`` connects to a running cluster.
+        num_nodes: wait until this many nodes are alive (``None``: use what is there).
+        num_cpus: CPUs of the local instance (``None``: all cores). Only with ``address=None``.
+        num_gpus: GPUs of the local instance (``None``: all visible). Only with ``address=None``.
+        devices_per_node: devices per node; on GPU nodes at most the node's GPU count
+            (``None``: all of them), on CPU-only nodes the number of CPU slots (``None``: one
+            per CPU core).
+        namespace: the Ray namespace for named actors (channels, workers).
+        wait_timeout_s: how long to wait for ``num_nodes`` nodes.
+    """
+
+    address: str | None = None
+    num_nodes: int | None = None
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+    devices_per_node: int | None = None
+    namespace: str = "rlinf_vla"
+    wait_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "num_cpus", "devices_per_node"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"cluster.{name} must be >= 1, got {value}")
+        if self.num_gpus is not None and self.num_gpus < 0:
+            raise ConfigError(f"cluster.num_gpus must be >= 0, got {self.num_gpus}")
+        if self.address is not None and (self.num_cpus is not None or self.num_gpus is not None):
+            raise ConfigError(
+                "cluster.num_cpus / cluster.num_gpus size a local instance; "
+                "they cannot be set together with cluster.address"
+            )
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of the cluster.
+
+    Attributes:
+        rank: global index, used in placements (``"0-3"``).
+        node_rank: index of the node (the head node is 0).
+        node_id: Ray's node id.
+        node_ip: the node's IP address.
+        local_index: the device's index on its node (the CUDA ordinal for GPUs).
+        kind: ``"cuda"`` or ``"cpu"``.
+    """
+
+    rank: int
+    node_rank: int
+    node_id: str
+    node_ip: str
+    local_index: int
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.local_index}@node{self.node_rank}"
+
+
+class Cluster:
+    """A Ray cluster and its devices.
+
+    Example::
+
+        with Cluster(ClusterConfig(num_cpus=2)) as cluster:
+            print(cluster.devices)
+    """
+
+    def __init__(self, config: ClusterConfig | None = None, **overrides: Any) -> None:
+        import ray
+
+        if config is None:
+            config = ClusterConfig(**overrides)
+        elif overrides:
+            raise TypeError("pass either a ClusterConfig or keyword overrides, not both")
+        self.config = config
+        self._owns_ray = False
+        if ray.is_initialized():
+            logger.info("using the Ray instance already initialised in this process")
+        else:
+            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+            kwargs: dict[str, Any] = {
+                "namespace": config.namespace,
+                "include_dashboard": False,
+                "log_to_driver": True,
+            }
+            if config.address is None:
+                kwargs.update(num_cpus=config.num_cpus, num_gpus=config.num_gpus)
+            else:
+                kwargs["address"] = config.address
+            ray.init(**kwargs)
+            self._owns_ray = True
+        self._wait_for_nodes()
+        self.devices: list[Device] = self._enumerate_devices()
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_nodes(self) -> int:
+        return len({d.node_id for d in self.devices})
+
+    def _alive_nodes(self) -> list[dict[str, Any]]:
+        import ray
+
+        return [n for n in ray.nodes() if n.get("Alive")]
+
+    def _wait_for_nodes(self) -> None:
+        want = self.config.num_nodes
+        if want is None:
+            return
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        while (have := len(self._alive_nodes())) < want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"cluster.num_nodes={want} but only {have} Ray node(s) are alive after "
+                    f"{self.config.wait_timeout_s:.0f} s"
+                )
+            time.sleep(0.5)
+
+    def _enumerate_devices(self) -> list[Device]:
+        import ray
+
+        head_id = ray.get_runtime_context().get_node_id()
+        # The driver's node first, then the others in a stable order.
+        nodes = sorted(
+            self._alive_nodes(),
+            key=lambda n: (n["NodeID"] != head_id, n["NodeManagerAddress"], n["NodeID"]),
+        )
+        devices: list[Device] = []
+        cap = self.config.devices_per_node
+        for node_rank, node in enumerate(nodes):
+            resources = node.get("Resources", {})
+            gpus = int(resources.get("GPU", 0))
+            if gpus > 0:
+                kind, count = "cuda", gpus if cap is None else min(cap, gpus)
+            else:
+                kind, count = (
+                    "cpu",
+                    cap if cap is not None else max(1, int(resources.get("CPU", 1))),
+                )
+            for local in range(count):
+                devices.append(
+                    Device(
+                        rank=len(devices),
+                        node_rank=node_rank,
+                        node_id=node["NodeID"],
+                        node_ip=node["NodeManagerAddress"],
+                        local_index=local,
+                        kind=kind,
+                    )
+                )
+        if not devices:
+            raise RuntimeError("the Ray cluster has no alive node")
+        return devices
+
+    def device(self, rank: int) -> Device:
+        if not 0 <= rank < len(self.devices):
+            raise IndexError(f"device {rank} does not exist; the cluster has {len(self.devices)}")
+        return self.devices[rank]
+
+    def shutdown(self) -> None:
+        """Disconnect from Ray, stopping the local instance if this cluster started it.
+
+        All workers and channels created through this cluster end with it.
+        """
+        import ray
+
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        kinds = sorted({d.kind for d in self.devices})
+        return f"Cluster(nodes={self.num_nodes}, devices={self.num_devices}, kinds={kinds})"

@@ -1,0 +1,179 @@
+"""Tensor transport between workers over torch.distributed (NCCL on GPU, gloo on CPU).
+
+The driver forms a collective from ranks of one or more worker groups::
+
+    create_collective("weights", [(actor, [0]), (rollout, None)])   # actor 0 + all rollout
+
+and every member can then use it inside its methods::
+
+    coll = self.collective("weights")       # this worker's rank in it: coll.rank
+    state = coll.broadcast_tensors(model.state_dict() if coll.rank == 0 else None, src=0)
+
+Each collective is its own process group built on a private TCP store, so a worker can belong
+to several (say, its FSDP group and a weight-sync group) without a global default group.
+Collective ranks follow the order of the members given to :func:`create_collective`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from rlinf_vla.runtime.worker import WorkerGroup
+
+_COLLECTIVES: dict[str, Collective] = {}
+
+
+class Collective:
+    """One process group, seen from one member. Every operation blocks until it completes."""
+
+    def __init__(self, name: str, rank: int, world_size: int, backend: str, pg: Any, store: Any):
+        self.name, self.rank, self.world_size, self.backend = name, rank, world_size, backend
+        self._pg, self._store = pg, store  # the store must outlive the process group
+        self.device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send ``tensor`` to rank ``dst`` (which must call :meth:`recv`)."""
+        self._pg.send([tensor.contiguous()], dst, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Receive into the preallocated ``tensor`` from rank ``src``; returns it."""
+        self._pg.recv([tensor], src, tag).wait()
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with its value on ``src`` (same shape everywhere)."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self._pg.broadcast([tensor], opts).wait()
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Broadcast any picklable object from ``src``; other ranks pass ``None``."""
+        if self.rank == src:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        size = self.broadcast(size.to(self.device), src)
+        if self.rank != src:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        data = self.broadcast(data.to(self.device), src)
+        return obj if self.rank == src else pickle.loads(data.cpu().numpy().tobytes())
+
+    def broadcast_tensors(
+        self, tensors: dict[str, torch.Tensor] | None, src: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """Broadcast a dict of named tensors (e.g. a state dict) from ``src``.
+
+        The names, shapes and dtypes go first; then one flat buffer per dtype, so a model's
+        weights cost one collective per dtype rather than one per parameter. Returns the
+        received tensors (on ``src``, the given ones) on this collective's device.
+        """
+        meta = None
+        if self.rank == src:
+            assert tensors is not None, "the source rank must pass the tensors"
+            meta = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
+        meta = self.broadcast_object(meta, src)
+        out: dict[str, torch.Tensor] = {}
+        for dtype in sorted({m[2] for m in meta}, key=str):
+            group = [m for m in meta if m[2] == dtype]
+            numel = sum(_numel(shape) for _, shape, _ in group)
+            if self.rank == src:
+                flat = torch.cat(
+                    [tensors[k].detach().reshape(-1).to(self.device) for k, _, _ in group]
+                )
+            else:
+                flat = torch.empty(numel, dtype=dtype, device=self.device)
+            self.broadcast(flat, src)
+            offset = 0
+            for key, shape, _ in group:
+                n = _numel(shape)
+                out[key] = flat[offset : offset + n].view(shape)
+                offset += n
+        return out if self.rank != src else {k: t for k, t in tensors.items()}
+
+    def barrier(self) -> None:
+        self.broadcast(torch.zeros(1, device=self.device), 0)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def get(name: str) -> Collective:
+    """The collective ``name`` joined by this process."""
+    if name not in _COLLECTIVES:
+        known = ", ".join(sorted(_COLLECTIVES)) or "none"
+        raise KeyError(f"this worker is not in a collective named {name!r} (joined: {known})")
+    return _COLLECTIVES[name]
+
+
+def join(
+    name: str, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float
+) -> None:
+    """Join the collective ``name`` from inside a worker process (called by the driver)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+        pg = dist.ProcessGroupNCCL(store, rank, world_size)
+    elif backend == "gloo":
+        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; use 'nccl' or 'gloo'")
+    _COLLECTIVES[name] = Collective(name, rank, world_size, backend, pg, store)
+
+
+def create_collective(
+    name: str,
+    members: Sequence[tuple[WorkerGroup, Sequence[int] | None]],
+    backend: str = "auto",
+    timeout_s: float = 300.0,
+) -> None:
+    """Form the collective ``name`` from ``(group, ranks)`` pairs (``None``: all ranks).
+
+    ``backend="auto"`` picks NCCL when every member is on a GPU, gloo otherwise.
+
+    Raises:
+        WorkerError: a member failed to join (e.g. the rendezvous timed out).
+    """
+    from rlinf_vla.runtime.worker import GroupResult, wait_all
+
+    flat = [
+        (g, r) for g, ranks in members for r in (range(g.world_size) if ranks is None else ranks)
+    ]
+    if len(flat) < 2:
+        raise ValueError(f"collective {name!r} needs at least two members, got {len(flat)}")
+    if len(set((id(g), r) for g, r in flat)) != len(flat):
+        raise ValueError(f"collective {name!r} lists a worker twice")
+    if backend == "auto":
+        backend = "nccl" if all(g.devices[r].kind == "cuda" for g, r in flat) else "gloo"
+    import ray
+
+    first_group, first_rank = flat[0]
+    addr, port = ray.get(first_group.actor(first_rank).free_port.remote())
+    results = [
+        GroupResult(
+            g,
+            "join_collective",
+            [r],
+            [g.actor(r).join_collective.remote(name, i, len(flat), addr, port, backend, timeout_s)],
+        )
+        for i, (g, r) in enumerate(flat)
+    ]
+    wait_all(results, timeout=timeout_s + 30)

@@ -1,0 +1,70 @@
+"""Move a module and its optimizer state between a device and host memory.
+
+Collocated placement lets the env, rollout and actor workers take turns on one device: the
+idle ones offload. Offloading moves parameters, buffers, gradients and every tensor in the
+optimizer state to CPU (pinned memory when CUDA is present, so the way back is fast); onload
+moves them to ``device``. Tensors keep their identity (``param.data`` is swapped), so an
+optimizer keeps working on the same parameter objects.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _move(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    if t.device == device:
+        return t
+    out = t.to(device, non_blocking=True)
+    if pin and device.type == "cpu":
+        out = out.pin_memory()
+    return out
+
+
+def _target(device: torch.device | str | None) -> tuple[torch.device, bool]:
+    device = torch.device("cpu" if device is None else device)
+    return device, device.type == "cpu" and torch.cuda.is_available()
+
+
+def offload_module(module: torch.nn.Module, device: torch.device | str | None = None) -> None:
+    """Move ``module``'s parameters, gradients and buffers to ``device`` (default: CPU)."""
+    device, pin = _target(device)
+    for p in module.parameters():
+        p.data = _move(p.data, device, pin)
+        if p.grad is not None:
+            p.grad = _move(p.grad, device, pin)
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = _move(b, device, pin)
+    _synchronize()
+
+
+def onload_module(module: torch.nn.Module, device: torch.device | str) -> None:
+    """Move ``module`` back onto ``device`` (the inverse of :func:`offload_module`)."""
+    offload_module(module, device)
+
+
+def offload_optimizer(
+    optimizer: torch.optim.Optimizer, device: torch.device | str | None = None
+) -> None:
+    """Move every tensor of ``optimizer``'s state (moments, steps) to ``device`` (default: CPU)."""
+    device, pin = _target(device)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                # Adam keeps a scalar 'step' on CPU unless capturable; leave scalars where they are.
+                if value.dim() == 0 and key == "step":
+                    continue
+                state[key] = _move(value, device, pin)
+    _synchronize()
+
+
+def onload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move ``optimizer``'s state back onto ``device``."""
+    offload_optimizer(optimizer, device)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -1,0 +1,393 @@
+"""Workers and worker groups: N Ray actors of one class, called together, failing loudly.
+
+Subclass :class:`Worker`, then launch a group of it on some devices::
+
+    class Doubler(Worker):
+        def __init__(self, factor: int):
+            self.factor = factor
+
+        def run(self, x):
+            return self.factor * x + self.rank
+
+    group = WorkerGroup(cluster, Doubler, name="doubler", devices=[0, 1], args=(2,))
+    group.run(10).wait()            # [20, 21]
+    group.run(10, ranks=[1]).wait()  # [21]
+
+Every worker knows its ``rank``, ``world_size``, ``group_name``, ``node_id`` and ``device``
+before its ``__init__`` runs. Calls return a :class:`GroupResult` future; the first exception
+raised in any worker surfaces in the driver as one :class:`WorkerError` naming the group, the
+rank, the node and carrying the remote traceback. A worker process that dies is reported the
+same way, never as a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import socket
+import time
+import traceback
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from rlinf_vla.runtime.cluster import Cluster, Device
+
+W = TypeVar("W", bound="Worker")
+
+
+class WorkerError(RuntimeError):
+    """An exception raised in (or the death of) a worker, as seen from the driver.
+
+    Attributes:
+        group: the worker group's name.
+        rank: the failing worker's rank in its group.
+        node: the IP address of the worker's node.
+        method: the method that failed.
+        remote_traceback: the formatted traceback from the worker process.
+    """
+
+    def __init__(self, group: str, rank: int, node: str, method: str, remote_traceback: str):
+        self.group, self.rank, self.node = group, rank, node
+        self.method, self.remote_traceback = method, remote_traceback
+        super().__init__(
+            f"worker {group}[{rank}] on node {node} failed in {method}():\n"
+            f"{remote_traceback.rstrip()}"
+        )
+
+    def __reduce__(self):  # picklable across processes
+        args = (self.group, self.rank, self.node, self.method, self.remote_traceback)
+        return (WorkerError, args)
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a worker knows about where it runs."""
+
+    group_name: str
+    rank: int
+    world_size: int
+    device: Device
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Returned by a worker host instead of raising, so the driver can name the worker."""
+
+    method: str
+    traceback: str
+
+
+class Worker:
+    """Base class of every worker. Public methods are callable on a :class:`WorkerGroup`.
+
+    Attributes available in ``__init__`` and every method:
+        rank, world_size, group_name: the worker's place in its group.
+        device_info: the :class:`Device` it was placed on.
+        device: the ``torch.device`` to put tensors on (``cuda:0`` or ``cpu``; each worker
+            sees only its own GPU).
+        node_id, node_ip: the Ray node the worker runs on.
+        logger: a logger named after the worker.
+    """
+
+    _ctx: WorkerContext
+
+    @property
+    def rank(self) -> int:
+        return self._ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ctx.world_size
+
+    @property
+    def group_name(self) -> str:
+        return self._ctx.group_name
+
+    @property
+    def device_info(self) -> Device:
+        return self._ctx.device
+
+    @property
+    def device(self):
+        import torch
+
+        if self._ctx.device.kind == "cuda" and torch.cuda.is_available():
+            return torch.device("cuda", 0)
+        return torch.device("cpu")
+
+    @property
+    def node_id(self) -> str:
+        return self._ctx.device.node_id
+
+    @property
+    def node_ip(self) -> str:
+        return self._ctx.device.node_ip
+
+    @property
+    def logger(self) -> logging.Logger:
+        return logging.getLogger(f"rlinf_vla.worker.{self.group_name}.{self.rank}")
+
+    def collective(self, name: str):
+        """The :class:`~rlinf_vla.runtime.collective.Collective` named ``name`` this worker joined."""
+        from rlinf_vla.runtime import collective
+
+        return collective.get(name)
+
+
+class _WorkerHost:
+    """The Ray actor behind each worker: builds the user's object and runs its methods.
+
+    Exceptions are turned into :class:`_Failure` values carrying the traceback, so the driver
+    can report them with the worker's name instead of Ray's generic wrapping.
+    """
+
+    def __init__(self) -> None:
+        self.worker: Worker | None = None
+
+    def init(self, cls: type[Worker], ctx: WorkerContext, args: tuple, kwargs: dict) -> Any:
+        def build() -> None:
+            worker = cls.__new__(cls)
+            worker._ctx = ctx
+            worker.__init__(*args, **kwargs)
+            self.worker = worker
+
+        return _guarded(f"{cls.__name__}.__init__", build)
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        def run() -> Any:
+            result = getattr(self.worker, method)(*args, **kwargs)
+            return asyncio.run(_await(result)) if inspect.isawaitable(result) else result
+
+        return _guarded(method, run)
+
+    def join_collective(self, *args: Any) -> Any:
+        from rlinf_vla.runtime import collective
+
+        return _guarded("join_collective", collective.join, *args)
+
+    def free_port(self) -> tuple[str, int]:
+        """An IP address of this node and a TCP port free on it (for rendezvous)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def _guarded(label: str, fn: Any, *args: Any) -> Any:
+    """Run ``fn``; an exception becomes a :class:`_Failure` carrying its traceback."""
+    try:
+        return fn(*args)
+    except BaseException as e:
+        tb = traceback.TracebackException.from_exception(e)
+        # Drop this module's own frames: the user's code is what matters.
+        tb.stack = traceback.StackSummary.from_list([f for f in tb.stack if f.filename != __file__])
+        return _Failure(label, "".join(tb.format()))
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+class GroupResult:
+    """Futures of one call on some ranks of a group.
+
+    ``wait()`` returns the results in rank order; ``done()`` polls; ``await result`` works in
+    async code.
+    """
+
+    def __init__(self, group: WorkerGroup, method: str, ranks: list[int], refs: list[Any]):
+        self.group, self.method, self.ranks, self.refs = group, method, ranks, refs
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """Block until every rank returned.
+
+        Raises:
+            WorkerError: the first failure (exception or dead worker) in completion order,
+                as soon as it happens, without waiting for the other ranks.
+            TimeoutError: ``timeout`` seconds passed; names the ranks still running.
+        """
+        return wait_all([self], timeout=timeout)[0]
+
+    def __await__(self):
+        return asyncio.to_thread(self.wait).__await__()
+
+    def __repr__(self) -> str:
+        return f"GroupResult({self.group.name}.{self.method}, ranks={self.ranks})"
+
+
+def wait_all(results: Sequence[GroupResult], timeout: float | None = None) -> list[list[Any]]:
+    """Wait for several group calls at once; the first failure in any of them is raised.
+
+    Waiting on all concurrent calls together matters: when one group fails while another
+    blocks on it (say, on a channel), the failure surfaces instead of a hang.
+    """
+    import ray
+
+    owner: dict[Any, tuple[GroupResult, int]] = {}
+    for result in results:
+        for rank, ref in zip(result.ranks, result.refs, strict=True):
+            owner[ref] = (result, rank)
+    pending = list(owner)
+    values: dict[Any, Any] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            still = ", ".join(
+                f"{r.group.name}[{rank}].{r.method}" for r, rank in map(owner.get, pending)
+            )
+            raise TimeoutError(f"no result after {timeout} s from: {still}")
+        ref = ready[0]
+        result, rank = owner[ref]
+        values[ref] = _unwrap(result, rank, ref)
+    return [[values[ref] for ref in result.refs] for result in results]
+
+
+def _unwrap(result: GroupResult, rank: int, ref: Any) -> Any:
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    group = result.group
+    node = group.devices[rank].node_ip
+    try:
+        value = ray.get(ref)
+    except RayActorError as e:
+        raise WorkerError(
+            group.name, rank, node, result.method, f"the worker process died: {e}"
+        ) from None
+    except RayTaskError as e:  # an error outside the host's try (e.g. unpicklable arguments)
+        raise WorkerError(group.name, rank, node, result.method, str(e)) from None
+    if isinstance(value, _Failure):
+        raise WorkerError(group.name, rank, node, value.method, value.traceback)
+    return value
+
+
+class WorkerGroup(Generic[W]):
+    """N workers of one :class:`Worker` subclass, placed on devices, called together.
+
+    Args:
+        cluster: the cluster to launch on.
+        worker_cls: the :class:`Worker` subclass.
+        name: the group's name (used in errors, logs and Ray actor names).
+        devices: global device indices (see ``cluster.devices``), one entry per worker;
+            repeat an index to put several workers on one device.
+        args, kwargs: passed to every worker's ``__init__``.
+        env_vars: extra environment variables for the worker processes.
+        max_concurrency: how many calls one worker may run at once (1: strictly in order).
+        timeout: seconds to wait for all workers to start.
+
+    A public method ``m`` of the worker class is called on all ranks as ``group.m(...)``, or
+    on some ranks as ``group.m(..., ranks=[0, 2])``; ``group.call("m", ...)`` is the same.
+    """
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        worker_cls: type[W],
+        name: str,
+        devices: Iterable[int],
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        env_vars: dict[str, str] | None = None,
+        max_concurrency: int = 1,
+        timeout: float | None = 300.0,
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"{worker_cls!r} is not a subclass of rlinf_vla.runtime.Worker")
+        self.name, self.worker_cls = name, worker_cls
+        self.devices: list[Device] = [cluster.device(i) for i in devices]
+        if not self.devices:
+            raise ValueError(f"worker group {name!r} has no devices")
+        host_cls = ray.remote(_WorkerHost)
+        self._actors = []
+        for rank, device in enumerate(self.devices):
+            env = {
+                "RLINF_VLA_GROUP": name,
+                "RLINF_VLA_RANK": str(rank),
+                "RLINF_VLA_WORLD_SIZE": str(len(self.devices)),
+                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                "CUDA_VISIBLE_DEVICES": str(device.local_index) if device.kind == "cuda" else "",
+                **(env_vars or {}),
+            }
+            actor = host_cls.options(
+                name=f"{name}:{rank}:{os.getpid()}:{id(self)}",
+                num_cpus=0,
+                max_concurrency=max_concurrency,
+                max_restarts=0,
+                runtime_env={"env_vars": env},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(device.node_id, soft=False),
+            ).remote()
+            self._actors.append(actor)
+        refs = [
+            actor.init.remote(
+                worker_cls, WorkerContext(name, rank, len(self.devices), device), args, kwargs or {}
+            )
+            for rank, (actor, device) in enumerate(zip(self._actors, self.devices, strict=True))
+        ]
+        try:
+            GroupResult(self, "__init__", list(range(len(refs))), refs).wait(timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def world_size(self) -> int:
+        return len(self._actors)
+
+    def call(
+        self, method: str, *args: Any, ranks: Iterable[int] | None = None, **kwargs: Any
+    ) -> GroupResult:
+        """Call ``method(*args, **kwargs)`` on ``ranks`` (default: all); returns futures."""
+        self._check_method(method)
+        chosen = list(range(self.world_size)) if ranks is None else list(ranks)
+        bad = [r for r in chosen if not 0 <= r < self.world_size]
+        if bad:
+            raise IndexError(
+                f"worker group {self.name!r} has ranks 0-{self.world_size - 1}, not {bad}"
+            )
+        refs = [self._actors[r].call.remote(method, args, kwargs) for r in chosen]
+        return GroupResult(self, method, chosen, refs)
+
+    def __getattr__(self, method: str):
+        if method.startswith("_") or "worker_cls" not in self.__dict__:
+            raise AttributeError(method)
+        self._check_method(method)
+
+        def bound(*args: Any, ranks: Iterable[int] | None = None, **kwargs: Any) -> GroupResult:
+            return self.call(method, *args, ranks=ranks, **kwargs)
+
+        bound.__name__ = method
+        return bound
+
+    def _check_method(self, method: str) -> None:
+        if method.startswith("_") or not callable(getattr(self.worker_cls, method, None)):
+            raise AttributeError(f"{self.worker_cls.__name__} has no public method {method!r}")
+
+    def actor(self, rank: int) -> Any:
+        """The Ray actor handle of a rank (for advanced uses such as collectives)."""
+        return self._actors[rank]
+
+    def shutdown(self) -> None:
+        """Kill every worker of the group."""
+        import ray
+
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        self._actors = []
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.name!r}, {self.worker_cls.__name__}, devices={[d.rank for d in self.devices]})"

@@ -1,0 +1,22 @@
+"""Fixtures for runtime tests: one local Ray instance per test module."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _pickle_test_module_by_value(request: pytest.FixtureRequest) -> None:
+    # Worker classes defined in a test module must reach the Ray worker processes, which
+    # cannot import the test module by name.
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(request.module)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from rlinf_vla.runtime import Cluster
+
+    with Cluster(num_cpus=2) as c:
+        yield c

@@ -1,0 +1,73 @@
+import copy
+
+import pytest
+import torch
+
+from rlinf_vla.runtime import offload_module, offload_optimizer, onload_module, onload_optimizer
+
+
+def _model_and_optimizer(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+    ).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _step(model, opt, seed):
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    x = torch.randn(16, 5, device=device)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _offload_cycle(device):
+    """Training interrupted by an offload/onload cycle matches uninterrupted training."""
+    model, opt = _model_and_optimizer(device)
+    ref_model, ref_opt = copy.deepcopy(model), None
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    params = list(model.parameters())
+    for seed in range(2):
+        _step(model, opt, seed)
+        _step(ref_model, ref_opt, seed)
+
+    offload_module(model)
+    offload_optimizer(opt)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(b.device.type == "cpu" for b in model.buffers())
+    for state in opt.state.values():
+        assert state["exp_avg"].device.type == "cpu"
+    onload_module(model, device)
+    onload_optimizer(opt, device)
+    # The optimizer still holds the same parameter objects.
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+
+    for seed in range(2, 4):
+        assert _step(model, opt, seed) == pytest.approx(_step(ref_model, ref_opt, seed), rel=1e-6)
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
+    return model, opt
+
+
+def test_offload_cycle_preserves_training_cpu():
+    _offload_cycle("cpu")
+
+
+@pytest.mark.gpu
+def test_offload_frees_gpu_memory():
+    model, opt = _offload_cycle("cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    offload_module(model)
+    offload_optimizer(opt)
+    after = torch.cuda.memory_allocated()
+    assert after < before
+    assert next(model.parameters()).is_pinned()
+    onload_module(model, "cuda")
+    onload_optimizer(opt, "cuda")
+    assert torch.cuda.memory_allocated() >= before

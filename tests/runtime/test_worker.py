@@ -1,0 +1,160 @@
+import os
+import time
+
+import pytest
+
+from rlinf_vla.runtime import Channel, Worker, WorkerError, WorkerGroup, wait_all
+
+
+class Scaler(Worker):
+    def __init__(self, factor):
+        self.factor = factor
+        self.calls = 0
+
+    def scale(self, x):
+        self.calls += 1
+        return self.factor * x + self.rank
+
+    def context(self):
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "group": self.group_name,
+            "node_id": self.node_id,
+            "device": str(self.device),
+            "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "env_rank": os.environ.get("RLINF_VLA_RANK"),
+            "pid": os.getpid(),
+        }
+
+    def count(self):
+        return self.calls
+
+    async def async_scale(self, x):
+        return self.factor * x
+
+    def fail(self, message):
+        if self.rank == 1:
+            raise ValueError(message)
+        return "ok"
+
+    def die(self):
+        os._exit(3)
+
+    def sleep(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+    def wait_on(self, channel):
+        return channel.get("never")
+
+
+class BrokenInit(Worker):
+    def __init__(self):
+        if self.rank == 0:
+            raise RuntimeError("no simulator here")
+
+
+def test_group_calls_return_futures_in_rank_order(cluster):
+    group = WorkerGroup(cluster, Scaler, "scaler", devices=[0, 1, 1], args=(10,))
+    try:
+        result = group.scale(2)
+        assert result.wait() == [20, 21, 22]
+        assert result.done()
+        assert group.scale(1, ranks=[2, 0]).wait() == [12, 10]
+        assert group.call("scale", x=3).wait() == [30, 31, 32]
+        # ranks 0 and 2 were called three times, rank 1 twice: state lives in each worker.
+        assert group.count().wait() == [3, 2, 3]
+        assert group.async_scale(4).wait() == [40, 40, 40]
+    finally:
+        group.shutdown()
+
+
+def test_workers_know_their_place(cluster):
+    group = WorkerGroup(cluster, Scaler, "ctx", devices=[0, 1], args=(1,))
+    try:
+        contexts = group.context().wait()
+    finally:
+        group.shutdown()
+    assert [c["rank"] for c in contexts] == [0, 1]
+    assert {c["world_size"] for c in contexts} == {2}
+    assert {c["group"] for c in contexts} == {"ctx"}
+    assert [c["env_rank"] for c in contexts] == ["0", "1"]
+    assert contexts[0]["node_id"] == cluster.devices[0].node_id
+    assert {c["device"] for c in contexts} == {"cpu"}
+    # CPU devices: workers see no GPU at all.
+    assert {c["cuda_visible"] for c in contexts} == {""}
+    assert contexts[0]["pid"] != contexts[1]["pid"] != os.getpid()
+
+
+def test_unknown_method_and_bad_ranks(cluster):
+    group = WorkerGroup(cluster, Scaler, "bad-calls", devices=[0], args=(1,))
+    try:
+        with pytest.raises(AttributeError, match="Scaler has no public method 'scael'"):
+            group.scael(1)
+        with pytest.raises(IndexError, match="ranks 0-0, not \\[3\\]"):
+            group.scale(1, ranks=[3])
+    finally:
+        group.shutdown()
+
+
+def test_worker_exception_surfaces_with_group_rank_node_and_traceback(cluster):
+    group = WorkerGroup(cluster, Scaler, "failing", devices=[0, 1], args=(1,))
+    try:
+        with pytest.raises(WorkerError) as info:
+            group.fail("the gripper is on fire").wait()
+    finally:
+        group.shutdown()
+    err = info.value
+    assert (err.group, err.rank, err.method) == ("failing", 1, "fail")
+    assert err.node == cluster.devices[1].node_ip
+    assert "ValueError: the gripper is on fire" in err.remote_traceback
+    assert "in fail" in err.remote_traceback  # the user's frame is in the traceback
+    assert "worker failing[1] on node" in str(err)
+
+
+def test_constructor_failure_is_reported(cluster):
+    with pytest.raises(WorkerError) as info:
+        WorkerGroup(cluster, BrokenInit, "broken", devices=[0, 1])
+    assert info.value.rank == 0
+    assert info.value.method == "BrokenInit.__init__"
+    assert "RuntimeError: no simulator here" in info.value.remote_traceback
+
+
+def test_dead_worker_is_reported_not_a_hang(cluster):
+    group = WorkerGroup(cluster, Scaler, "dying", devices=[0, 1], args=(1,))
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="the worker process died") as info:
+            group.die(ranks=[1]).wait(timeout=60)
+        assert info.value.rank == 1
+        assert time.monotonic() - start < 60
+    finally:
+        group.shutdown()
+
+
+def test_first_failure_wins_over_a_blocked_peer(cluster):
+    """A consumer blocked on a channel must not hide the producer's crash."""
+    channel = Channel.create("blocked-peer")
+    waiting = WorkerGroup(cluster, Scaler, "waiting", devices=[0], args=(1,))
+    failing = WorkerGroup(cluster, Scaler, "crashing", devices=[1, 1], args=(1,))
+    try:
+        blocked = waiting.wait_on(channel)
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            wait_all([blocked, failing.fail("boom")], timeout=60)
+        assert info.value.group == "crashing"
+        assert time.monotonic() - start < 30
+    finally:
+        waiting.shutdown()
+        failing.shutdown()
+        channel.close()
+
+
+def test_wait_timeout_names_the_pending_ranks(cluster):
+    group = WorkerGroup(cluster, Scaler, "slow", devices=[0, 1], args=(1,))
+    try:
+        with pytest.raises(TimeoutError, match=r"slow\[1\].sleep"):
+            group.call("sleep", 3, ranks=[1]).wait(timeout=0.5)
+    finally:
+        group.shutdown()

@@ -1,0 +1,67 @@
+import pytest
+import yaml
+
+from rlinf_vla import cli
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        assert name in out
+
+
+def test_subcommand_help_lists_groups_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "cluster      local (default), ray" in out
+    assert "benchmark    channel (default)" in out
+
+
+def test_cfg_job_prints_the_resolved_config(capsys):
+    assert (
+        cli.main(
+            ["bench", "--cfg", "job", "benchmark.rounds=7", "cluster=ray", "cluster.num_nodes=2"]
+        )
+        == 0
+    )
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["benchmark"]["rounds"] == 7
+    assert cfg["benchmark"]["name"] == "channel"
+    assert cfg["cluster"]["address"] == "auto"
+    assert cfg["cluster"]["num_nodes"] == 2
+    assert cfg["output_dir"] == "benchmarks/results"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["benchmark=nope"], "unknown choice 'nope' for config group 'benchmark' (known: channel)"),
+        (["cluster=gpu"], "unknown choice 'gpu' for config group 'cluster' (known: local, ray)"),
+        (["benchmark.roundz=2"], "unknown config key: benchmark.roundz"),
+        (["runner.max_iterations=2"], "unknown config key: runner"),
+        (["benchmark.rounds=0"], "benchmark.rounds must be >= 1, got 0"),
+        (["cluster.num_cpus=two"], "cluster.num_cpus: 'two' does not match"),
+        (["cluster=ray", "cluster.num_cpus=2"], "cannot be set together with cluster.address"),
+        (["rounds"], "cannot parse 'rounds'"),
+    ],
+)
+def test_bad_config_fails_before_anything_starts(capsys, overrides, message):
+    # A config error returns 2 without starting Ray (Ray would take seconds and print).
+    assert cli.main(["bench", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_every_config_group_choice_composes_and_validates():
+    for command in cli.COMMANDS.values():
+        validate, _ = command.load()
+        for group, choices in cli.config_groups(command.config_name).items():
+            for choice in choices:
+                validate(cli.compose(command.config_name, [f"{group}={choice}"]))
