@@ -1,0 +1,18 @@
+"""The example in docs/runtime.md runs and prints what the page says."""
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+DOC = Path(__file__).parents[2] / "docs" / "runtime.md"
+
+
+def test_two_groups_through_a_channel_example():
+    text = DOC.read_text()
+    code = re.search(r"## Example.*?```python\n(.*?)```", text, re.S).group(1)
+    expected = re.search(r"print\(last_actions\)\s+# (.*)", code).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(DOC), "exec"), {"__name__": "docs_runtime_example"})
+    assert out.getvalue().strip().splitlines()[-1] == expected == "[9, 13]"
