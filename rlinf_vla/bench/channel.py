@@ -8,8 +8,8 @@ Compared in one run, on one local Ray instance:
 - large tensors (64 MB by default): ``put`` then ``get`` through a channel versus raw
   ``ray.get(ray.put(tensor))``.
 
-Methods alternate over several rounds, so machine noise hits them alike; the table reports
-medians over all rounds. Targets: channel latency at most 1.5x the raw actor round trip;
+Methods alternate call by call, so load from other processes hits them alike; the table
+reports medians. Targets: channel latency at most 1.5x the raw actor round trip;
 channel throughput at least 80% of raw ``ray.put``/``ray.get``.
 """
 
@@ -54,24 +54,22 @@ class _Echo:
         return x
 
 
-def _timed(fn: Callable[[], Any], n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def _rounds(
+def _interleaved(
     methods: dict[str, Callable[[], Any]], n: int, rounds: int, warmup: int
 ) -> dict[str, list[float]]:
+    """Time ``n * rounds`` calls of each method, alternating methods call by call.
+
+    Alternating at the finest grain makes load from other processes hit every method alike.
+    """
     for fn in methods.values():
-        _timed(fn, warmup)
+        for _ in range(warmup):
+            fn()
     samples: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(rounds):
+    for _ in range(n * rounds):
         for name, fn in methods.items():
-            samples[name] += _timed(fn, n)
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
     return samples
 
 
@@ -96,7 +94,7 @@ def run(
 
     message = {"step": 0, "payload": b"x" * cfg.small_payload_bytes}
     progress(f"small messages: {cfg.rounds} rounds x {cfg.small_messages} round trips per method")
-    small = _rounds(
+    small = _interleaved(
         {
             "raw actor call": lambda: ray.get(echo.echo.remote(message)),
             "channel put+get": lambda: (unbounded.put("k", message), unbounded.get("k")),
@@ -111,7 +109,7 @@ def run(
     progress(
         f"large tensors: {cfg.rounds} rounds x {cfg.large_repeats} transfers of {mb:.0f} MB per method"
     )
-    large = _rounds(
+    large = _interleaved(
         {
             "raw ray.put+ray.get": lambda: ray.get(ray.put(tensor)),
             "channel put+get": lambda: (unbounded.put("big", tensor), unbounded.get("big")),

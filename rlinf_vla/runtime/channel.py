@@ -105,6 +105,8 @@ class Channel:
         self._reset_producer()
 
     def _reset_producer(self) -> None:
+        # Ray builds a method wrapper on every attribute access of an actor handle; keep them.
+        self._remote_put, self._remote_get = self._actor.put, self._actor.get
         self._producer = uuid.uuid4().int >> 65  # fits in 63 bits
         self._seq = 0
         self._last_put: Any = None
@@ -163,7 +165,7 @@ class Channel:
             ("r", [ray.put(item)]) if _array_bytes(item) > self.inline_max_bytes else ("v", item)
         )
         with self._lock:
-            ref = self._actor.put.remote((key, self._producer, self._seq, payload))
+            ref = self._remote_put.remote((key, self._producer, self._seq, payload))
             self._seq += 1
             previous, self._last_put = self._last_put, ref
         return previous, ref
@@ -213,7 +215,7 @@ class Channel:
 
         self._check_batch(n)
         payloads = _check_timeout(
-            self, key, ray.get(self._actor.get.remote((key, n, timeout))), timeout
+            self, key, ray.get(self._remote_get.remote((key, n, timeout))), timeout
         )
         refs = [value[0] for kind, value in payloads if kind == "r"]
         return _merge(payloads, ray.get(refs) if refs else [])
@@ -224,7 +226,7 @@ class Channel:
     async def async_get_batch(self, key: str, n: int, timeout: float | None = None) -> list[Any]:
         self._check_batch(n)
         payloads = _check_timeout(
-            self, key, await self._actor.get.remote((key, n, timeout)), timeout
+            self, key, await self._remote_get.remote((key, n, timeout)), timeout
         )
         refs = [value[0] for kind, value in payloads if kind == "r"]
         return _merge(payloads, await asyncio.gather(*refs) if refs else [])
