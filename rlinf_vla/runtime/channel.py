@@ -15,8 +15,8 @@ Semantics:
 - Back-pressure: with ``maxsize > 0`` a key holds at most ``maxsize`` items. ``put`` is
   pipelined one item deep: it sends the item and then waits until the channel accepted the
   *previous* item from this handle, so a producer never runs more than one item ahead of a
-  full channel, and a put costs no round trip when the channel has room. ``async_put`` and
-  ``flush`` wait for the item itself.
+  full channel, and a put costs no round trip when the channel has room. On an unbounded
+  channel ``put`` returns at once. ``async_put`` and ``flush`` wait for the item itself.
 - Transport: small items travel inside the call; items holding more than
   ``inline_max_bytes`` of array data are placed in Ray's object store by the producer and
   only their reference passes through the channel, so the payload is copied once, from the
@@ -81,6 +81,12 @@ class _ChannelActor:
             self.cond.notify_all()
             return out
 
+    def wait_applied(self, request: tuple[int, int, float | None]) -> bool:
+        """Wait until ``producer``'s puts up to sequence number ``seq - 1`` were applied."""
+        producer, seq, timeout = request
+        with self.cond:
+            return self.cond.wait_for(lambda: self.next_seq[producer] >= seq, timeout)
+
     def get_maxsize(self) -> int:
         return self.maxsize
 
@@ -107,6 +113,7 @@ class Channel:
     def _reset_producer(self) -> None:
         # Ray builds a method wrapper on every attribute access of an actor handle; keep them.
         self._remote_put, self._remote_get = self._actor.put, self._actor.get
+        self._remote_put_noack = self._actor.put.options(num_returns=0)
         self._producer = uuid.uuid4().int >> 65  # fits in 63 bits
         self._seq = 0
         self._last_put: Any = None
@@ -158,14 +165,20 @@ class Channel:
         return cls(name, actor, ray.get(actor.get_maxsize.remote()))
 
     # ------------------------------------------------------------------ put
-    def _submit(self, key: str, item: Any) -> Any:
+    def _submit(self, key: str, item: Any, ack: bool) -> tuple[Any, Any]:
+        """Send ``item``; returns the ack refs of the previous and of this put (or ``None``).
+
+        Without ``ack`` the call creates no return object (``num_returns=0``), which saves a
+        good part of a put's cost; :meth:`flush` still knows when it was applied.
+        """
         import ray
 
         payload = (
             ("r", [ray.put(item)]) if _array_bytes(item) > self.inline_max_bytes else ("v", item)
         )
         with self._lock:
-            ref = self._remote_put.remote((key, self._producer, self._seq, payload))
+            packet = (key, self._producer, self._seq, payload)
+            ref = self._remote_put.remote(packet) if ack else self._remote_put_noack.remote(packet)
             self._seq += 1
             previous, self._last_put = self._last_put, ref
         return previous, ref
@@ -173,16 +186,19 @@ class Channel:
     def put(self, key: str, item: Any, timeout: float | None = None) -> None:
         """Append ``item`` to the queue of ``key``.
 
-        Returns once the channel accepted this handle's previous item (see module docs).
+        On a bounded channel, returns once the channel accepted this handle's previous item
+        (see module docs); on an unbounded one, at once.
 
         Raises:
             TimeoutError: the channel stayed full for ``timeout`` seconds.
         """
         import ray
 
-        previous, _ = self._submit(key, item)
-        # An unbounded channel never applies back-pressure: nothing to wait for.
-        if previous is not None and self.maxsize > 0:
+        if self.maxsize <= 0:  # never full: nothing to wait for
+            self._submit(key, item, ack=False)
+            return
+        previous, _ = self._submit(key, item, ack=True)
+        if previous is not None:
             try:
                 ray.get(previous, timeout=timeout)
             except ray.exceptions.GetTimeoutError:
@@ -190,15 +206,22 @@ class Channel:
 
     async def async_put(self, key: str, item: Any) -> None:
         """Append ``item`` and wait until the channel accepted it."""
-        _, ref = self._submit(key, item)
+        _, ref = self._submit(key, item, ack=True)
         await ref
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every item put through this handle was accepted."""
+        """Wait until every item put through this handle was accepted.
+
+        Raises:
+            TimeoutError: not all were accepted within ``timeout`` seconds.
+        """
         import ray
 
-        if self._last_put is not None:
-            ray.get(self._last_put, timeout=timeout)
+        if self._seq == 0:
+            return
+        ref = self._actor.wait_applied.remote((self._producer, self._seq, timeout))
+        if not ray.get(ref):
+            raise TimeoutError(f"channel {self.name!r}: puts not accepted after {timeout} s")
 
     # ------------------------------------------------------------------ get
     def get(self, key: str = DEFAULT_KEY, timeout: float | None = None) -> Any:
