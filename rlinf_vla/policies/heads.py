@@ -1,0 +1,101 @@
+"""Heads and distributions shared by the policy families.
+
+- :class:`ValueHead`: the PPO critic MLP (RLinf's ``ValueHead``).
+- :func:`restricted_logits` / :func:`categorical_logprob_entropy`: the categorical distribution
+  over action tokens (temperature, top-k, restricted to the action ids).
+- :func:`gaussian_logprob` / :func:`gaussian_entropy`: element-wise normal densities.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "ValueHead",
+    "categorical_logprob_entropy",
+    "gaussian_entropy",
+    "gaussian_logprob",
+    "restricted_logits",
+]
+
+_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
+
+
+class ValueHead(nn.Module):
+    """``input_dim -> hidden_sizes -> output_dim`` MLP, the critic of PPO.
+
+    Hidden layers use Kaiming-normal (fan-out) weights and zero biases; the last layer is
+    ``N(0, 0.02)`` so the initial values are close to zero (as RLinf's ``ValueHead``).
+
+    Shapes: ``x [..., input_dim] -> [..., output_dim]``.
+    """
+
+    def __init__(
+        self,
+        input_dim: int,
+        hidden_sizes: tuple[int, ...] = (512, 128),
+        output_dim: int = 1,
+        activation: str = "gelu",
+        bias_last: bool = True,
+    ) -> None:
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; known: {sorted(_ACTIVATIONS)}")
+        layers: list[nn.Module] = []
+        dim = input_dim
+        for h in hidden_sizes:
+            linear = nn.Linear(dim, h)
+            nn.init.kaiming_normal_(linear.weight, mode="fan_out", nonlinearity="relu")
+            nn.init.zeros_(linear.bias)
+            layers += [linear, _ACTIVATIONS[activation]()]
+            dim = h
+        last = nn.Linear(dim, output_dim, bias=bias_last)
+        nn.init.normal_(last.weight, std=0.02)
+        if bias_last:
+            nn.init.zeros_(last.bias)
+        layers.append(last)
+        self.mlp = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.mlp(x)
+
+
+def restricted_logits(
+    logits: Tensor, first_id: int, n_ids: int, temperature: float = 1.0, top_k: int = 0
+) -> Tensor:
+    """The sampling logits over the ``n_ids`` action ids ``[first_id, first_id + n_ids)``.
+
+    Shapes: ``logits [..., V] -> [..., n_ids]`` in float32: divided by ``temperature``, and with
+    ``top_k > 0`` every entry below the k-th largest set to ``-inf`` (all other vocabulary ids
+    have probability 0, as RLinf's ``VLALogitsProcessor``).
+    """
+    x = logits[..., first_id : first_id + n_ids].float() / temperature
+    if 0 < top_k < n_ids:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    return x
+
+
+def categorical_logprob_entropy(logits: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """Log-probability of ``index`` and entropy of ``softmax(logits)`` (``-inf`` logits allowed).
+
+    Shapes: ``logits [..., N]``, ``index [...]`` (long) -> ``([...], [...])``.
+    """
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    p = logp.exp()
+    entropy = -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
+    return chosen, entropy
+
+
+def gaussian_logprob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Element-wise ``log N(x; mean, std^2) = -log std - log(2 pi)/2 - ((x - mean)/std)^2/2``."""
+    return -torch.log(std) - 0.5 * math.log(2 * math.pi) - 0.5 * ((x - mean) / std) ** 2
+
+
+def gaussian_entropy(std: Tensor) -> Tensor:
+    """Element-wise differential entropy ``log(2 pi e std^2) / 2`` of a normal."""
+    return 0.5 * math.log(2 * math.pi * math.e) + torch.log(std)

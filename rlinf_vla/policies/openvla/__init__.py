@@ -1,0 +1,1 @@
+"""openvla policy family."""

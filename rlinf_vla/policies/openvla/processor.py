@@ -1,0 +1,219 @@
+"""OpenVLA's transforms: images -> pixel values, instructions -> prompt ids, actions <-> tokens.
+
+Separate from the model (openpi's split): everything here is frozen and has no parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlinf_vla.policies.base import require_cameras
+from rlinf_vla.policies.openvla.config import OpenVLAConfig
+from rlinf_vla.policies.tokenizers import (
+    ActionTokenizer,
+    build_offline_tokenizer,
+    has_tokenizer_files,
+    load_text_tokenizer,
+)
+from rlinf_vla.policies.transforms import (
+    BoundsQ99,
+    Identity,
+    center_crop,
+    images_to_float,
+    normalize_images,
+    resize_images,
+)
+from rlinf_vla.types import Observation
+
+__all__ = [
+    "PROMPT",
+    "OpenVLAProcessor",
+    "PromptBatch",
+    "backbone_mean_std",
+    "load_norm_stats",
+    "select_stats",
+]
+
+#: OpenVLA's inference prompt (``PurePromptBuilder("openvla")``); instructions are lower-cased.
+PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
+
+
+@dataclass
+class PromptBatch:
+    """Tokenised prompts, laid out ``[BOS, PAD..., prompt tokens..., ▁]``.
+
+    The BOS stays at position 0 so the image patches can follow it, the padding sits between BOS
+    and the text (RLinf's left padding), and every prompt ends at the last column, so the
+    positions after the prompt (action tokens) line up across the batch.
+
+    Attributes:
+        input_ids: ``long [B, L]``.
+        attention_mask: ``long [B, L]`` (0 on padding).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+
+
+def backbone_mean_std(timm_id: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The normalisation of a timm backbone's pretraining (Prismatic takes it from timm)."""
+    if "siglip" in timm_id:
+        return (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+    if "clip" in timm_id:
+        return (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+    return (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def load_norm_stats(path: Path) -> dict[str, Any] | None:
+    """``dataset_statistics.json`` of a checkpoint folder, or ``None``."""
+    file = path / "dataset_statistics.json"
+    return json.loads(file.read_text()) if file.exists() else None
+
+
+def select_stats(norm_stats: dict[str, Any] | None, key: str | None) -> dict[str, Any] | None:
+    """The statistics of dataset ``key`` (the only one when ``key`` is ``None``)."""
+    if not norm_stats:
+        return None
+    if key is None:
+        if len(norm_stats) != 1:
+            raise ValueError(
+                f"norm_stats has {len(norm_stats)} datasets; set unnorm_key to one of "
+                f"{sorted(norm_stats)}"
+            )
+        key = next(iter(norm_stats))
+    if key not in norm_stats:
+        raise KeyError(f"unnorm_key {key!r} not in norm_stats (known: {sorted(norm_stats)})")
+    return norm_stats[key]
+
+
+class OpenVLAProcessor:
+    """Input transforms (images, prompt) and output transforms (tokens -> env actions).
+
+    Args:
+        config: the policy config.
+        tokenizer: a ``transformers`` tokenizer with the Llama-2 layout (BOS ``<s>``, word piece
+            ``▁``), e.g. ``load_text_tokenizer(path)`` or :func:`build_offline_tokenizer`.
+    """
+
+    #: the policy name used in error messages.
+    policy_name = "openvla"
+    #: ``+eps`` inside the un-normalisation (openvla's ``predict_action``: none; OFT: 1e-8).
+    unnorm_eps: float = 0.0
+
+    def __init__(self, config: OpenVLAConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.action_tokenizer = ActionTokenizer(config.base_vocab_size, config.n_action_bins)
+        self.bos_id = int(tokenizer.bos_token_id)
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.pad_id = int(config.text_config.get("pad_token_id", config.base_vocab_size))
+        self.space_id = int(tokenizer.convert_tokens_to_ids("▁"))
+        self.mean_std = [backbone_mean_std(t) for t in config.timm_model_ids]
+        stats = select_stats(config.norm_stats, config.unnorm_key)
+        self.action_stats = stats.get("action") if stats else None
+        self.proprio_stats = stats.get("proprio") if stats else None
+        self.action_norm = (
+            BoundsQ99(self.action_stats, eps=self.unnorm_eps) if stats else Identity()
+        )
+        self.proprio_norm = (
+            BoundsQ99(self.proprio_stats) if self.proprio_stats is not None else Identity()
+        )
+
+    @classmethod
+    def make_tokenizer(cls, config: OpenVLAConfig, checkpoint: Path | None = None) -> Any:
+        """``config.tokenizer``, else the checkpoint's tokenizer files, else an offline tokenizer
+        with the configured base vocabulary and ``<PAD>`` at ``pad_token_id``."""
+        for candidate in (config.tokenizer, checkpoint):
+            if candidate is not None and has_tokenizer_files(candidate):
+                return load_text_tokenizer(candidate)
+        tok = build_offline_tokenizer(config.base_vocab_size, "llama", pad_token="<PAD>")
+        pad_id = int(config.text_config.get("pad_token_id", config.base_vocab_size))
+        if tok.pad_token_id != pad_id:
+            raise ValueError(
+                f"the offline tokenizer puts <PAD> at {tok.pad_token_id}, the config at {pad_id}"
+            )
+        return tok
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def pixel_values(self, obs: Observation) -> Tensor:
+        """``float32 [B, 3 * n_backbones * n_cameras, S, S]``: per camera, one normalised copy
+        per backbone (DINOv2 channels first, then SigLIP), cameras in ``image_keys`` order."""
+        cfg = self.config
+        require_cameras(obs, cfg.image_keys, self.policy_name)
+        size = cfg.image_sizes[0]
+        out = []
+        for key in cfg.image_keys:
+            x = images_to_float(obs.images[key])
+            if cfg.image_resize_strategy == "letterbox":
+                x = _letterbox(x, self.mean_std[0][0])
+            if cfg.center_crop:
+                x = center_crop(x, 0.9)
+            x = resize_images(x, size)
+            out += [normalize_images(x, mean, std) for mean, std in self.mean_std]
+        return torch.cat(out, dim=1)
+
+    def prompt(self, instruction: str) -> str:
+        return PROMPT.format(instruction=instruction.lower())
+
+    def prompts(self, instructions: list[str], device: torch.device | str = "cpu") -> PromptBatch:
+        """Tokenise the prompts (with BOS, ending with ``▁``), padded after the BOS."""
+        rows = []
+        for text in instructions:
+            ids = list(self.tokenizer(self.prompt(text)).input_ids)
+            if ids[0] != self.bos_id:
+                ids = [self.bos_id, *ids]
+            if ids[-1] != self.space_id:
+                ids.append(self.space_id)
+            rows.append(ids)
+        length = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, ids in enumerate(rows):
+            n = len(ids) - 1
+            input_ids[i, 0] = ids[0]
+            mask[i, 0] = 1
+            input_ids[i, length - n :] = torch.tensor(ids[1:])
+            mask[i, length - n :] = 1
+        return PromptBatch(input_ids.to(device), mask.to(device))
+
+    def proprio(self, obs: Observation, dim: int) -> Tensor:
+        """Normalised proprioception ``float32 [B, dim]`` (``BOUNDS_Q99`` with ``proprio`` stats)."""
+        if obs.state is None:
+            raise KeyError("this policy needs proprioception (obs.state), the observation has None")
+        if obs.state.shape[-1] != dim:
+            raise ValueError(f"obs.state has {obs.state.shape[-1]} dims, the policy expects {dim}")
+        return self.proprio_norm.normalize(obs.state)
+
+    # -- outputs --------------------------------------------------------------------------------
+    def tokens_to_actions(self, ids: Tensor) -> Tensor:
+        """Action token ids ``[B, K, A]`` -> env actions ``float32 [B, K, A]``."""
+        return self.action_norm.unnormalize(self.action_tokenizer.decode(ids))
+
+    def actions_to_tokens(self, actions: Tensor) -> Tensor:
+        """Env actions ``[B, K, A]`` -> action token ids ``long [B, K, A]``."""
+        return self.action_tokenizer.encode(self.action_norm.normalize(actions))
+
+    def normalize_actions(self, actions: Tensor) -> Tensor:
+        return self.action_norm.normalize(actions)
+
+    def unnormalize_actions(self, actions: Tensor) -> Tensor:
+        return self.action_norm.unnormalize(actions)
+
+
+def _letterbox(x: Tensor, fill: tuple[float, ...]) -> Tensor:
+    """Pad ``[B, 3, H, W]`` to a square with the colour ``fill`` (Prismatic's letterbox)."""
+    h, w = x.shape[-2:]
+    if h == w:
+        return x
+    side = max(h, w)
+    top, left = (side - h) // 2, (side - w) // 2
+    out = torch.empty(x.shape[0], 3, side, side, dtype=x.dtype, device=x.device)
+    out[:] = torch.tensor(fill, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    out[..., top : top + h, left : left + w] = x
+    return out

@@ -1,0 +1,1 @@
+"""openvla_oft policy family."""

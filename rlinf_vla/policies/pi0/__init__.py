@@ -1,0 +1,1 @@
+"""pi0 policy family."""

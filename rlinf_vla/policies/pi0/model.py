@@ -1,0 +1,1 @@
+"""π0 / π0.5 (work in progress; registered once the port lands)."""

@@ -1,0 +1,183 @@
+"""OpenVLA: action tokenizer, prompt, un-normalisation and checkpoint format, checked against
+numbers computed by hand from the published formulas and key names."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlinf_vla.policies import CheckpointMismatchError, make_policy
+from rlinf_vla.policies.heads import restricted_logits
+from rlinf_vla.policies.tokenizers import ActionTokenizer
+from tests.policies.conftest import bounds_stats, make_obs
+
+# The official openvla-7b key layout (MODELS.md §1.6), as regexes.
+OFFICIAL_OPENVLA_KEYS = [
+    r"vision_backbone\.featurizer\.(cls_token|reg_token|pos_embed)",
+    r"vision_backbone\.featurizer\.patch_embed\.proj\.(weight|bias)",
+    r"vision_backbone\.featurizer\.blocks\.\d+\.(norm1|norm2)\.(weight|bias)",
+    r"vision_backbone\.featurizer\.blocks\.\d+\.attn\.(qkv|proj)\.(weight|bias)",
+    r"vision_backbone\.featurizer\.blocks\.\d+\.(ls1|ls2)\.scale_factor",
+    r"vision_backbone\.featurizer\.blocks\.\d+\.mlp\.(fc1|fc2)\.(weight|bias)",
+    r"vision_backbone\.featurizer\.norm\.(weight|bias)",
+    r"vision_backbone\.fused_featurizer\.pos_embed",
+    r"vision_backbone\.fused_featurizer\.patch_embed\.proj\.(weight|bias)",
+    r"vision_backbone\.fused_featurizer\.blocks\.\d+\.(norm1|norm2)\.(weight|bias)",
+    r"vision_backbone\.fused_featurizer\.blocks\.\d+\.attn\.(qkv|proj)\.(weight|bias)",
+    r"vision_backbone\.fused_featurizer\.blocks\.\d+\.mlp\.(fc1|fc2)\.(weight|bias)",
+    r"vision_backbone\.fused_featurizer\.norm\.(weight|bias)",
+    r"vision_backbone\.fused_featurizer\.attn_pool\.latent",
+    r"vision_backbone\.fused_featurizer\.attn_pool\.(q|kv|proj|norm|mlp\.fc1|mlp\.fc2)\.(weight|bias)",
+    r"projector\.fc[123]\.(weight|bias)",
+    r"language_model\.model\.embed_tokens\.weight",
+    r"language_model\.model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.weight",
+    r"language_model\.model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight",
+    r"language_model\.model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight",
+    r"language_model\.model\.norm\.weight",
+    r"language_model\.lm_head\.weight",
+]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return make_policy("openvla", preset="tiny", norm_stats=bounds_stats(7), chunk_size=2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def saved(policy, tmp_path_factory):
+    path = tmp_path_factory.mktemp("openvla_ckpt")
+    policy.save_pretrained(path)
+    return path
+
+
+def test_action_token_ids_by_hand():
+    # bins_k = -1 + 2k/255 (k = 0..255); numpy.digitize gives d with bins_{d-1} <= a < bins_d;
+    # id = 32000 - d.  a=-1: d=1 -> 31999.  a=0: bins_127 = -1/255 <= 0 < 1/255 = bins_128, d=128
+    # -> 31872.  a=+1 >= bins_255: d=256 -> 31744 (the first of the last 256 ids of 32000).
+    tok = ActionTokenizer(vocab_size=32000, n_bins=256)
+    ids = tok.encode(torch.tensor([-1.0, 0.0, 1.0]))
+    assert ids.tolist() == [31999, 31872, 31744]
+    assert tok.encode(torch.tensor([-7.0, 7.0])).tolist() == [31999, 31744]  # clipped
+    # decode: centre (bins_i + bins_{i+1}) / 2 = -1 + (2i + 1)/255 with i = clip(32000 - id - 1,
+    # 0, 254): 31999 -> i=0; 31872 -> i=127 -> 0; 31744 -> i=255 clipped to 254.
+    values = tok.decode(torch.tensor([31999, 31872, 31744, 31745]))
+    expected = [-1 + 1 / 255, 0.0, -1 + 509 / 255, -1 + 509 / 255]
+    assert values.tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_restricted_logits_by_hand():
+    logits = torch.tensor([[5.0, 0.0, 1.0, 2.0, 3.0, 9.0]])
+    # action ids 1..4, temperature 2, top-2: [0, 1, 2, 3]/2 -> keep 1.0 and 1.5
+    out = restricted_logits(logits, first_id=1, n_ids=4, temperature=2.0, top_k=2)
+    inf = float("-inf")
+    assert out.tolist() == [[inf, inf, 1.0, 1.5]]
+
+
+def test_tiny_size(policy):
+    n = sum(p.numel() for p in policy.parameters())
+    assert 200_000 < n < 1_000_000
+
+
+def test_prompt_layout(policy):
+    proc = policy.processor
+    batch = proc.prompts(["Pick Up The Cube", "open it"])
+    ids, mask = batch.input_ids, batch.attention_mask
+    assert ids[:, 0].tolist() == [proc.bos_id] * 2  # BOS first, padding after it
+    assert ids[:, -1].tolist() == [proc.space_id] * 2  # prompts end with the "▁" piece
+    text = proc.tokenizer.decode(ids[0][mask[0].bool()], skip_special_tokens=True)
+    assert text.rstrip() == "In: What action should the robot take to pick up the cube?\nOut:"
+    assert (ids[1][~mask[1].bool()] == proc.pad_id).all() and mask[1, 1] == 0
+
+
+def test_sampled_tokens_are_action_ids_and_unnormalised(policy):
+    out = policy.act(make_obs(3))
+    ids = out.replay["action_tokens"]
+    assert ids.shape == (3, 2, 7)
+    assert ((ids >= 1024 - 256) & (ids < 1024)).all()  # the last 256 ids of the base vocab
+    # By hand: centre c = -1 + (2 i + 1)/255, i = clip(1024 - id - 1, 0, 254); dims 0-5 map
+    # [-1, 1] to [q01, q99] = [-2, 3]: a = (c + 1)/2 * 5 - 2; the gripper (mask False) stays c.
+    i = (1024 - ids - 1).clamp(0, 254).double()
+    c = -1 + (2 * i + 1) / 255
+    expected = c.clone()
+    expected[..., :6] = (c[..., :6] + 1) / 2 * 5 - 2
+    torch.testing.assert_close(out.actions, expected.float(), rtol=0, atol=1e-6)
+    assert out.actions.dtype == torch.float32
+
+
+def test_value_reads_the_state_before_the_first_action(policy):
+    obs = make_obs(2)
+    out = policy.act(obs)
+    other = {"action_tokens": torch.full_like(out.replay["action_tokens"], 1000)}
+    ev = policy.evaluate(obs, other)
+    torch.testing.assert_close(ev.value, out.value, rtol=0, atol=1e-6)
+
+
+def test_top_k_one_is_greedy():
+    p = make_policy("openvla", preset="tiny", top_k=1, seed=1)
+    obs = make_obs(2)
+    sampled = p.act(obs).replay["action_tokens"]
+    assert torch.equal(sampled, p.act(obs, greedy=True).replay["action_tokens"])
+
+
+def test_checkpoint_has_official_key_names(saved):
+    keys = list(load_file(str(saved / "model.safetensors")))
+    unmatched = [k for k in keys if not any(re.fullmatch(p, k) for p in OFFICIAL_OPENVLA_KEYS)]
+    assert unmatched == []
+    unused = [p for p in OFFICIAL_OPENVLA_KEYS if not any(re.fullmatch(p, k) for k in keys)]
+    assert unused == []
+    sd = load_file(str(saved / "model.safetensors"))
+    assert sd["language_model.model.embed_tokens.weight"].shape == (1024 + 64, 64)
+    assert sd["projector.fc1.weight"].shape == (4 * 80, 32 + 48)  # 4 x (DINO 32 + SigLIP 48)
+    assert sd["vision_backbone.featurizer.reg_token"].shape == (1, 4, 32)
+    config = json.loads((saved / "config.json").read_text())
+    assert config["timm_model_ids"] == [
+        "vit_large_patch14_reg4_dinov2.lvd142m",
+        "vit_so400m_patch14_siglip_224",
+    ]
+    assert config["text_config"]["vocab_size"] - config["pad_to_multiple_of"] == 1024
+    assert config["n_action_bins"] == 256
+    assert json.loads((saved / "dataset_statistics.json").read_text()) == bounds_stats(7)
+
+
+def test_loads_sharded_prismatic_style_checkpoint(policy, saved, tmp_path):
+    """Shards + index (as the official 3-shard upload) and timm's ``gamma`` LayerScale name."""
+    sd = load_file(str(saved / "model.safetensors"))
+    sd = {k.replace(".scale_factor", ".gamma"): v for k, v in sd.items()}
+    names = sorted(sd)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half]}
+    shards["model-00002-of-00002.safetensors"] = names[half:]
+    for file, part in shards.items():
+        save_file({k: sd[k] for k in part}, str(tmp_path / file))
+    weight_map = {k: f for f, part in shards.items() for k in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for f in ("config.json", "dataset_statistics.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((saved / f).read_bytes())
+    loaded = make_policy("openvla", checkpoint=str(tmp_path))
+    obs = make_obs(2)
+    assert torch.equal(loaded.act(obs, greedy=True).actions, policy.act(obs, greedy=True).actions)
+
+
+def test_bad_checkpoint_lists_keys_briefly(saved, tmp_path):
+    sd = load_file(str(saved / "model.safetensors"))
+    sd = {k: v for k, v in sd.items() if "mlp.gate_proj" not in k}
+    sd["projector.fc9.weight"] = torch.zeros(1)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((saved / f).read_bytes())
+    with pytest.raises(CheckpointMismatchError) as err:
+        make_policy("openvla", checkpoint=str(tmp_path))
+    msg = str(err.value)
+    assert "language_model.model.layers.*.mlp.gate_proj.weight (x2)" in msg
+    assert "projector.fc9.weight" in msg
+    assert len(msg) < 600
+
+
+def test_missing_camera_is_named(policy):
+    obs = make_obs(1, cameras=("wrist",))
+    with pytest.raises(KeyError, match="'main'"):
+        policy.act(obs)

@@ -1,0 +1,145 @@
+"""OpenVLA-OFT: checkpoint pieces, parallel bidirectional decoding and the Gaussian L1 head."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlinf_vla.policies import make_policy
+from tests.policies.conftest import bounds_stats, make_obs
+
+CAMERAS = ("main", "wrist")
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return make_policy(
+        "openvla_oft", preset="tiny", chunk_size=2, norm_stats=bounds_stats(7, 8), seed=0
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(policy, tmp_path_factory):
+    path = tmp_path_factory.mktemp("oft_ckpt")
+    policy.save_pretrained(path)
+    return path
+
+
+def test_checkpoint_pieces_have_official_names(saved):
+    head = torch.load(saved / "action_head--latest_checkpoint.pt", weights_only=True)
+    d, a = 64, 7  # tiny LLM width, action dim
+    expected = {
+        "model.layer_norm1.weight": (d * a,),
+        "model.layer_norm1.bias": (d * a,),
+        "model.fc1.weight": (d, d * a),
+        "model.fc1.bias": (d,),
+        "model.layer_norm2.weight": (d,),
+        "model.layer_norm2.bias": (d,),
+        "model.fc2.weight": (a, d),
+        "model.fc2.bias": (a,),
+    }
+    for i in (0, 1):
+        expected[f"model.mlp_resnet_blocks.{i}.ffn.0.weight"] = (d,)  # LayerNorm
+        expected[f"model.mlp_resnet_blocks.{i}.ffn.0.bias"] = (d,)
+        expected[f"model.mlp_resnet_blocks.{i}.ffn.1.weight"] = (d, d)  # Linear
+        expected[f"model.mlp_resnet_blocks.{i}.ffn.1.bias"] = (d,)
+    assert {k: tuple(v.shape) for k, v in head.items()} == expected
+    proprio = torch.load(saved / "proprio_projector--latest_checkpoint.pt", weights_only=True)
+    assert {k: tuple(v.shape) for k, v in proprio.items()} == {
+        "fc1.weight": (d, 8),
+        "fc1.bias": (d,),
+        "fc2.weight": (d, d),
+        "fc2.bias": (d,),
+    }
+    assert "language_model.lm_head.weight" in load_file(str(saved / "model.safetensors"))
+
+
+def test_attention_is_bidirectional(saved):
+    """With causal attention the first action's features could not see the placeholders after
+    it; in OFT they do, so the chunk length changes the first action."""
+    obs = make_obs(2, CAMERAS, 8)
+    short = make_policy("openvla_oft", checkpoint=str(saved), chunk_size=1)
+    long = make_policy("openvla_oft", checkpoint=str(saved), chunk_size=3)
+    a1 = short.act(obs, greedy=True).replay["normalized_actions"][:, 0]
+    a3 = long.act(obs, greedy=True).replay["normalized_actions"][:, 0]
+    assert (a1 - a3).abs().max() > 1e-4
+
+
+def test_gaussian_logprob_by_hand(policy):
+    obs = make_obs(2, CAMERAS, 8)
+    mean = policy.act(obs, greedy=True).replay["normalized_actions"]
+    p = make_policy(
+        "openvla_oft",
+        preset="tiny",
+        chunk_size=2,
+        norm_stats=bounds_stats(7, 8),
+        seed=0,
+        logprob_granularity="token",
+    )
+    ev = p.evaluate(obs, {"normalized_actions": mean + 0.3})
+    sigma = math.exp(-2.0)  # init_log_std
+    by_hand = -math.log(sigma) - 0.5 * math.log(2 * math.pi) - 0.5 * (0.3 / sigma) ** 2
+    torch.testing.assert_close(ev.logprob, torch.full_like(ev.logprob, by_hand), rtol=0, atol=1e-4)
+    entropy = 0.5 * math.log(2 * math.pi * math.e * sigma**2)
+    torch.testing.assert_close(ev.entropy, torch.full_like(ev.entropy, entropy), rtol=0, atol=1e-5)
+
+
+def test_official_style_directory_loads(policy, saved, tmp_path):
+    """DDP-prefixed step-named pieces and a config.json without our head settings."""
+    for f in ("model.safetensors", "dataset_statistics.json", "tokenizer.json"):
+        (tmp_path / f).write_bytes((saved / f).read_bytes())
+    (tmp_path / "tokenizer_config.json").write_bytes((saved / "tokenizer_config.json").read_bytes())
+    config = json.loads((saved / "config.json").read_text())
+    for key in ("action_head", "use_proprio", "proprio_dim", "action_head_blocks"):
+        config["rlinf_vla"].pop(key)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in ("action_head", "proprio_projector"):
+        sd = torch.load(saved / f"{name}--latest_checkpoint.pt", weights_only=True)
+        torch.save(
+            {f"module.{k}": v for k, v in sd.items()}, tmp_path / f"{name}--50000_checkpoint.pt"
+        )
+    loaded = make_policy("openvla_oft", checkpoint=str(tmp_path))
+    assert loaded.config.action_head == "l1_gaussian" and loaded.config.proprio_dim == 8
+    obs = make_obs(2, CAMERAS, 8)
+    assert torch.equal(loaded.act(obs, greedy=True).actions, policy.act(obs, greedy=True).actions)
+
+
+def test_lora_adapter_folder_round_trip(saved, tmp_path):
+    base = str(saved)
+    tuned = make_policy("openvla_oft", checkpoint=base, lora_rank=4, lora_alpha=8)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    tuned.save_pretrained(tmp_path / "tuned")
+    adapter = tmp_path / "tuned" / "lora_adapter"
+    keys = list(load_file(str(adapter / "adapter_model.safetensors")))
+    assert all(k.startswith("base_model.model.language_model.model.layers.") for k in keys)
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+    obs = make_obs(2, CAMERAS, 8)
+    expected = tuned.act(obs, greedy=True).actions
+    # base weights + the adapter folder (as OFT's lora_adapter/) ...
+    with_adapter = make_policy("openvla_oft", checkpoint=base, lora_adapter=str(adapter))
+    torch.testing.assert_close(with_adapter.act(obs, greedy=True).actions, expected)
+    # ... and the merged export
+    merged = make_policy("openvla_oft", checkpoint=str(tmp_path / "tuned"))
+    torch.testing.assert_close(merged.act(obs, greedy=True).actions, expected, rtol=0, atol=1e-5)
+
+
+def test_missing_wrist_camera_and_state(policy):
+    with pytest.raises(KeyError, match="'wrist'"):
+        policy.act(make_obs(1, ("main",), 8))
+    with pytest.raises(KeyError, match=r"obs\.state"):
+        policy.act(make_obs(1, CAMERAS, None))
+
+
+def test_discrete_head_samples_action_ids():
+    p = make_policy("openvla_oft", preset="tiny", chunk_size=2, action_head="discrete", seed=0)
+    out = p.act(make_obs(2, CAMERAS, 8))
+    ids = out.replay["action_tokens"]
+    assert ids.shape == (2, 2, 7) and ((ids >= 768) & (ids < 1024)).all()
+    assert p.action_head is None
