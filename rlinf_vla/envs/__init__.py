@@ -1,0 +1,104 @@
+"""Vectorised envs behind one contract: ``toy``, ``maniskill`` (ManiSkill3) and ``libero``.
+
+``make_env(name, **config)`` builds a registered env from keyword arguments checked against the
+env's typed config; simulators are imported only when an env that needs them is built, so
+``import rlinf_vla.envs`` works without any simulator installed.
+
+>>> env = make_env("toy", num_envs=4, group_size=2)
+>>> obs = env.reset()
+>>> result = env.chunk_step(env.oracle_actions(chunk=5))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The env modules register their classes (``@register_env``) when imported; they import their
+# simulators lazily.
+import rlinf_vla.envs.libero.env
+import rlinf_vla.envs.maniskill.env
+import rlinf_vla.envs.toy.env  # noqa: F401
+from rlinf_vla.envs.base import (
+    ENVS,
+    EnvConfig,
+    StepOutput,
+    VectorEnv,
+    group_reset_ids,
+    register_env,
+    replace_config,
+    split_sizes,
+)
+
+__all__ = [
+    "ENVS",
+    "EnvConfig",
+    "StepOutput",
+    "VectorEnv",
+    "env_config",
+    "group_reset_ids",
+    "make_env",
+    "make_stage_envs",
+    "register_env",
+]
+
+
+def _env_class(name: str) -> type[VectorEnv]:
+    if name not in ENVS:
+        raise KeyError(f"unknown env {name!r}; known envs: {sorted(ENVS)}")
+    return ENVS[name]
+
+
+def env_config(name: str, config: EnvConfig | None = None, **overrides: Any) -> EnvConfig:
+    """The validated config of env ``name`` from ``config`` and/or keyword ``overrides``."""
+    cls = _env_class(name)
+    if config is None:
+        return cls.config_cls.from_kwargs(name, **overrides)
+    if not isinstance(config, cls.config_cls):
+        raise TypeError(
+            f"env {name!r} takes a {cls.config_cls.__name__}, got {type(config).__name__}"
+        )
+    return replace_config(config, **overrides) if overrides else config
+
+
+def make_env(name: str, config: EnvConfig | None = None, **overrides: Any) -> VectorEnv:
+    """Build the registered env ``name``.
+
+    Args:
+        name: a key of :data:`ENVS` (``"toy"``, ``"maniskill"``, ``"libero"``).
+        config: an instance of the env's config class; keyword ``overrides`` replace its fields.
+            Without it the config is built from the keywords (unknown keys fail, naming them).
+    """
+    cls = _env_class(name)
+    return cls(env_config(name, config, **overrides))
+
+
+def make_stage_envs(
+    name: str, num_stages: int, config: EnvConfig | None = None, **overrides: Any
+) -> list[VectorEnv]:
+    """Split a batch of ``num_envs`` envs into ``num_stages`` pipeline stages.
+
+    Each stage is its own env of ``num_envs // num_stages`` envs (whole GRPO groups), with
+    ``env_offset`` set so that its reset-id cursor and videos continue the global env numbering:
+    stage ``s`` holds the global envs ``[s * n, (s + 1) * n)``.
+    """
+    cfg = env_config(name, config, **overrides)
+    sizes = split_sizes(cfg.num_envs, num_stages, cfg.group_size)
+    envs: list[VectorEnv] = []
+    offset = cfg.env_offset
+    try:
+        for size in sizes:
+            video_ids = tuple(i - offset for i in cfg.video_env_ids if 0 <= i - offset < size)
+            stage_cfg = replace_config(
+                cfg,
+                num_envs=size,
+                env_offset=offset,
+                video_env_ids=video_ids,
+                video_dir=cfg.video_dir if video_ids else None,
+            )
+            envs.append(_env_class(name)(stage_cfg))
+            offset += size
+    except BaseException:
+        for env in envs:
+            env.close()
+        raise
+    return envs

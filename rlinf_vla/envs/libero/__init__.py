@@ -1,0 +1,1 @@
+"""The libero env; see ``env.py``."""

@@ -1,0 +1,86 @@
+"""Config of the LIBERO env."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlinf_vla.envs.base import EnvConfig, check_field
+
+#: The five LIBERO suites, in the order ``libero_130`` concatenates them.
+SUITES: tuple[str, ...] = (
+    "libero_spatial",
+    "libero_object",
+    "libero_goal",
+    "libero_10",
+    "libero_90",
+)
+#: ``suite`` values: the five suites and ``libero_130`` (all 130 tasks).
+SUITE_CHOICES: tuple[str, ...] = (*SUITES, "libero_130")
+#: Default time limits per suite (control steps after the settle steps), as in OpenVLA's eval.
+DEFAULT_MAX_STEPS: dict[str, int] = {
+    "libero_spatial": 220,
+    "libero_object": 280,
+    "libero_goal": 300,
+    "libero_10": 520,
+    "libero_90": 400,
+}
+#: Official init states per task; reset ids map onto (task, init state) with it.
+INIT_STATES_PER_TASK = 50
+RENDER_BACKENDS = ("egl", "osmesa")
+
+
+@dataclass
+class LiberoEnvConfig(EnvConfig):
+    """Settings of :class:`rlinf_vla.envs.libero.env.LiberoEnv` (plus :class:`EnvConfig`).
+
+    Attributes:
+        suite: ``libero_spatial``, ``libero_object``, ``libero_goal``, ``libero_10``,
+            ``libero_90`` or ``libero_130`` (all five, concatenated in that order).
+        task_ids: indices of the tasks to use within the suite; ``None`` = all of them.
+        image_size: side of the agentview and wrist images (128 or 224 are common).
+        settle_steps: zero actions (gripper open) stepped after setting an init state so objects
+            settle; not counted in the episode.
+        max_steps: time limit per suite, merged over :data:`DEFAULT_MAX_STEPS`; the shared
+            ``max_episode_steps``, when set, overrides it for every task.
+        fast_render: turn shadows and multisampling off (about 2.5x faster CPU rendering; the
+            images then differ slightly from the official LIBERO renders).
+        render_backend: MuJoCo offscreen backend, ``"egl"`` or ``"osmesa"``.
+        worker_timeout_s: seconds a worker may take for one command (a task switch rebuilds
+            its simulator) before it is considered hung and restarted.
+    """
+
+    suite: str = "libero_spatial"
+    task_ids: tuple[int, ...] | None = None
+    image_size: int = 224
+    settle_steps: int = 10
+    max_steps: dict[str, int] = field(default_factory=dict)
+    fast_render: bool = False
+    render_backend: str = "egl"
+    worker_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_field(self, "suite", self.suite in SUITE_CHOICES, f"must be one of {SUITE_CHOICES}")
+        if self.task_ids is not None:
+            self.task_ids = tuple(int(i) for i in self.task_ids)
+            check_field(self, "task_ids", len(self.task_ids) > 0, "must not be empty")
+        check_field(self, "image_size", 16 <= self.image_size <= 1024, "must lie in [16, 1024]")
+        check_field(self, "settle_steps", self.settle_steps >= 0, "must be >= 0")
+        unknown = sorted(set(self.max_steps) - set(SUITES))
+        check_field(
+            self, "max_steps", not unknown, f"has unknown suites {unknown}; known: {SUITES}"
+        )
+        check_field(
+            self,
+            "max_steps",
+            all(int(v) >= 1 for v in self.max_steps.values()),
+            "values must be >= 1",
+        )
+        self.max_steps = {**DEFAULT_MAX_STEPS, **{k: int(v) for k, v in self.max_steps.items()}}
+        check_field(
+            self,
+            "render_backend",
+            self.render_backend in RENDER_BACKENDS,
+            f"must be one of {RENDER_BACKENDS}",
+        )
+        check_field(self, "worker_timeout_s", self.worker_timeout_s > 0, "must be > 0")

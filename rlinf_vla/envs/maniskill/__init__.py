@@ -1,0 +1,1 @@
+"""The maniskill env; see ``env.py``."""

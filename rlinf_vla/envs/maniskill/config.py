@@ -1,0 +1,102 @@
+"""Config of the ManiSkill3 env, and the instruction of each task."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlinf_vla.envs.base import EnvConfig, check_field
+
+#: Natural-language instruction per ManiSkill task (colours as the task renders them).
+INSTRUCTIONS: dict[str, str] = {
+    "PickCube-v1": "pick up the red cube and move it to the green target",
+    "PickCubeSO100-v1": "pick up the red cube and move it to the green target",
+    "PickCubeWidowXAI-v1": "pick up the red cube and move it to the green target",
+    "PushCube-v1": "push the blue cube onto the red and white target",
+    "PullCube-v1": "pull the blue cube back onto the red and white target",
+    "StackCube-v1": "stack the red cube on top of the green cube",
+    "StackPyramid-v1": "stack the red, green and blue cubes into a pyramid",
+    "PokeCube-v1": "use the peg to push the red cube onto the target",
+    "PlaceSphere-v1": "place the blue sphere into the bin",
+    "RollBall-v1": "roll the blue ball onto the target region",
+    "LiftPegUpright-v1": "lift the peg and stand it upright",
+    "PegInsertionSide-v1": "insert the peg into the hole in the box from the side",
+    "PlugCharger-v1": "plug the charger into the wall receptacle",
+    "PushT-v1": "push the T-shaped block onto the target outline",
+    "PullCubeTool-v1": "use the L-shaped tool to pull the blue cube closer",
+    "TwoRobotPickCube-v1": "pick up the cube and move it to the green target",
+    "TwoRobotStackCube-v1": "stack the blue cube on top of the green cube",
+    "PickSingleYCB-v1": "pick up the object and move it to the green target",
+    "OpenCabinetDrawer-v1": "open the drawer of the cabinet",
+    "OpenCabinetDoor-v1": "open the door of the cabinet",
+    "TurnFaucet-v1": "turn the faucet handle",
+}
+
+REWARD_MODES = ("sparse", "dense", "normalized_dense")
+SIM_BACKENDS = ("auto", "cpu", "gpu")
+GRIPPER_CONVENTIONS = ("close_positive", "native")
+
+
+def default_instruction(task: str) -> str:
+    """The instruction of ``task``: from :data:`INSTRUCTIONS`, else derived from its name."""
+    if task in INSTRUCTIONS:
+        return INSTRUCTIONS[task]
+    name = task.rsplit("-v", 1)[0]
+    words = "".join(f" {c.lower()}" if c.isupper() else c for c in name).split()
+    return "complete the task: " + " ".join(words)
+
+
+@dataclass
+class ManiSkillEnvConfig(EnvConfig):
+    """Settings of :class:`rlinf_vla.envs.maniskill.env.ManiSkillEnv` (plus :class:`EnvConfig`).
+
+    Attributes:
+        task: ManiSkill env id, e.g. ``"PickCube-v1"``.
+        image_size: side of every camera image (224 for VLAs; 128 keeps tests fast).
+        main_camera: sensor uid used as ``images["main"]``; ``None`` = the task's first camera.
+        wrist: add the robot's own camera (``images["wrist"]``) when it has one (use
+            ``robot="panda_wristcam"`` for a Panda with a hand camera).
+        robot: ManiSkill robot uid; ``None`` = the task's default robot.
+        control_mode: ManiSkill controller; the default ``"pd_ee_delta_pose"`` takes the 7-D
+            end-effector delta used by VLAs: xyz (x0.1 m), rpy (XYZ Euler, x0.1 rad), gripper.
+        gripper_convention: ``"close_positive"`` -> the last action entry is +1 close, -1 open
+            (as in LIBERO; ManiSkill's own sign is flipped for you); ``"native"`` -> as given.
+        reward_mode: ``"sparse"`` (1 on success), ``"dense"`` or ``"normalized_dense"``.
+        sim_backend: ``"gpu"`` runs all envs in one GPU-simulated process, ``"cpu"`` runs one
+            CPU-simulated env per subprocess, ``"auto"`` picks GPU when CUDA is available.
+        device: torch device of the observations (GPU backend only; CPU is always ``"cpu"``).
+        instruction: override the task's instruction.
+        shader: ManiSkill shader pack of the cameras (``"minimal"`` is the fastest).
+        worker_timeout_s: seconds a CPU worker may take for one command before it is
+            considered hung and restarted.
+    """
+
+    task: str = "PickCube-v1"
+    image_size: int = 224
+    main_camera: str | None = None
+    wrist: bool = True
+    robot: str | None = None
+    control_mode: str = "pd_ee_delta_pose"
+    gripper_convention: str = "close_positive"
+    reward_mode: str = "sparse"
+    sim_backend: str = "auto"
+    device: str = "cpu"
+    instruction: str | None = None
+    shader: str = "minimal"
+    worker_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_field(self, "image_size", 16 <= self.image_size <= 1024, "must lie in [16, 1024]")
+        check_field(
+            self, "reward_mode", self.reward_mode in REWARD_MODES, f"must be one of {REWARD_MODES}"
+        )
+        check_field(
+            self, "sim_backend", self.sim_backend in SIM_BACKENDS, f"must be one of {SIM_BACKENDS}"
+        )
+        check_field(
+            self,
+            "gripper_convention",
+            self.gripper_convention in GRIPPER_CONVENTIONS,
+            f"must be one of {GRIPPER_CONVENTIONS}",
+        )
+        check_field(self, "worker_timeout_s", self.worker_timeout_s > 0, "must be > 0")

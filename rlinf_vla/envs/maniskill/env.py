@@ -1,0 +1,381 @@
+"""ManiSkill3 tasks behind the vectorised env contract (CPU subprocesses or one GPU simulation)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlinf_vla.envs.base import StepOutput, VectorEnv, register_env
+from rlinf_vla.envs.maniskill.config import ManiSkillEnvConfig, default_instruction
+from rlinf_vla.envs.vector import SubprocBatch, SubprocEnvs
+from rlinf_vla.types import Observation
+
+_DOWNLOAD_HINT = "python -m mani_skill.utils.download_asset {uid}"
+
+
+class MissingAssetError(RuntimeError):
+    """A ManiSkill task or robot needs assets that are not on disk (no download is attempted)."""
+
+
+def import_maniskill() -> tuple[Any, Any]:
+    """Import gymnasium and ManiSkill (registering its tasks), never prompting for downloads."""
+    os.environ["MS_SKIP_ASSET_DOWNLOAD_PROMPT"] = "1"
+    try:
+        import gymnasium as gym
+        import mani_skill.envs
+        from mani_skill.utils import download_asset
+    except ImportError as e:
+        raise ImportError(
+            "the maniskill env needs ManiSkill3: pip install 'rlinf-vla[maniskill]'"
+        ) from e
+
+    def refuse(message: str) -> bool:
+        raise MissingAssetError(
+            f"{message.replace(' Would you like to download them now?', '')} "
+            f"Nothing is downloaded automatically; fetch them with "
+            f"`{_DOWNLOAD_HINT.format(uid='<asset id or env id>')}`."
+        )
+
+    download_asset.prompt_yes_no = refuse
+    import mani_skill
+
+    return gym, mani_skill
+
+
+def check_task(task: str) -> Any:
+    """The ManiSkill ``EnvSpec`` of ``task``; fails listing the known tasks or missing assets."""
+    import_maniskill()
+    from mani_skill.utils import assets
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    if task not in REGISTERED_ENVS:
+        raise ValueError(f"unknown ManiSkill task {task!r}; known tasks: {sorted(REGISTERED_ENVS)}")
+    spec = REGISTERED_ENVS[task]
+    missing: list[str] = []
+    for asset_id in spec.asset_download_ids or []:
+        ids = (
+            assets.expand_data_group_into_individual_data_source_ids(asset_id)
+            if asset_id in assets.DATA_GROUPS
+            else [asset_id]
+        )
+        missing += [i for i in ids if not assets.is_data_source_downloaded(i)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
+        raise MissingAssetError(
+            f"ManiSkill task {task!r} needs asset(s) {shown}, which are not on disk. "
+            f"Download them with `{_DOWNLOAD_HINT.format(uid=task)}` "
+            f"(needs network access), or pick a task that ships with the wheel."
+        )
+    return spec
+
+
+def _make_kwargs(cfg: ManiSkillEnvConfig, num_envs: int, gpu: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "num_envs": num_envs,
+        "obs_mode": "rgb",
+        "control_mode": cfg.control_mode,
+        "reward_mode": cfg.reward_mode,
+        "sim_backend": "physx_cuda" if gpu else "physx_cpu",
+        "render_backend": "gpu" if gpu else "cpu",
+        "sensor_configs": {
+            "width": cfg.image_size,
+            "height": cfg.image_size,
+            "shader_pack": cfg.shader,
+        },
+    }
+    if cfg.robot is not None:
+        kwargs["robot_uids"] = cfg.robot
+    return kwargs
+
+
+class _ObsModeAs:
+    """Temporarily switch a ManiSkill env's observation mode (``"state_dict"`` skips rendering).
+
+    ManiSkill renders every camera in ``step()``/``reset()`` when the obs mode is visual; this
+    switch lets a chunk skip the images of the steps nobody looks at. Physics is unaffected.
+    """
+
+    def __init__(self, env: Any, mode: str) -> None:
+        self.env, self.mode = env, mode
+
+    def __enter__(self) -> None:
+        self.saved = self.env._obs_mode
+        self.env._obs_mode = self.mode
+
+    def __exit__(self, *exc: object) -> None:
+        self.env._obs_mode = self.saved
+
+
+class _Cameras:
+    """Which ManiSkill sensors are the ``main`` and ``wrist`` images."""
+
+    def __init__(self, env: Any, cfg: ManiSkillEnvConfig) -> None:
+        sensors = list(env._sensor_configs)
+        robot = set(env._agent_sensor_configs)
+        scene = [s for s in sensors if s not in robot]
+        main = cfg.main_camera or (scene[0] if scene else None)
+        if main is None or main not in sensors:
+            raise ValueError(
+                f"ManiSkillEnvConfig.main_camera: camera {main!r} not in task {cfg.task!r}; "
+                f"its cameras: {sensors}"
+            )
+        self.names = {"main": main}
+        wrist = [s for s in sensors if s in robot and s != main]
+        if cfg.wrist and wrist:
+            self.names["wrist"] = wrist[0]
+
+
+def _flip_gripper(env: Any, cfg: ManiSkillEnvConfig) -> bool:
+    if cfg.gripper_convention != "close_positive":
+        return False
+    controllers = getattr(env.agent.controller, "controllers", None)
+    return bool(controllers) and "gripper" in list(controllers)[-1]
+
+
+def _proprio(env: Any) -> torch.Tensor:
+    """Robot joint positions followed by the TCP pose (xyz, quaternion wxyz) when it has one."""
+    parts = [env.agent.robot.get_qpos()]
+    tcp = getattr(env.agent, "tcp", None)
+    if tcp is not None:
+        parts.append(tcp.pose.raw_pose)
+    return torch.cat([p.float() for p in parts], dim=-1)
+
+
+class ManiSkillCore:
+    """One CPU-simulated ManiSkill env, living in a subprocess (see ``rlinf_vla.envs.vector``)."""
+
+    def __init__(self, cfg: ManiSkillEnvConfig) -> None:
+        gym, _ = import_maniskill()
+        self.cfg = cfg
+        self.env = gym.make(cfg.task, **_make_kwargs(cfg, 1, gpu=False)).unwrapped
+        self.cameras = _Cameras(self.env, cfg)
+        self.flip = _flip_gripper(self.env, cfg)
+        self.instruction = cfg.instruction or default_instruction(cfg.task)
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "action_dim": int(self.env.single_action_space.shape[-1]),
+            "cameras": dict(self.cameras.names),
+        }
+
+    def _obs(self, raw: dict) -> dict[str, Any]:
+        data = raw["sensor_data"]
+        return {
+            "images": {k: data[v]["rgb"][0].cpu().numpy() for k, v in self.cameras.names.items()},
+            "state": _proprio(self.env)[0].cpu().numpy(),
+            "instruction": self.instruction,
+        }
+
+    def reset(self, reset_id: int) -> dict[str, Any]:
+        raw, _ = self.env.reset(seed=int(reset_id))
+        return self._obs(raw)
+
+    def step(self, action: np.ndarray, render: bool) -> tuple[dict | None, float, bool, bool]:
+        action = np.array(action, dtype=np.float32)
+        if self.flip:
+            action[-1] = -action[-1]
+        with _ObsModeAs(self.env, "state_dict"):
+            _, reward, terminated, _, info = self.env.step(action[None])
+        terminated = bool(terminated[0])
+        success = bool(info["success"][0]) if "success" in info else False
+        obs = self._obs(self.env.get_obs(info, unflattened=True)) if render or terminated else None
+        return obs, float(reward[0]), terminated, success
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class _GpuBatch:
+    """All envs in one GPU-simulated ManiSkill env (``sim_backend="physx_cuda"``)."""
+
+    def __init__(self, cfg: ManiSkillEnvConfig) -> None:
+        gym, _ = import_maniskill()
+        self.cfg = cfg
+        self.gym = gym
+        self.device = torch.device(cfg.device)
+        self.instruction = cfg.instruction or default_instruction(cfg.task)
+        self._state: dict | None = None
+        self._build()
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        self.env = self.gym.make(cfg.task, **_make_kwargs(cfg, cfg.num_envs, gpu=True)).unwrapped
+        self.cameras = _Cameras(self.env, cfg)
+        self.flip = _flip_gripper(self.env, cfg)
+        self.action_dim = int(self.env.single_action_space.shape[-1])
+
+    def _obs(self, raw: dict, rows: torch.Tensor | None = None) -> Observation:
+        data = raw["sensor_data"]
+        images = {k: data[v]["rgb"] for k, v in self.cameras.names.items()}
+        state = _proprio(self.env)
+        if rows is not None:
+            idx = rows.to(state.device)
+            images = {k: v[idx] for k, v in images.items()}
+            state = state[idx]
+        n = len(state)
+        return Observation(
+            images={k: v.to(self.device) for k, v in images.items()},
+            state=state.to(self.device),
+            instruction=[self.instruction] * n,
+        )
+
+    def reset(self, env_ids: torch.Tensor, reset_ids: torch.Tensor) -> Observation:
+        # One partial reset per env: ManiSkill seeds a reset batch with its first seed, so only
+        # single-env resets make the scene a function of the reset id alone.
+        with _ObsModeAs(self.env, "state_dict"):
+            for i, rid in zip(env_ids.tolist(), reset_ids.tolist(), strict=True):
+                self.env.reset(seed=[int(rid)], options={"env_idx": torch.tensor([i])})
+        raw = self.env.get_obs(unflattened=True)
+        return self._obs(raw, env_ids)
+
+    def step(
+        self, actions: torch.Tensor, active: torch.Tensor, need_obs: torch.Tensor
+    ) -> StepOutput:
+        actions = actions.clone()
+        if self.flip:
+            actions[:, -1] = -actions[:, -1]
+        with _ObsModeAs(self.env, "state_dict"):
+            _, reward, terminated, _, info = self.env.step(actions.to(self.env.device))
+        success = info.get("success", torch.zeros_like(terminated))
+        if bool((need_obs.to(terminated.device) | terminated).any()):
+            obs = self._obs(self.env.get_obs(info, unflattened=True))
+        else:
+            obs = Observation(images={}, state=None, instruction=[self.instruction] * len(reward))
+        return StepOutput(
+            obs=obs,
+            reward=reward.float().cpu(),
+            terminated=terminated.bool().cpu(),
+            success=success.bool().cpu(),
+        )
+
+    def offload(self) -> None:
+        state = self.env.get_state_dict()
+        self._state = _to_device(state, torch.device("cpu"))
+        self.env.close()
+        del self.env
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        self._build()
+        self.env.set_state_dict(_to_device(self._state, self.env.device))
+        self._state = None
+
+    def close(self) -> None:
+        if hasattr(self, "env"):
+            self.env.close()
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    if isinstance(tree, dict):
+        return {k: _to_device(v, device) for k, v in tree.items()}
+    return tree.to(device) if isinstance(tree, torch.Tensor) else tree
+
+
+@register_env("maniskill")
+class ManiSkillEnv(VectorEnv):
+    """ManiSkill3 tabletop tasks (PickCube, PushCube, StackCube, PegInsertionSide, ...).
+
+    Task sheet (shared by every task; the task's own docstring in ManiSkill gives its
+    randomisation and success condition):
+
+    - **Description.** ``task`` is any ManiSkill env id whose assets are on disk; the
+      instruction comes from :data:`~rlinf_vla.envs.maniskill.config.INSTRUCTIONS` (e.g.
+      PickCube: "pick up the red cube and move it to the green target").
+    - **Randomisation.** ManiSkill's own, seeded by the reset id: the same id gives the same
+      scene. The CPU and GPU backends draw different scenes for the same id (different random
+      generators), each deterministic.
+    - **Success.** ManiSkill's ``info["success"]``; it terminates the episode. The default
+      reward is sparse (1.0 on success); ``reward_mode="dense"`` gives the task's shaped reward.
+      Time limit: the task's registered ``max_episode_steps`` (PickCube: 50) unless configured.
+    - **Observation.** ``images["main"]``: the task's first camera (``base_camera`` for the
+      tabletop tasks), ``images["wrist"]``: the robot's hand camera when it has one (robot
+      ``panda_wristcam``), both uint8 ``[B, S, S, 3]`` with ``S = image_size``; ``state``:
+      float32 joint positions followed by the TCP pose (xyz + quaternion wxyz), ``[B, 16]`` for
+      the Panda.
+    - **Action.** ``pd_ee_delta_pose``: float32 ``[7]`` in ``[-1, 1]``: xyz delta (x0.1 m), XYZ
+      Euler delta (x0.1 rad), gripper (+1 close, -1 open by default). Other controllers via
+      ``control_mode`` (their action size becomes ``action_dim``).
+    - **Backends.** GPU: ``num_envs`` envs in one process. CPU: one env per subprocess
+      (ManiSkill's CPU simulator holds one env); crashed workers are restarted and their episode
+      reported invalid. Missing assets fail at construction, naming the asset and the download
+      command; nothing is downloaded and nothing prompts.
+    - **Rendering.** Cameras are rendered only for the steps whose observation is used (the last
+      step of a chunk, the step an episode ends, recorded envs), so longer chunks are cheaper.
+    """
+
+    config_cls = ManiSkillEnvConfig
+
+    def __init__(self, config: ManiSkillEnvConfig) -> None:
+        self.cfg = config
+        spec = check_task(config.task)
+        backend = config.sim_backend
+        if backend == "auto":
+            backend = "gpu" if torch.cuda.is_available() else "cpu"
+        self.backend = backend
+        self._gpu: _GpuBatch | None = None
+        self._cpu: SubprocBatch | None = None
+        if backend == "gpu":
+            self._gpu = _GpuBatch(config)
+            self._action_dim = self._gpu.action_dim
+            self.cameras = dict(self._gpu.cameras.names)
+        else:
+            factories = [functools.partial(ManiSkillCore, config)] * config.num_envs
+            self._cpu = SubprocBatch(
+                SubprocEnvs(
+                    factories,
+                    name="maniskill",
+                    env_vars={"MS_SKIP_ASSET_DOWNLOAD_PROMPT": "1"},
+                    timeout_s=config.worker_timeout_s,
+                )
+            )
+            try:
+                info = self._cpu.envs.call("spec", {0: ()})[0]
+            except BaseException:
+                self._cpu.envs.close()
+                raise
+            self._action_dim = int(info["action_dim"])
+            self.cameras = info["cameras"]
+        super().__init__(config, int(spec.max_episode_steps or 100))
+
+    @property
+    def action_dim(self) -> int:
+        return self._action_dim
+
+    @property
+    def workers(self) -> SubprocEnvs | None:
+        """The subprocess pool of the CPU backend (``None`` on GPU)."""
+        return None if self._cpu is None else self._cpu.envs
+
+    def _reset_envs(self, env_ids: torch.Tensor, reset_ids: torch.Tensor) -> Observation:
+        if self._gpu is not None:
+            return self._gpu.reset(env_ids, reset_ids)
+        assert self._cpu is not None
+        return self._cpu.reset(env_ids, reset_ids)
+
+    def _step_envs(
+        self, actions: torch.Tensor, active: torch.Tensor, need_obs: torch.Tensor
+    ) -> StepOutput:
+        if self._gpu is not None:
+            return self._gpu.step(actions, active, need_obs)
+        assert self._cpu is not None
+        return self._cpu.step(actions, active, need_obs)
+
+    def _offload(self) -> None:
+        if self._gpu is not None:
+            self._gpu.offload()
+
+    def _onload(self) -> None:
+        if self._gpu is not None:
+            self._gpu.onload()
+
+    def _close(self) -> None:
+        if self._gpu is not None:
+            self._gpu.close()
+        if self._cpu is not None:
+            self._cpu.envs.close()

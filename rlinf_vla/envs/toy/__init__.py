@@ -1,0 +1,1 @@
+"""The toy env; see ``env.py``."""

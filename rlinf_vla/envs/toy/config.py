@@ -1,0 +1,73 @@
+"""Config of the toy "move to the coloured shape" env."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlinf_vla.envs.base import EnvConfig, check_field
+
+#: Colour names and RGB values the toy env paints objects with.
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (50, 90, 230),
+    "yellow": (230, 210, 40),
+    "purple": (150, 60, 200),
+    "orange": (240, 140, 30),
+}
+#: Shape names, in the order of the shape codes.
+SHAPES: tuple[str, ...] = ("square", "circle", "triangle")
+#: The arena is split into GRID x GRID cells; each object and the agent start in their own cell.
+GRID = 3
+
+
+@dataclass
+class ToyEnvConfig(EnvConfig):
+    """Settings of :class:`rlinf_vla.envs.toy.env.ToyEnv` (plus the shared :class:`EnvConfig`).
+
+    Attributes:
+        image_size: side of the square ``main`` camera image in pixels.
+        num_objects: coloured shapes in each scene (one is the target), 2..6.
+        action_dim: size of an action; only the first two entries (x, y velocity in ``[-1, 1]``)
+            act, the rest is ignored, so the 7-D VLA convention fits (default 7).
+        step_size: distance the agent moves per step at full action, in arena units (arena is
+            the unit square).
+        success_radius: the task is solved when the agent's centre is this close to the
+            target's centre.
+        state_mode: ``"proprio"`` -> state is the agent position ``[x, y]``; ``"privileged"``
+            -> ``[x, y, dx, dy]`` with the offset to the target (for image-free learning tests).
+        device: torch device the simulation and the observations live on.
+        step_time_s: extra seconds each batched step sleeps, emulating a slower simulator.
+        step_time_per_env_s: extra seconds per stepped env each batched step sleeps.
+    """
+
+    image_size: int = 64
+    num_objects: int = 3
+    action_dim: int = 7
+    step_size: float = 0.06
+    success_radius: float = 0.05
+    state_mode: str = "proprio"
+    device: str = "cpu"
+    step_time_s: float = 0.0
+    step_time_per_env_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_field(self, "image_size", 8 <= self.image_size <= 1024, "must lie in [8, 1024]")
+        check_field(
+            self,
+            "num_objects",
+            2 <= self.num_objects <= min(len(COLORS), GRID * GRID - 1),
+            f"must lie in [2, {min(len(COLORS), GRID * GRID - 1)}]",
+        )
+        check_field(self, "action_dim", self.action_dim >= 2, "must be >= 2")
+        check_field(self, "step_size", 0 < self.step_size <= 1, "must lie in (0, 1]")
+        check_field(self, "success_radius", 0 < self.success_radius < 0.5, "must lie in (0, 0.5)")
+        check_field(
+            self,
+            "state_mode",
+            self.state_mode in ("proprio", "privileged"),
+            "must be 'proprio' or 'privileged'",
+        )
+        check_field(self, "step_time_s", self.step_time_s >= 0, "must be >= 0")
+        check_field(self, "step_time_per_env_s", self.step_time_per_env_s >= 0, "must be >= 0")
