@@ -1,0 +1,220 @@
+"""Config of π0 and π0.5 (PaliGemma + a Gemma action expert, flow matching)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from rlinf_vla.policies.base import PolicyConfig, check
+
+__all__ = ["GEMMA_VARIANTS", "SIGLIP_SO400M", "Pi0Config"]
+
+#: openpi ``gemma.get_config`` variants as ``GemmaConfig`` keyword arguments.
+GEMMA_VARIANTS: dict[str, dict[str, Any]] = {
+    "gemma_2b": {
+        "hidden_size": 2048,
+        "intermediate_size": 16384,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 257152,
+    },
+    "gemma_300m": {
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 257152,
+    },
+}
+
+#: PaliGemma's SigLIP So400m/14 at 224 px (``SiglipVisionConfig`` keyword arguments).
+SIGLIP_SO400M: dict[str, Any] = {
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "image_size": 224,
+    "patch_size": 14,
+}
+
+#: Same module and key structure as π0 / π0.5, a few hundred thousand parameters.
+TINY_PI0: dict[str, Any] = {
+    "paligemma_variant": "custom",
+    "action_expert_variant": "custom",
+    "vision_config": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    },
+    "text_config": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "vocab_size": 512,
+    },
+    "expert_config": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+    },
+    "action_horizon": 4,
+    "max_action_dim": 8,
+    "max_state_dim": 8,
+    "max_token_len": 128,
+    "num_steps": 3,
+    "value_hidden_sizes": (32,),
+    "noise_hidden_sizes": (16,),
+}
+
+
+@dataclass
+class Pi0Config(PolicyConfig):
+    """π0 / π0.5 settings (plus the shared :class:`PolicyConfig`); defaults are openpi's.
+
+    Architecture:
+        pi05: π0.5 (adaRMS time conditioning of the expert, no state token, quantile
+            normalisation, value from the VLM prefix) instead of π0.
+        paligemma_variant / action_expert_variant: openpi names (``gemma_2b`` / ``gemma_300m``)
+            or ``custom`` (then ``text_config`` / ``expert_config`` give the sizes).
+        vision_config: SigLIP sizes (``SiglipVisionConfig`` arguments).
+        text_config / expert_config: ``GemmaConfig`` arguments of the VLM and of the expert
+            (filled from the variants); both must share depth, heads, kv heads and head dim.
+        action_horizon: ``H``, actions per denoised chunk (50; ``pi05_libero``: 10).
+        max_action_dim / max_state_dim: the padded action / state size of the model (32).
+        max_token_len: prompt length in tokens (``None``: 48 for π0, 200 for π0.5).
+
+    Inputs:
+        image_keys: cameras in slot order (``base_0_rgb``, ``left_wrist_0_rgb``, ...).
+        num_empty_cameras: extra all-black, masked-out slots (LIBERO: the right wrist).
+        discrete_state_input: write the discretised state into the prompt (``None``: π0.5).
+        normalization: ``zscore`` (π0) or ``quantile`` (π0.5); ``auto`` picks by model.
+        norm_stats: openpi ``norm_stats.json`` content ``{"state": {...}, "actions": {...}}``
+            (``mean``, ``std``, ``q01``, ``q99``).
+
+    Flow matching and RL:
+        chunk_size: ``K``, the executed actions (the first ``K`` of ``H``).
+        num_steps: Euler denoising steps (openpi: 10; RLinf's RL runs: 4-5).
+        noise_method: ``flow_sde`` (one random step per sample made stochastic, the
+            log-prob is that step's Gaussian transition) or ``flow_noise`` (a learned noise-std
+            network, every step stochastic, log-prob averaged over the chain).
+        noise_level: ``a`` in ``sigma_t = a sqrt(t / (1 - t))`` (Flow-SDE).
+        sde_ignore_last: never pick the last denoising step for the SDE.
+        noise_std_range: the range of the learned std (Flow-Noise).
+        noise_hidden_sizes: hidden sizes of the noise-std network.
+        value_source: ``expert`` (mean of the expert's action outputs, π0) or ``prefix``
+            (mean of the VLM prefix outputs, π0.5); ``auto`` picks by model.
+        time_beta: ``(alpha, beta)`` of the training time distribution.
+    """
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": TINY_PI0, "full": {}}
+
+    pi05: bool = False
+    paligemma_variant: str = "gemma_2b"
+    action_expert_variant: str = "gemma_300m"
+    vision_config: dict[str, Any] = field(default_factory=lambda: dict(SIGLIP_SO400M))
+    text_config: dict[str, Any] = field(default_factory=dict)
+    expert_config: dict[str, Any] = field(default_factory=dict)
+    action_horizon: int = 50
+    max_action_dim: int = 32
+    max_state_dim: int = 32
+    max_token_len: int | None = None
+    chunk_size: int = 5
+    image_keys: tuple[str, ...] = ("main", "wrist")
+    num_empty_cameras: int = 1
+    discrete_state_input: bool | None = None
+    normalization: Literal["auto", "zscore", "quantile"] = "auto"
+    norm_stats: dict[str, Any] | None = None
+    num_steps: int = 10
+    noise_method: Literal["flow_sde", "flow_noise"] = "flow_sde"
+    noise_level: float = 0.5
+    sde_ignore_last: bool = False
+    noise_std_range: tuple[float, float] = (0.08, 0.16)
+    noise_hidden_sizes: tuple[int, ...] = (128, 64)
+    value_source: Literal["auto", "expert", "prefix"] = "auto"
+    value_hidden_sizes: tuple[int, ...] = (512, 256, 128)
+    time_beta: tuple[float, float] = (1.5, 1.0)
+    min_period: float = 4e-3
+    max_period: float = 4.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, variant in (
+            ("text_config", self.paligemma_variant),
+            ("expert_config", self.action_expert_variant),
+        ):
+            if variant != "custom":
+                check(
+                    self,
+                    name,
+                    variant in GEMMA_VARIANTS,
+                    f"variant {variant!r} unknown (known: {sorted(GEMMA_VARIANTS)} or 'custom')",
+                )
+                setattr(self, name, {**GEMMA_VARIANTS[variant], **getattr(self, name)})
+        self.image_keys = tuple(self.image_keys)
+        self.noise_std_range = tuple(float(x) for x in self.noise_std_range)
+        self.noise_hidden_sizes = tuple(int(x) for x in self.noise_hidden_sizes)
+        self.time_beta = tuple(float(x) for x in self.time_beta)
+        if self.max_token_len is None:
+            self.max_token_len = 200 if self.pi05 else 48
+        if self.discrete_state_input is None:
+            self.discrete_state_input = self.pi05
+        if self.normalization == "auto":
+            self.normalization = "quantile" if self.pi05 else "zscore"
+        if self.value_source == "auto":
+            self.value_source = "prefix" if self.pi05 else "expert"
+        t, e = self.text_config, self.expert_config
+        for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            check(
+                self,
+                "expert_config",
+                key in t and key in e and t[key] == e[key],
+                f"must share {key} with text_config (attention is computed jointly)",
+            )
+        check(
+            self, "action_dim", self.action_dim <= self.max_action_dim, "must be <= max_action_dim"
+        )
+        check(
+            self, "chunk_size", self.chunk_size <= self.action_horizon, "must be <= action_horizon"
+        )
+        check(self, "num_steps", self.num_steps >= 1, "must be >= 1")
+        check(
+            self,
+            "num_steps",
+            not (self.sde_ignore_last and self.num_steps < 2),
+            "must be >= 2 with sde_ignore_last",
+        )
+        check(
+            self,
+            "noise_method",
+            self.noise_method in ("flow_sde", "flow_noise"),
+            "must be 'flow_sde' or 'flow_noise'",
+        )
+        check(self, "noise_level", self.noise_level > 0, "must be > 0")
+        lo, hi = self.noise_std_range
+        check(self, "noise_std_range", 0 < lo < hi, "must be (low, high) with 0 < low < high")
+        check(self, "image_keys", len(self.image_keys) >= 1, "must name at least one camera")
+        check(self, "num_empty_cameras", self.num_empty_cameras >= 0, "must be >= 0")
+        if self.norm_stats is not None:
+            check(
+                self,
+                "norm_stats",
+                "actions" in self.norm_stats,
+                "needs an 'actions' entry (openpi norm_stats.json layout)",
+            )
+
+    @property
+    def image_size(self) -> int:
+        return int(self.vision_config.get("image_size", 224))
