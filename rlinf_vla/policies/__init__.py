@@ -60,7 +60,8 @@ def make_policy(name: str, **overrides: Any) -> Policy:
     Args:
         name: a registered name (``openvla``, ``openvla_oft``, ``pi0``, ``pi05``).
         **overrides: config fields of the family (see its ``config.py``); ``checkpoint=PATH``
-            loads a checkpoint directory, whose architecture wins over the preset's.
+            loads a checkpoint directory, whose architecture replaces the preset (``preset``
+            is ignored then; other keys override the checkpoint's settings).
 
     The same keys work from the CLI: ``policy=openvla policy.preset=tiny policy.checkpoint=PATH``.
     """
@@ -68,5 +69,7 @@ def make_policy(name: str, **overrides: Any) -> Policy:
     overrides = {**spec.defaults, **overrides}
     checkpoint = overrides.pop("checkpoint", None)
     if checkpoint:
+        # The architecture comes from the checkpoint, not from a preset.
+        overrides.pop("preset", None)
         return spec.cls.from_pretrained(checkpoint, **overrides)
     return spec.cls(spec.cls.config_cls.from_kwargs(name, **overrides))

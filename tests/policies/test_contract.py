@@ -163,3 +163,40 @@ def test_lora_freezes_base_weights(family):
     assert any(
         not torch.equal(p, lora_before[n]) for n, p in policy.named_parameters() if n in lora_before
     )
+
+
+def test_gradient_checkpointing_saves_less_and_matches(family):
+    name, _ = family
+    obs = obs_for(name, batch=2)
+    actions = torch.rand(2, K, A)
+    grads, saved = [], []
+    for checkpointing in (False, True):
+        policy = build(name, gradient_checkpointing=checkpointing)
+        policy.train()
+        count = [0]
+
+        def pack(t, count=count):
+            count[0] += 1
+            return t
+
+        torch.manual_seed(0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = policy.loss(obs, actions)
+        loss.backward()
+        saved.append(count[0])
+        grads.append([p.grad.clone() for p in policy.parameters() if p.grad is not None])
+    # checkpointed layers keep only their inputs for the backward pass
+    assert saved[1] < 0.7 * saved[0], saved
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16(family):
+    name, _ = family
+    policy = build(name, dtype="bfloat16")
+    assert policy.value_head.mlp[0].weight.dtype == torch.float32  # heads stay float32
+    obs = obs_for(name, batch=2)
+    out = policy.act(obs)
+    assert out.actions.dtype == torch.float32 and torch.isfinite(out.actions).all()
+    ev = policy.evaluate(obs, out.replay)
+    assert (ev.logprob - out.logprob).abs().max().item() <= 1e-5

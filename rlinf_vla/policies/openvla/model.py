@@ -377,9 +377,12 @@ class OpenVLAPolicy(Policy):
         return LLM_LORA_TARGETS
 
     def enable_gradient_checkpointing(self) -> None:
-        self.vla.language_model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
+        lm = self.vla.language_model
+        kwargs = {"use_reentrant": False}
+        if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.x
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         for m in (self.vla.vision_backbone.featurizer, self.vla.vision_backbone.fused_featurizer):
             if m is not None:
                 m.set_grad_checkpointing(True)
