@@ -48,6 +48,12 @@ COMMANDS: dict[str, Command] = {
     c.name: c
     for c in [
         Command(
+            "train",
+            "RL post-training of a VLA policy in simulation (PPO; collocated, disaggregated or hybrid placement)",
+            "train",
+            "rlinf_vla.pipelines",
+        ),
+        Command(
             "bench",
             "measure a part of the system (default: channel latency/throughput); prints a table, writes JSON",
             "bench",

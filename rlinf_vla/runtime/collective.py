@@ -55,6 +55,17 @@ class Collective:
         self._pg.broadcast([tensor], opts).wait()
         return tensor
 
+    def all_reduce(self, tensor: torch.Tensor, average: bool = False) -> torch.Tensor:
+        """Sum ``tensor`` over all ranks in place (``average``: divide by the world size)."""
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._pg.allreduce([tensor], opts).wait()
+        if average:
+            tensor /= self.world_size
+        return tensor
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Broadcast any picklable object from ``src``; other ranks pass ``None``."""
         if self.rank == src:

@@ -1,0 +1,323 @@
+"""The actor: turns trajectories into advantages and updates the policy (PPO epochs).
+
+Rewards, dones and values are used per chunk (one decision of the policy): the chunk's
+reward is the sum of its steps' rewards, it terminated (truncated) if any of its steps did.
+Advantages come from ``rlinf_vla.algos`` (GAE, bootstrapping truncated episodes from the value
+of their final observation) and are broadcast to the policy's log-prob granularity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from rlinf_vla.config import ConfigError
+from rlinf_vla.runtime import Channel, Worker
+from rlinf_vla.types import Observation
+
+
+@dataclass
+class AlgoConfig:
+    """The ``algo`` section.
+
+    Attributes:
+        name: ``ppo`` (GAE advantages, value loss).
+        gamma, lam: discount and GAE lambda, per chunk step.
+        clip_low, clip_high: PPO ratio clip ``[1 - clip_low, 1 + clip_high]``.
+        dual_clip: dual-clip constant (``None``: off).
+        value_coef, entropy_coef: weights of the value loss and the entropy bonus.
+        value_clip: value-loss clipping range (``None``: off).
+        normalize_advantages: whiten advantages over the batch.
+        update_epochs: passes over the rollout batch per iteration.
+        minibatch_size: samples (env chunk steps) per optimizer step.
+        micro_batch_size: samples per forward/backward (gradient accumulation).
+        max_grad_norm: gradient clipping.
+        lr, value_lr: AdamW learning rates of the policy and of the value head.
+        weight_decay: AdamW weight decay.
+        lr_schedule: ``constant`` or ``linear`` decay to 0 over the run.
+        warmup_iterations: linear warmup of the learning rate.
+    """
+
+    name: Literal["ppo"] = "ppo"
+    gamma: float = 0.99
+    lam: float = 0.95
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    value_clip: float | None = None
+    normalize_advantages: bool = True
+    update_epochs: int = 2
+    minibatch_size: int = 64
+    micro_batch_size: int = 32
+    max_grad_norm: float = 1.0
+    lr: float = 1e-4
+    value_lr: float = 1e-3
+    weight_decay: float = 0.0
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    warmup_iterations: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("update_epochs", "minibatch_size", "micro_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"algo.{key} must be >= 1, got {getattr(self, key)}")
+        if self.minibatch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"algo.micro_batch_size={self.micro_batch_size} must divide "
+                f"algo.minibatch_size={self.minibatch_size}"
+            )
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ConfigError("algo.gamma and algo.lam must lie in [0, 1]")
+        if self.lr <= 0 or self.value_lr <= 0:
+            raise ConfigError("algo.lr and algo.value_lr must be > 0")
+
+
+@dataclass
+class Batch:
+    """A flat batch of ``N`` samples (env chunk steps) for the update."""
+
+    obs: Observation
+    replay: dict[str, Tensor]
+    old_logprob: Tensor  # [N, ...]
+    old_value: Tensor  # [N]
+    advantages: Tensor  # [N]
+    returns: Tensor  # [N]
+
+    def __len__(self) -> int:
+        return self.old_value.shape[0]
+
+    def select(self, idx: Tensor) -> Batch:
+        return Batch(
+            obs=self.obs.select(idx),
+            replay={k: v[idx] for k, v in self.replay.items()},
+            old_logprob=self.old_logprob[idx],
+            old_value=self.old_value[idx],
+            advantages=self.advantages[idx],
+            returns=self.returns[idx],
+        )
+
+
+def chunk_level(traj: Any) -> dict[str, Tensor]:
+    """Per-step ``[T, b, K]`` rewards and dones of a trajectory reduced to chunks ``[T, b]``."""
+    terminated = traj.terminated.any(dim=-1)
+    return {
+        "rewards": traj.reward.sum(dim=-1),
+        "terminated": terminated,
+        "truncated": traj.truncated.any(dim=-1) & ~terminated,
+    }
+
+
+def build_batch(trajectories: list[Any], gamma: float, lam: float) -> Batch:
+    """GAE per trajectory, then everything flattened to ``N = sum(T * b)`` samples."""
+    from rlinf_vla.algos import compute_advantages
+    from rlinf_vla.envs.base import cat_obs
+
+    obs, replay, logprob, value, adv, ret = [], [], [], [], [], []
+    for traj in trajectories:
+        a, r = compute_advantages(
+            "gae",
+            values=traj.value,
+            final_values=traj.final_value,
+            gamma=gamma,
+            lam=lam,
+            **chunk_level(traj),
+        )
+        T = traj.num_steps
+        obs.extend(traj.obs)
+        replay.append({k: v.flatten(0, 1) for k, v in traj.replay.items()})
+        logprob.append(traj.logprob.flatten(0, 1))
+        value.append(traj.value[:T].flatten(0, 1))
+        adv.append(a.flatten(0, 1))
+        ret.append(r.flatten(0, 1))
+    return Batch(
+        obs=cat_obs(obs),
+        replay={k: torch.cat([r[k] for r in replay]) for k in replay[0]},
+        old_logprob=torch.cat(logprob),
+        old_value=torch.cat(value),
+        advantages=torch.cat(adv),
+        returns=torch.cat(ret),
+    )
+
+
+def _expand(x: Tensor, like: Tensor) -> Tensor:
+    """``[N]`` -> ``like``'s shape ``[N, ...]`` (an advantage per sample, to each token)."""
+    return x.view(-1, *([1] * (like.dim() - 1))).expand_as(like)
+
+
+class ActorWorker(Worker):
+    """Holds the trainable policy and its optimizer; one PPO update per call of :meth:`train`."""
+
+    def __init__(
+        self, policy_name: str, policy_config: dict[str, Any], algo: dict[str, Any], seed: int
+    ) -> None:
+        from rlinf_vla.config import from_section
+        from rlinf_vla.policies import make_policy
+
+        torch.manual_seed(seed)
+        self.algo = from_section(AlgoConfig, algo, "algo")
+        self.policy = make_policy(policy_name, **policy_config).to(self.device).train()
+        value_params = [p for n, p in self.policy.named_parameters() if "value_head" in n]
+        value_ids = {id(p) for p in value_params}
+        other = [p for p in self.policy.parameters() if id(p) not in value_ids and p.requires_grad]
+        groups = [{"params": other, "lr": self.algo.lr, "base_lr": self.algo.lr}]
+        if value_params:
+            groups.append(
+                {"params": value_params, "lr": self.algo.value_lr, "base_lr": self.algo.value_lr}
+            )
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=self.algo.weight_decay)
+        self.generator = torch.Generator().manual_seed(seed + 1000 * self.rank)
+        self.version = 0
+
+    def save(self, path: str) -> None:
+        """Policy in its on-disk format (rank 0), optimizer and RNG states (every rank)."""
+        from pathlib import Path
+
+        if self.rank == 0:
+            self.policy.save_pretrained(Path(path) / "policy")
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "generator": self.generator.get_state(),
+            "version": self.version,
+        }
+        torch.save(state, Path(path) / f"actor_rank{self.rank}.pt")
+
+    def load(self, path: str) -> None:
+        from pathlib import Path
+
+        loaded = type(self.policy).from_pretrained(Path(path) / "policy")
+        self.policy.load_state_dict(loaded.state_dict())
+        state = torch.load(Path(path) / f"actor_rank{self.rank}.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        self.generator.set_state(state["generator"])
+        self.version = state["version"]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+
+    def sync_to(self, collective_name: str) -> int:
+        """Broadcast the weights to the rollout workers of ``collective_name`` (as rank 0)."""
+        self.collective(collective_name).broadcast_tensors(self.state_dict(), src=0)
+        return self.version
+
+    def _set_lr(self, iteration: int, total: int) -> float:
+        a = self.algo
+        scale = 1.0
+        if a.warmup_iterations and iteration < a.warmup_iterations:
+            scale = (iteration + 1) / a.warmup_iterations
+        elif a.lr_schedule == "linear":
+            scale = max(0.0, 1.0 - iteration / max(1, total))
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["base_lr"] * scale
+        return self.algo.lr * scale
+
+    def join_data_parallel(self, collective_name: str | None) -> None:
+        """Average gradients over the actor ranks through ``collective_name`` (``None``: one rank)."""
+        self.dp = None if collective_name is None else self.collective(collective_name)
+
+    def _average_gradients(self) -> None:
+        dp = getattr(self, "dp", None)
+        if dp is None:
+            return
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]
+        )
+        dp.all_reduce(flat, average=True)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def train(
+        self,
+        channel: Channel,
+        key: str,
+        num_trajectories: int,
+        iteration: int,
+        total_iterations: int,
+    ) -> dict[str, float]:
+        """Take ``num_trajectories`` trajectories from ``channel[key]`` and run the PPO epochs."""
+        from rlinf_vla.algos import entropy_loss, ppo_policy_loss, value_loss, whiten
+
+        a = self.algo
+        trajectories = channel.get_batch(key, num_trajectories)
+        batch = build_batch(trajectories, a.gamma, a.lam)
+        if a.normalize_advantages and len(batch) > 1:
+            batch.advantages = whiten(batch.advantages)
+        lr = self._set_lr(iteration, total_iterations)
+        n = len(batch)
+        sums: dict[str, float] = {}
+        steps = 0
+        for _ in range(a.update_epochs):
+            order = torch.randperm(n, generator=self.generator)
+            for start in range(0, n, a.minibatch_size):
+                mb_idx = order[start : start + a.minibatch_size]
+                self.optimizer.zero_grad(set_to_none=True)
+                for m_start in range(0, len(mb_idx), a.micro_batch_size):
+                    idx = mb_idx[m_start : m_start + a.micro_batch_size]
+                    mb = batch.select(idx)
+                    weight = len(idx) / len(mb_idx)
+                    out = self.policy.evaluate(
+                        mb.obs, {k: v.to(self.device) for k, v in mb.replay.items()}
+                    )
+                    mask = torch.ones_like(out.logprob, dtype=torch.bool)
+                    pg, pg_m = ppo_policy_loss(
+                        logprob=out.logprob,
+                        old_logprob=mb.old_logprob.to(out.logprob.device),
+                        advantages=_expand(mb.advantages.to(out.logprob.device), out.logprob),
+                        mask=mask,
+                        clip_low=a.clip_low,
+                        clip_high=a.clip_high,
+                        dual_clip=a.dual_clip,
+                    )
+                    loss = pg
+                    metrics = {
+                        "policy_loss": pg_m["policy_loss"],
+                        "clip_fraction": pg_m["clip_fraction"],
+                        "approx_kl": pg_m["approx_kl"],
+                    }
+                    if out.value is not None:
+                        vl, _ = value_loss(
+                            values=out.value,
+                            old_values=mb.old_value.to(out.value.device),
+                            returns=mb.returns.to(out.value.device),
+                            mask=torch.ones_like(out.value, dtype=torch.bool),
+                            clip=a.value_clip,
+                        )
+                        loss = loss + a.value_coef * vl
+                        metrics["value_loss"] = vl.detach()
+                    el, el_m = entropy_loss(
+                        entropy=out.entropy, mask=torch.ones_like(out.entropy, dtype=torch.bool)
+                    )
+                    loss = loss + a.entropy_coef * el
+                    metrics["entropy"] = el_m["entropy"]
+                    (loss * weight).backward()
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * weight
+                self._average_gradients()
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self.policy.parameters(), a.max_grad_norm
+                )
+                if not math.isfinite(float(grad_norm)):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    sums["skipped_updates"] = sums.get("skipped_updates", 0.0) + 1
+                else:
+                    self.optimizer.step()
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
+                steps += 1
+        self.version += 1
+        result = {f"train/{k}": v / steps for k, v in sums.items() if k != "skipped_updates"}
+        result["train/skipped_updates"] = sums.get("skipped_updates", 0.0)
+        result["train/lr"] = lr
+        result["train/advantage_mean"] = float(batch.advantages.mean())
+        result["train/return_mean"] = float(batch.returns.mean())
+        result["train/samples"] = float(n)
+        return result

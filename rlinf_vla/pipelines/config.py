@@ -1,0 +1,173 @@
+"""The ``rlinf-vla train`` job: its sections, their typed configs and the cross-checks.
+
+Validation is pure: it builds the typed configs of every section and checks how they fit
+together (stages and env workers dividing the envs in whole groups, the policy's action size
+against the env's, the placement against the devices) without starting anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlinf_vla.config import ConfigError, from_section
+from rlinf_vla.pipelines.actor import AlgoConfig
+from rlinf_vla.runtime.cluster import ClusterConfig
+from rlinf_vla.runtime.placement import Placement, PlacementConfig, resolve_placement
+
+
+@dataclass
+class TrainPlacementConfig(PlacementConfig):
+    """The ``placement`` section: the runtime's placement plus the pipeline stage count.
+
+    Attributes:
+        stages: pipeline stages ``S`` per env worker (``hybrid``: env stage ``s`` steps while
+            the rollout computes stage ``s - 1``).
+    """
+
+    stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise ConfigError(f"placement.stages must be >= 1, got {self.stages}")
+        for name in ("actor", "env", "rollout"):
+            if name not in self.components:
+                raise ConfigError(
+                    f"placement.components.{name} is missing (actor, env and rollout are placed)"
+                )
+
+
+@dataclass
+class RunnerConfig:
+    """The ``runner`` section.
+
+    Attributes:
+        name: the run's name (the default output folder is ``runs/<name>-<timestamp>``).
+        max_iterations: training iterations (rollout + update).
+        rollout_chunks: chunk steps per env per rollout (``T``).
+        seed: seed of the policy init, the samplers and the envs' reset-id cursors.
+        output_dir: the run folder (``None``: ``runs/<name>-<timestamp>``).
+        resume: a run folder to continue from its last checkpoint.
+        save_interval: save a checkpoint every N iterations (and at the end).
+    """
+
+    name: str = "train"
+    max_iterations: int = 10
+    rollout_chunks: int = 8
+    seed: int = 0
+    output_dir: str | None = None
+    resume: str | None = None
+    save_interval: int = 5
+
+    def __post_init__(self) -> None:
+        for key in ("max_iterations", "rollout_chunks", "save_interval"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"runner.{key} must be >= 1, got {getattr(self, key)}")
+        if self.resume is not None and not os.path.isdir(self.resume):
+            raise ConfigError(f"runner.resume: {self.resume!r} is not a run folder")
+
+
+@dataclass
+class TrainJob:
+    """A validated ``rlinf-vla train`` job: every section typed, the placement resolved."""
+
+    cluster: ClusterConfig
+    env_name: str
+    env: dict[str, Any]
+    policy_name: str
+    policy: dict[str, Any]
+    algo: AlgoConfig
+    placement: TrainPlacementConfig
+    runner: RunnerConfig
+    resolved: Placement | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def _named(section: Any, path: str) -> tuple[str, dict[str, Any]]:
+    from omegaconf import OmegaConf
+
+    values = (
+        OmegaConf.to_container(section, resolve=True)
+        if not isinstance(section, dict)
+        else dict(section)
+    )
+    if "name" not in values:
+        raise ConfigError(f"{path}.name is missing")
+    return values.pop("name"), values
+
+
+def local_device_count(cluster: ClusterConfig) -> int | None:
+    """Devices of a local cluster, computed without starting it (``None`` for a remote one)."""
+    if cluster.address is not None:
+        return None
+    if cluster.devices_per_node is not None:
+        return cluster.devices_per_node
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if cluster.num_gpus is None else cluster.num_gpus
+    except ImportError:
+        gpus = 0
+    if gpus:
+        return gpus
+    return cluster.num_cpus or os.cpu_count() or 1
+
+
+def validate(cfg: Any) -> TrainJob:
+    """Typed configs and cross-checks for a composed ``train`` config; starts nothing."""
+    from omegaconf import OmegaConf
+
+    from rlinf_vla.envs import env_config
+    from rlinf_vla.policies import policy_config
+
+    known = {"cluster", "env", "policy", "algo", "placement", "runner"}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    env_name, env = _named(cfg["env"], "env")
+    policy_name, policy = _named(cfg["policy"], "policy")
+    try:
+        env_cfg = env_config(env_name, **env)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
+    try:
+        pol_cfg = policy_config(policy_name, **policy)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"policy: {e.args[0] if e.args else e}") from None
+    job = TrainJob(
+        cluster=from_section(ClusterConfig, cfg["cluster"], "cluster"),
+        env_name=env_name,
+        env=env,
+        policy_name=policy_name,
+        policy=policy,
+        algo=from_section(AlgoConfig, cfg["algo"], "algo"),
+        placement=from_section(TrainPlacementConfig, cfg["placement"], "placement"),
+        runner=from_section(RunnerConfig, cfg["runner"], "runner"),
+        raw=OmegaConf.to_container(cfg, resolve=True),
+    )
+    env_action_dim = getattr(env_cfg, "action_dim", None)
+    if env_action_dim is not None and pol_cfg.action_dim != env_action_dim:
+        raise ConfigError(
+            f"policy.action_dim={pol_cfg.action_dim} does not match the env's action size "
+            f"env.action_dim={env_action_dim}"
+        )
+    devices = local_device_count(job.cluster)
+    if devices is not None:
+        job.resolved = resolve_placement(job.placement, devices)
+        check_env_split(job, len(job.resolved.of("env")))
+    return job
+
+
+def check_env_split(job: TrainJob, env_workers: int) -> None:
+    """The envs must split into ``env_workers * stages`` batches of whole GRPO groups."""
+    from rlinf_vla.envs import env_config
+
+    cfg = env_config(job.env_name, **job.env)
+    parts = env_workers * job.placement.stages
+    groups = cfg.num_envs // cfg.group_size
+    if groups % parts:
+        raise ConfigError(
+            f"env.num_envs={cfg.num_envs} (groups of env.group_size={cfg.group_size}) cannot be split "
+            f"evenly over {env_workers} env worker(s) x placement.stages={job.placement.stages}"
+        )

@@ -1,0 +1,290 @@
+"""Env and rollout workers: the two halves of the embodied rollout, talking over a channel.
+
+Each env worker holds ``S`` pipeline stages (independent env batches). One rollout step of a
+stage is a round trip over the channel::
+
+    env worker                                   rollout worker
+    put obs/{r}/{s}  (obs, rewards of last chunk) ──> get, policy.act(obs)
+    get act/{r}/{s}  <──────────────────────────────  put actions
+    env.chunk_step(actions)
+
+With ``S >= 2`` the env worker steps stage ``s`` while the rollout worker computes the
+actions of stage ``s - 1``: env and inference overlap when they live on different devices.
+With ``S = 1`` they alternate. The loop is the same; only ``S`` and the placement change.
+
+A rollout of ``T`` chunk steps sends ``T + 1`` observations per stage: the last one only
+bootstraps the value of the state the rollout stopped in. Envs keep running across rollouts
+(auto-reset), so the next rollout starts where this one stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlinf_vla.runtime import Channel, Worker
+from rlinf_vla.types import Observation
+
+
+def obs_key(env_rank: int, stage: int) -> str:
+    return f"obs/{env_rank}/{stage}"
+
+
+def act_key(env_rank: int, stage: int) -> str:
+    return f"act/{env_rank}/{stage}"
+
+
+def trajectory_key(actor_rank: int) -> str:
+    return f"trajectory/{actor_rank}"
+
+
+@dataclass
+class EnvMessage:
+    """What an env stage sends the rollout after each chunk (``b`` envs, ``K`` steps).
+
+    The first message of a rollout carries only ``obs``.
+    """
+
+    obs: Observation
+    reward: Tensor | None = None  # float32 [b, K]
+    terminated: Tensor | None = None  # bool [b, K]
+    truncated: Tensor | None = None  # bool [b, K]
+    final_obs: Observation | None = None  # [b], for envs that ended in the chunk
+    invalid: Tensor | None = None  # bool [b]
+
+
+@dataclass
+class Trajectory:
+    """One env stage's rollout of ``T`` chunk steps, time-major.
+
+    Attributes:
+        obs: ``T`` observations (each ``[b]``) the actions were chosen from.
+        replay: policy replay tensors, each ``[T, b, ...]``.
+        actions: ``float32 [T, b, K, A]``.
+        logprob: ``[T, b, ...]`` at the policy's log-prob granularity.
+        value: ``float32 [T + 1, b]``: V of each observation, the last one for bootstrapping.
+        final_value: ``float32 [T, b]``: V of the final observation of envs truncated at step
+            ``t`` (0 elsewhere).
+        reward, terminated, truncated: ``[T, b, K]``.
+        invalid: ``bool [T, b]`` the episode that ended at ``t`` crashed (drop from metrics).
+        source: ``(env_rank, stage)``.
+        policy_version: the weights version that produced the actions.
+    """
+
+    obs: list[Observation]
+    replay: dict[str, Tensor]
+    actions: Tensor
+    logprob: Tensor
+    value: Tensor
+    final_value: Tensor
+    reward: Tensor
+    terminated: Tensor
+    truncated: Tensor
+    invalid: Tensor
+    source: tuple[int, int]
+    policy_version: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return self.actions.shape[0]
+
+    @property
+    def num_envs(self) -> int:
+        return self.actions.shape[1]
+
+
+@dataclass
+class _TrajectoryBuilder:
+    source: tuple[int, int]
+    obs: list[Observation] = field(default_factory=list)
+    replay: list[dict[str, Tensor]] = field(default_factory=list)
+    actions: list[Tensor] = field(default_factory=list)
+    logprob: list[Tensor] = field(default_factory=list)
+    value: list[Tensor] = field(default_factory=list)
+    final_value: list[Tensor] = field(default_factory=list)
+    reward: list[Tensor] = field(default_factory=list)
+    terminated: list[Tensor] = field(default_factory=list)
+    truncated: list[Tensor] = field(default_factory=list)
+    invalid: list[Tensor] = field(default_factory=list)
+
+    def build(self, version: int) -> Trajectory:
+        return Trajectory(
+            obs=self.obs,
+            replay={k: torch.stack([r[k] for r in self.replay]) for k in self.replay[0]},
+            actions=torch.stack(self.actions),
+            logprob=torch.stack(self.logprob),
+            value=torch.stack(self.value),
+            final_value=torch.stack(self.final_value),
+            reward=torch.stack(self.reward),
+            terminated=torch.stack(self.terminated),
+            truncated=torch.stack(self.truncated),
+            invalid=torch.stack(self.invalid),
+            source=self.source,
+            policy_version=version,
+        )
+
+
+class EnvWorker(Worker):
+    """Holds ``num_stages`` env batches; steps them with actions from the rollout workers.
+
+    Args:
+        env_name: a registered env (``rlinf_vla.envs.ENVS``).
+        env_config: the env's config fields; ``num_envs`` is the total over all env workers,
+            split evenly (whole GRPO groups) between workers and then between stages.
+        num_stages: pipeline stages ``S`` per worker.
+    """
+
+    def __init__(self, env_name: str, env_config: dict[str, Any], num_stages: int) -> None:
+        from rlinf_vla.envs import make_stage_envs
+
+        cfg = dict(env_config)
+        total = cfg.pop("num_envs")
+        per_worker = total // self.world_size
+        self.envs = make_stage_envs(
+            env_name,
+            num_stages,
+            num_envs=per_worker,
+            env_offset=cfg.pop("env_offset", 0) + self.rank * per_worker,
+            **cfg,
+        )
+        self.obs: list[Observation | None] = [None] * num_stages
+        self.episode_return = [torch.zeros(env.num_envs) for env in self.envs]
+
+    def interact(self, channel: Channel, num_chunks: int) -> dict[str, list[float]]:
+        """Run ``num_chunks`` chunk steps of every stage; returns finished episodes' stats."""
+        stats: dict[str, list[float]] = {"return": [], "success": [], "invalid": []}
+        # Every rollout starts fresh episodes from the envs' reset-id cursors, so the state
+        # of the envs between rollouts is just the cursors (see get_state / set_state).
+        for s, env in enumerate(self.envs):
+            self.obs[s] = env.reset()
+            self.episode_return[s].zero_()
+            channel.put(obs_key(self.rank, s), EnvMessage(obs=self.obs[s]))
+        for _ in range(num_chunks):
+            for s, env in enumerate(self.envs):
+                actions = channel.get(act_key(self.rank, s))
+                result = env.chunk_step(actions)
+                self.obs[s] = result.obs
+                self._record(s, result, stats)
+                channel.put(
+                    obs_key(self.rank, s),
+                    EnvMessage(
+                        obs=result.obs,
+                        reward=result.reward,
+                        terminated=result.terminated,
+                        truncated=result.truncated,
+                        final_obs=result.final_obs,
+                        invalid=result.info["invalid"],
+                    ),
+                )
+        return stats
+
+    def _record(self, stage: int, result: Any, stats: dict[str, list[float]]) -> None:
+        """Accumulate returns; log the episodes that ended in this chunk (invalid ones apart)."""
+        ret = self.episode_return[stage]
+        ret += result.reward.sum(dim=1)
+        done = result.info["done"]
+        for i in torch.nonzero(done).flatten().tolist():
+            invalid = bool(result.info["invalid"][i])
+            stats["invalid"].append(float(invalid))
+            if not invalid:
+                stats["return"].append(float(ret[i]))
+                stats["success"].append(float(result.success[i]))
+        ret[done] = 0.0
+
+    def get_state(self) -> list[Tensor]:
+        """The reset-id cursor of every stage (episodes started per env)."""
+        return [env._episodes.clone() for env in self.envs]
+
+    def set_state(self, state: list[Tensor]) -> None:
+        for env, episodes in zip(self.envs, state, strict=True):
+            env._episodes.copy_(episodes)
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+class RolloutWorker(Worker):
+    """Runs the policy for the env stages assigned to it; sends trajectories to the actor.
+
+    Args:
+        policy_name: a registered policy (``rlinf_vla.policies.POLICIES``).
+        policy_config: the policy's config fields.
+    """
+
+    def __init__(self, policy_name: str, policy_config: dict[str, Any], seed: int = 0) -> None:
+        from rlinf_vla.policies import make_policy
+
+        torch.manual_seed(seed + 7919 * (self.rank + 1))  # the action sampler's stream
+        self.policy = make_policy(policy_name, **policy_config).to(self.device).eval()
+        self.version = 0
+
+    def sync_from(self, collective_name: str, version: int) -> None:
+        """Receive the actor's weights (broadcast from collective rank 0)."""
+        state = self.collective(collective_name).broadcast_tensors(None, src=0)
+        self.policy.load_state_dict(state)
+        self.version = version
+
+    def rng_state(self) -> Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: Tensor) -> None:
+        torch.set_rng_state(state)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        channel: Channel,
+        num_chunks: int,
+        sources: list[tuple[int, int]],
+        destinations: list[str],
+        greedy: bool = False,
+    ) -> int:
+        """Serve ``sources`` (``(env_rank, stage)`` pairs) for ``num_chunks`` chunk steps.
+
+        Puts the :class:`Trajectory` of ``sources[i]`` on ``channel`` under
+        ``destinations[i]``; returns the number of trajectories.
+        """
+        builders = {src: _TrajectoryBuilder(src) for src in sources}
+        for t in range(num_chunks + 1):
+            for src in sources:
+                msg: EnvMessage = channel.get(obs_key(*src))
+                b = builders[src]
+                if t > 0:
+                    b.reward.append(msg.reward)
+                    b.terminated.append(msg.terminated)
+                    b.truncated.append(msg.truncated)
+                    b.invalid.append(msg.invalid)
+                    b.final_value.append(self._final_values(msg))
+                if t < num_chunks:
+                    out = self.policy.act(msg.obs, greedy=greedy)
+                    channel.put(act_key(*src), out.actions.cpu())
+                    b.obs.append(msg.obs)
+                    b.replay.append({k: v.cpu() for k, v in out.replay.items()})
+                    b.actions.append(out.actions.cpu())
+                    b.logprob.append(out.logprob.cpu())
+                    b.value.append(_value_or_zeros(out.value, msg.obs))
+                else:
+                    b.value.append(self._values(msg.obs))
+        for src, key in zip(sources, destinations, strict=True):
+            channel.put(key, builders[src].build(self.version))
+        return len(sources)
+
+    def _values(self, obs: Observation) -> Tensor:
+        return _value_or_zeros(self.policy.act(obs, greedy=True).value, obs)
+
+    def _final_values(self, msg: EnvMessage) -> Tensor:
+        """V of the final observation of envs truncated in the chunk (bootstrapping)."""
+        out = torch.zeros(msg.obs.batch_size)
+        truncated = msg.truncated.any(dim=1) & ~msg.invalid
+        if msg.final_obs is not None and truncated.any():
+            rows = torch.nonzero(truncated).flatten()
+            out[rows] = self._values(msg.final_obs.select(rows))
+        return out
+
+
+def _value_or_zeros(value: Tensor | None, obs: Observation) -> Tensor:
+    return torch.zeros(obs.batch_size) if value is None else value.detach().float().cpu()

@@ -1,0 +1,238 @@
+"""The embodied runner: one loop for every execution mode.
+
+    for each iteration:
+        sync weights actor -> rollout                     (collective broadcast)
+        env.interact || rollout.generate                  (channel; S pipeline stages)
+        actor.train                                       (advantages + PPO epochs)
+        log metrics, checkpoint
+
+The placement decides which devices each group uses and ``placement.stages`` how many
+pipeline stages each env worker has; the loop never changes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlinf_vla.pipelines.actor import ActorWorker
+from rlinf_vla.pipelines.config import TrainJob, check_env_split
+from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
+from rlinf_vla.runtime import (
+    Channel,
+    Cluster,
+    WorkerGroup,
+    create_collective,
+    resolve_placement,
+    wait_all,
+)
+
+WEIGHTS = "weights"
+DATA_PARALLEL = "actor-dp"
+
+
+def _mean(xs: list[float]) -> float | None:
+    """Mean, or ``None`` (JSON null) when no episode ended in the iteration."""
+    return sum(xs) / len(xs) if xs else None
+
+
+class EmbodiedRunner:
+    """Launches the env, rollout and actor groups of a :class:`TrainJob` and trains."""
+
+    def __init__(self, job: TrainJob, cluster: Cluster) -> None:
+        self.job, self.cluster = job, cluster
+        placement = resolve_placement(job.placement, cluster.num_devices)
+        check_env_split(job, len(placement.of("env")))
+        self.output_dir = self._output_dir()
+        seed = job.runner.seed
+        policy = dict(job.policy, seed=seed)
+        env = dict(job.env, seed=job.env.get("seed", seed))
+        self.channel = Channel.create(f"embodied-{id(self)}")
+        self.env = WorkerGroup(
+            cluster,
+            EnvWorker,
+            "env",
+            placement.of("env"),
+            args=(job.env_name, env, job.placement.stages),
+        )
+        self.rollout = WorkerGroup(
+            cluster,
+            RolloutWorker,
+            "rollout",
+            placement.of("rollout"),
+            args=(job.policy_name, policy, seed),
+        )
+        self.actor = WorkerGroup(
+            cluster,
+            ActorWorker,
+            "actor",
+            placement.of("actor"),
+            args=(job.policy_name, policy, _algo_dict(job), seed),
+        )
+        create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
+        if self.actor.world_size > 1:
+            create_collective(DATA_PARALLEL, [(self.actor, None)])
+            self.actor.join_data_parallel(DATA_PARALLEL).wait()
+        # Env stage (rank, s) -> rollout worker and actor rank, fixed for the whole run.
+        stages = job.placement.stages
+        self.sources = [(r, s) for r in range(self.env.world_size) for s in range(stages)]
+        self.start_iteration = 0
+        if job.runner.resume:
+            self.start_iteration = self._restore(Path(job.runner.resume))
+
+    def _output_dir(self) -> Path:
+        r = self.job.runner
+        if r.resume:
+            return Path(r.resume)
+        if r.output_dir:
+            return Path(r.output_dir)
+        return Path("runs") / f"{r.name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+    def run(self) -> Path:
+        import yaml
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        r = self.job.runner
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.job.raw, sort_keys=False))
+        metrics_file = (self.output_dir / "metrics.jsonl").open("a")
+        columns = [
+            TextColumn("[bold]iter {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+        ]
+        try:
+            with Progress(*columns) as progress:
+                task = progress.add_task(
+                    "train", total=r.max_iterations, completed=self.start_iteration, status=""
+                )
+                for it in range(self.start_iteration, r.max_iterations):
+                    metrics = self.iteration(it)
+                    metrics_file.write(json.dumps(metrics) + "\n")
+                    metrics_file.flush()
+                    progress.update(
+                        task,
+                        completed=it + 1,
+                        status=_status(metrics),
+                    )
+                    if (it + 1) % r.save_interval == 0 or it + 1 == r.max_iterations:
+                        self.save(it + 1)
+        finally:
+            metrics_file.close()
+        return self.output_dir
+
+    def iteration(self, it: int) -> dict[str, Any]:
+        """One rollout and one update; returns the iteration's metrics."""
+        r = self.job.runner
+        t0 = time.perf_counter()
+        version = it
+        wait_all([self.actor.sync_to(WEIGHTS, ranks=[0]), self.rollout.sync_from(WEIGHTS, version)])
+        t1 = time.perf_counter()
+        calls = [self.env.interact(self.channel, r.rollout_chunks)]
+        actor_ranks = self.actor.world_size
+        for w in range(self.rollout.world_size):
+            mine = [src for i, src in enumerate(self.sources) if i % self.rollout.world_size == w]
+            dests = [trajectory_key(self.sources.index(src) % actor_ranks) for src in mine]
+            calls.append(
+                self.rollout.generate(self.channel, r.rollout_chunks, mine, dests, ranks=[w])
+            )
+        env_stats, *_ = wait_all(calls)
+        t2 = time.perf_counter()
+        per_rank = [
+            sum(1 for i in range(len(self.sources)) if i % actor_ranks == a)
+            for a in range(actor_ranks)
+        ]
+        train = wait_all(
+            [
+                self.actor.train(
+                    self.channel, trajectory_key(a), per_rank[a], it, r.max_iterations, ranks=[a]
+                )
+                for a in range(actor_ranks)
+            ]
+        )
+        t3 = time.perf_counter()
+        train_metrics = train[0][0]
+        stats = {k: [x for s in env_stats for x in s[k]] for k in ("return", "success", "invalid")}
+        num_envs = self.job.env["num_envs"]
+        env_steps = num_envs * r.rollout_chunks * self.job.policy.get("chunk_size", 1)
+        return {
+            "iteration": it + 1,
+            "env_steps": env_steps * (it + 1),
+            "env/success_rate": _mean(stats["success"]),
+            "env/episode_return": _mean(stats["return"]),
+            "env/episodes": len(stats["success"]),
+            "env/invalid_episodes": sum(stats["invalid"]),
+            **train_metrics,
+            "time/sync_s": t1 - t0,
+            "time/rollout_s": t2 - t1,
+            "time/train_s": t3 - t2,
+            "throughput/env_steps_per_s": env_steps / (t2 - t1),
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, iteration: int) -> Path:
+        path = self.output_dir / "checkpoints" / f"iter_{iteration}"
+        path.mkdir(parents=True, exist_ok=True)
+        self.actor.save(str(path), ranks=[0]).wait()
+        state = {
+            "iteration": iteration,
+            "env_cursors": self.env.get_state().wait(),
+            "rollout_rng": self.rollout.rng_state().wait(),
+        }
+        torch.save(state, path / "runner.pt")
+        (path / "COMPLETE").write_text(str(iteration))
+        return path
+
+    def _restore(self, run_dir: Path) -> int:
+        done = sorted(
+            (int(p.name.split("_")[1]), p)
+            for p in (run_dir / "checkpoints").glob("iter_*")
+            if (p / "COMPLETE").exists()
+        )
+        if not done:
+            raise FileNotFoundError(
+                f"runner.resume: no complete checkpoint in {run_dir / 'checkpoints'}"
+            )
+        iteration, path = done[-1]
+        self.actor.load(str(path)).wait()
+        state = torch.load(path / "runner.pt", weights_only=False)
+        wait_all([self.env.set_state(s, ranks=[i]) for i, s in enumerate(state["env_cursors"])])
+        wait_all(
+            [self.rollout.set_rng_state(s, ranks=[i]) for i, s in enumerate(state["rollout_rng"])]
+        )
+        return iteration
+
+    def shutdown(self) -> None:
+        for group in (self.env, self.rollout, self.actor):
+            group.shutdown()
+        self.channel.close()
+
+
+def _status(metrics: dict[str, Any]) -> str:
+    success = metrics["env/success_rate"]
+    rate = "-" if success is None else f"{success:.2f}"
+    return f"{metrics['throughput/env_steps_per_s']:.0f} env steps/s  success {rate}"
+
+
+def _algo_dict(job: TrainJob) -> dict[str, Any]:
+    from rlinf_vla.config import to_dict
+
+    return to_dict(job.algo)
+
+
+def run(job: TrainJob) -> Path:
+    """``rlinf-vla train``: start the cluster, train, print where the outputs are."""
+    with Cluster(job.cluster) as cluster:
+        runner = EmbodiedRunner(job, cluster)
+        try:
+            out = runner.run()
+        finally:
+            runner.shutdown()
+    print(f"run folder: {out}  (metrics.jsonl, config.yaml, checkpoints/)")
+    return out

@@ -1,0 +1,110 @@
+"""`rlinf-vla train` end to end on the toy env with the tiny OpenVLA."""
+
+import json
+
+import pytest
+
+from rlinf_vla import cli
+
+REQUIRED = {
+    "iteration",
+    "env_steps",
+    "env/success_rate",
+    "env/episode_return",
+    "train/policy_loss",
+    "train/value_loss",
+    "train/entropy",
+    "train/clip_fraction",
+    "time/rollout_s",
+    "time/train_s",
+    "throughput/env_steps_per_s",
+}
+SMALL = [
+    "env.num_envs=4",
+    "env.max_episode_steps=8",
+    "runner.rollout_chunks=4",
+    "algo.update_epochs=1",
+]
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "placement",
+    [
+        ["placement=collocated", "cluster.devices_per_node=1"],
+        ["placement=hybrid", "cluster.devices_per_node=2"],
+        ["placement=disaggregated", "cluster.devices_per_node=3"],
+    ],
+    ids=["collocated", "hybrid", "disaggregated"],
+)
+def test_two_iterations_in_each_mode(tmp_path, placement):
+    assert (
+        cli.main(
+            [
+                "train",
+                *placement,
+                *SMALL,
+                "runner.max_iterations=2",
+                f"runner.output_dir={tmp_path}",
+            ]
+        )
+        == 0
+    )
+    rows = _metrics(tmp_path)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert set(rows[0]) >= REQUIRED
+    # 4 envs x 4 chunks x 2 steps per chunk per iteration
+    assert [r["env_steps"] for r in rows] == [32, 64]
+    ckpt = tmp_path / "checkpoints" / "iter_2"
+    assert (ckpt / "COMPLETE").exists()
+    assert (ckpt / "policy").is_dir()
+    assert (tmp_path / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_resumed_run_matches_uninterrupted_run(tmp_path):
+    common = ["cluster.devices_per_node=1", *SMALL, "runner.save_interval=2", "runner.seed=3"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert cli.main(["train", *common, "runner.max_iterations=4", f"runner.output_dir={full}"]) == 0
+    assert cli.main(["train", *common, "runner.max_iterations=2", f"runner.output_dir={part}"]) == 0
+    assert cli.main(["train", *common, "runner.max_iterations=4", f"runner.resume={part}"]) == 0
+    expected, resumed = _metrics(full), _metrics(part)
+    assert [r["iteration"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(expected, resumed, strict=True):
+        for key in a:
+            if not key.startswith(("time/", "throughput/")):
+                assert (a[key] is None and b[key] is None) or a[key] == pytest.approx(
+                    b[key], rel=1e-6, abs=1e-9
+                ), key
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["placement=hybrid", "cluster.devices_per_node=2", "env.num_envs=3"],
+            "cannot be split evenly",
+        ),
+        (
+            ["placement=disaggregated", "cluster.devices_per_node=2"],
+            "beyond the 2 available device",
+        ),
+        (["policy.action_dim=6"], "policy.action_dim=6 does not match"),
+        (["env=toy", "env.nope=1"], "nope"),
+        (["algo.micro_batch_size=5"], "must divide algo.minibatch_size"),
+        (["runner.resume=/does/not/exist"], "is not a run folder"),
+    ],
+)
+def test_invalid_train_configs_fail_before_start(capsys, monkeypatch, overrides, message):
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for an invalid config")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    assert cli.main(["train", *overrides]) == 2
+    assert message in capsys.readouterr().err
