@@ -25,7 +25,11 @@ class AlgoConfig:
     """The ``algo`` section.
 
     Attributes:
-        name: ``ppo`` (GAE advantages, value loss).
+        name: ``ppo`` (GAE advantages, value loss) or ``grpo`` (each env's first episode in
+            the rollout is scored by its return; scores are normalised within groups of
+            ``group_size`` envs that share a reset id; no value loss).
+        group_size: GRPO group size; must equal ``env.group_size``.
+        normalize_std: GRPO divides by the group's std (``False``: Dr. GRPO).
         gamma, lam: discount and GAE lambda, per chunk step.
         clip_low, clip_high: PPO ratio clip ``[1 - clip_low, 1 + clip_high]``.
         dual_clip: dual-clip constant (``None``: off).
@@ -42,7 +46,9 @@ class AlgoConfig:
         warmup_iterations: linear warmup of the learning rate.
     """
 
-    name: Literal["ppo"] = "ppo"
+    name: Literal["ppo", "grpo"] = "ppo"
+    group_size: int = 1
+    normalize_std: bool = True
     gamma: float = 0.99
     lam: float = 0.95
     clip_low: float = 0.2
@@ -73,6 +79,8 @@ class AlgoConfig:
             )
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ConfigError("algo.gamma and algo.lam must lie in [0, 1]")
+        if self.name == "grpo" and self.group_size < 2:
+            raise ConfigError(f"algo.group_size must be >= 2 for GRPO, got {self.group_size}")
         if self.lr <= 0 or self.value_lr <= 0:
             raise ConfigError("algo.lr and algo.value_lr must be > 0")
 
@@ -87,6 +95,7 @@ class Batch:
     old_value: Tensor  # [N]
     advantages: Tensor  # [N]
     returns: Tensor  # [N]
+    mask: Tensor  # bool [N]: the sample enters the loss
 
     def __len__(self) -> int:
         return self.old_value.shape[0]
@@ -99,6 +108,7 @@ class Batch:
             old_value=self.old_value[idx],
             advantages=self.advantages[idx],
             returns=self.returns[idx],
+            mask=self.mask[idx],
         )
 
 
@@ -112,21 +122,39 @@ def chunk_level(traj: Any) -> dict[str, Tensor]:
     }
 
 
-def build_batch(trajectories: list[Any], gamma: float, lam: float) -> Batch:
-    """GAE per trajectory, then everything flattened to ``N = sum(T * b)`` samples."""
-    from rlinf_vla.algos import compute_advantages
-    from rlinf_vla.envs.base import cat_obs
+def _advantages(traj: Any, algo: AlgoConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Advantages, returns and loss mask ``[T, b]`` of one trajectory."""
+    from rlinf_vla.algos import compute_advantages, granularity
 
-    obs, replay, logprob, value, adv, ret = [], [], [], [], [], []
-    for traj in trajectories:
-        a, r = compute_advantages(
+    chunks = chunk_level(traj)
+    if algo.name == "ppo":
+        adv, ret = compute_advantages(
             "gae",
             values=traj.value,
             final_values=traj.final_value,
-            gamma=gamma,
-            lam=lam,
-            **chunk_level(traj),
+            gamma=algo.gamma,
+            lam=algo.lam,
+            **chunks,
         )
+        return adv, ret, torch.ones_like(adv, dtype=torch.bool)
+    # GRPO: score each env's first episode; its chunk steps share the group-relative advantage.
+    dones = chunks["terminated"] | chunks["truncated"]
+    scores = granularity.episode_scores(chunks["rewards"], dones)
+    adv, _ = compute_advantages(
+        "grpo", scores=scores, group_size=algo.group_size, normalize_std=algo.normalize_std
+    )
+    mask = granularity.valid_until_first_done(dones)
+    T = traj.num_steps
+    return adv.expand(T, -1), scores.expand(T, -1), mask
+
+
+def build_batch(trajectories: list[Any], algo: AlgoConfig) -> Batch:
+    """Advantages per trajectory, then everything flattened to ``N = sum(T * b)`` samples."""
+    from rlinf_vla.envs.base import cat_obs
+
+    obs, replay, logprob, value, adv, ret, mask = [], [], [], [], [], [], []
+    for traj in trajectories:
+        a, r, m = _advantages(traj, algo)
         T = traj.num_steps
         obs.extend(traj.obs)
         replay.append({k: v.flatten(0, 1) for k, v in traj.replay.items()})
@@ -134,6 +162,7 @@ def build_batch(trajectories: list[Any], gamma: float, lam: float) -> Batch:
         value.append(traj.value[:T].flatten(0, 1))
         adv.append(a.flatten(0, 1))
         ret.append(r.flatten(0, 1))
+        mask.append(m.flatten(0, 1))
     return Batch(
         obs=cat_obs(obs),
         replay={k: torch.cat([r[k] for r in replay]) for k in replay[0]},
@@ -141,6 +170,7 @@ def build_batch(trajectories: list[Any], gamma: float, lam: float) -> Batch:
         old_value=torch.cat(value),
         advantages=torch.cat(adv),
         returns=torch.cat(ret),
+        mask=torch.cat(mask),
     )
 
 
@@ -249,8 +279,8 @@ class ActorWorker(Worker):
 
         a = self.algo
         trajectories = channel.get_batch(key, num_trajectories)
-        batch = build_batch(trajectories, a.gamma, a.lam)
-        if a.normalize_advantages and len(batch) > 1:
+        batch = build_batch(trajectories, a)
+        if a.name == "ppo" and a.normalize_advantages and len(batch) > 1:
             batch.advantages = whiten(batch.advantages)
         lr = self._set_lr(iteration, total_iterations)
         n = len(batch)
@@ -265,10 +295,12 @@ class ActorWorker(Worker):
                     idx = mb_idx[m_start : m_start + a.micro_batch_size]
                     mb = batch.select(idx)
                     weight = len(idx) / len(mb_idx)
+                    if not mb.mask.any():
+                        continue
                     out = self.policy.evaluate(
                         mb.obs, {k: v.to(self.device) for k, v in mb.replay.items()}
                     )
-                    mask = torch.ones_like(out.logprob, dtype=torch.bool)
+                    mask = _expand(mb.mask.to(out.logprob.device), out.logprob)
                     pg, pg_m = ppo_policy_loss(
                         logprob=out.logprob,
                         old_logprob=mb.old_logprob.to(out.logprob.device),
@@ -284,7 +316,7 @@ class ActorWorker(Worker):
                         "clip_fraction": pg_m["clip_fraction"],
                         "approx_kl": pg_m["approx_kl"],
                     }
-                    if out.value is not None:
+                    if out.value is not None and a.name == "ppo":
                         vl, _ = value_loss(
                             values=out.value,
                             old_values=mb.old_value.to(out.value.device),
@@ -319,5 +351,5 @@ class ActorWorker(Worker):
         result["train/lr"] = lr
         result["train/advantage_mean"] = float(batch.advantages.mean())
         result["train/return_mean"] = float(batch.returns.mean())
-        result["train/samples"] = float(n)
+        result["train/samples"] = float(batch.mask.sum())
         return result

@@ -152,6 +152,18 @@ def validate(cfg: Any) -> TrainJob:
             f"policy.action_dim={pol_cfg.action_dim} does not match the env's action size "
             f"env.action_dim={env_action_dim}"
         )
+    if job.algo.name == "grpo":
+        if job.algo.group_size != env_cfg.group_size:
+            raise ConfigError(
+                f"algo.group_size={job.algo.group_size} must equal env.group_size={env_cfg.group_size}: "
+                "GRPO compares the episodes of envs that share a reset id"
+            )
+        steps = job.runner.rollout_chunks * pol_cfg.chunk_size
+        if env_cfg.max_episode_steps is not None and steps < env_cfg.max_episode_steps:
+            raise ConfigError(
+                f"GRPO scores whole episodes: runner.rollout_chunks x policy.chunk_size = {steps} env steps "
+                f"is shorter than env.max_episode_steps={env_cfg.max_episode_steps}"
+            )
     devices = local_device_count(job.cluster)
     if devices is not None:
         job.resolved = resolve_placement(job.placement, devices)

@@ -66,6 +66,25 @@ def test_two_iterations_in_each_mode(tmp_path, placement):
 
 
 @pytest.mark.slow
+def test_grpo_two_iterations(tmp_path):
+    args = [
+        "algo=grpo",
+        "algo.group_size=2",
+        "env.group_size=2",
+        "cluster.devices_per_node=1",
+        *SMALL,
+    ]
+    assert (
+        cli.main(["train", *args, "runner.max_iterations=2", f"runner.output_dir={tmp_path}"]) == 0
+    )
+    rows = _metrics(tmp_path)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert "train/value_loss" not in rows[0]  # GRPO has no critic
+    # Envs reset every rollout: each of the 4 envs ends exactly one 8-step episode in 4 chunks of 2.
+    assert all(r["env/episodes"] == 4 for r in rows)
+
+
+@pytest.mark.slow
 def test_resumed_run_matches_uninterrupted_run(tmp_path):
     common = ["cluster.devices_per_node=1", *SMALL, "runner.save_interval=2", "runner.seed=3"]
     full, part = tmp_path / "full", tmp_path / "part"
@@ -97,6 +116,11 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
         (["env=toy", "env.nope=1"], "nope"),
         (["algo.micro_batch_size=5"], "must divide algo.minibatch_size"),
         (["runner.resume=/does/not/exist"], "is not a run folder"),
+        (["algo=grpo"], "algo.group_size=4 must equal env.group_size=1"),
+        (
+            ["algo=grpo", "env.group_size=4", "runner.rollout_chunks=2"],
+            "is shorter than env.max_episode_steps=16",
+        ),
     ],
 )
 def test_invalid_train_configs_fail_before_start(capsys, monkeypatch, overrides, message):

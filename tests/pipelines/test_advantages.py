@@ -1,0 +1,94 @@
+"""Advantages of a rollout as the actor computes them, against numbers worked out by hand."""
+
+import torch
+
+from rlinf_vla.pipelines.actor import AlgoConfig, _advantages, build_batch
+from rlinf_vla.pipelines.rollout import Trajectory
+from rlinf_vla.types import Observation
+
+
+def _trajectory(reward, terminated, truncated, value, final_value):
+    T, b, K = reward.shape
+    obs = [
+        Observation(
+            images={"main": torch.zeros(b, 2, 2, 3, dtype=torch.uint8)},
+            state=None,
+            instruction=["x"] * b,
+        )
+    ] * T
+    return Trajectory(
+        obs=obs,
+        replay={"tokens": torch.arange(T * b).reshape(T, b)},
+        actions=torch.zeros(T, b, K, 1),
+        logprob=torch.zeros(T, b),
+        value=value,
+        final_value=final_value,
+        reward=reward,
+        terminated=terminated,
+        truncated=truncated,
+        invalid=torch.zeros(T, b, dtype=torch.bool),
+        source=(0, 0),
+    )
+
+
+def test_ppo_gae_over_chunks_by_hand():
+    # One env, T=3 chunks of K=2 steps; truncated inside chunk 1, so chunk 1 bootstraps from
+    # final_value and chunk 0's recursion stops there.
+    reward = torch.tensor([[[1.0, 0.5]], [[0.0, 2.0]], [[1.0, 1.0]]])  # chunk rewards 1.5, 2, 2
+    truncated = torch.zeros(3, 1, 2, dtype=torch.bool)
+    truncated[1, 0, 0] = True
+    terminated = torch.zeros(3, 1, 2, dtype=torch.bool)
+    value = torch.tensor([[0.5], [1.0], [0.25], [4.0]])
+    final_value = torch.tensor([[0.0], [3.0], [0.0]])
+    algo = AlgoConfig(gamma=0.5, lam=0.5)
+    adv, ret, mask = _advantages(
+        _trajectory(reward, terminated, truncated, value, final_value), algo
+    )
+    # chunk 2: delta = 2 + 0.5 * 4 - 0.25 = 3.75
+    # chunk 1 (truncated): delta = 2 + 0.5 * 3 - 1 = 2.5, no carry from chunk 2
+    # chunk 0: delta = 1.5 + 0.5 * 1 - 0.5 = 1.5, plus 0.25 * 2.5 = 2.125
+    assert torch.allclose(adv[:, 0], torch.tensor([2.125, 2.5, 3.75]))
+    assert torch.allclose(ret[:, 0], torch.tensor([2.625, 3.5, 4.0]))
+    assert mask.all()
+
+
+def test_grpo_scores_first_episode_per_group():
+    # 4 envs in 2 groups of 2, T=3 chunks of K=1. Env 0 succeeds at chunk 1 (reward 1), then
+    # a second episode earns another reward that must not count; env 1 never succeeds; env 2
+    # and env 3 both succeed: equal scores give advantage 0.
+    reward = torch.zeros(3, 4, 1)
+    terminated = torch.zeros(3, 4, 1, dtype=torch.bool)
+    reward[1, 0, 0] = 1.0
+    terminated[1, 0, 0] = True
+    reward[2, 0, 0] = 1.0  # second episode of env 0
+    for env, t in ((2, 0), (3, 2)):
+        reward[t, env, 0] = 1.0
+        terminated[t, env, 0] = True
+    truncated = torch.zeros_like(terminated)
+    zeros = torch.zeros(3, 4)
+    algo = AlgoConfig(name="grpo", group_size=2)
+    adv, ret, mask = _advantages(
+        _trajectory(reward, terminated, truncated, torch.zeros(4, 4), zeros), algo
+    )
+    # group (env0, env1): scores (1, 0): mean 0.5, unbiased std sqrt(0.5) -> +-0.7071
+    s = 0.5 / 0.5**0.5
+    expected = torch.tensor([s, -s, 0.0, 0.0])
+    assert torch.allclose(adv, expected.expand(3, -1), atol=1e-4)
+    assert torch.equal(ret[0], torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    # env 0's second episode (chunk 2) and env 2's steps after its success are masked out.
+    assert mask.T.tolist() == [
+        [True, True, False],
+        [True, True, True],
+        [True, False, False],
+        [True, True, True],
+    ]
+
+
+def test_build_batch_flattens_time_and_envs():
+    reward = torch.zeros(2, 3, 1)
+    flags = torch.zeros(2, 3, 1, dtype=torch.bool)
+    traj = _trajectory(reward, flags, flags, torch.zeros(3, 3), torch.zeros(2, 3))
+    batch = build_batch([traj, traj], AlgoConfig())
+    assert len(batch) == 12
+    assert batch.obs.batch_size == 12
+    assert batch.replay["tokens"].tolist() == [0, 1, 2, 3, 4, 5] * 2
