@@ -19,6 +19,7 @@ Families register their class where it is defined with :func:`register_policy`; 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import re
@@ -145,7 +146,7 @@ class PolicyConfig:
             raise ValueError(
                 f"{cls.__name__}.preset must be one of {sorted(cls.PRESETS)} (got {preset!r})"
             )
-        return cls(**{**cls.PRESETS[preset], **kwargs})
+        return cls(**{**copy.deepcopy(cls.PRESETS[preset]), **kwargs})
 
     def replace(self, **changes: Any) -> PolicyConfig:
         """A copy with some fields changed (validated again)."""
@@ -268,7 +269,7 @@ class Policy(nn.Module, ABC):
 
     # LoRA (peft is imported lazily) ----------------------------------------------------------
     def _add_lora(self) -> None:
-        from peft import LoraConfig, inject_adapter_in_model
+        from peft import LoraConfig
 
         cfg = self.config
         targets = cfg.lora_target_modules or self.lora_target_modules()
@@ -281,17 +282,15 @@ class Policy(nn.Module, ABC):
             target_modules=targets,
             init_lora_weights="gaussian",
         )
-        inject_adapter_in_model(lora_cfg, self.lora_root())
-        self._lora_config = lora_cfg
-        self._freeze_base()
+        self._inject(lora_cfg)
 
     def _load_lora_adapter(self, adapter_dir: str) -> None:
-        from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+        from peft import LoraConfig, set_peft_model_state_dict
 
         adapter_dir = Path(adapter_dir)
         lora_cfg = LoraConfig.from_pretrained(str(adapter_dir))
         lora_cfg.inference_mode = False
-        inject_adapter_in_model(lora_cfg, self.lora_root())
+        self._inject(lora_cfg)
         weights = load_safetensors_dir(adapter_dir, index_name="adapter_model")
         # peft saves keys as ``base_model.model.<module>.lora_A.weight``.
         weights = {_strip_prefix(k, "base_model.model."): v for k, v in weights.items()}
@@ -302,6 +301,21 @@ class Policy(nn.Module, ABC):
                 f"LoRA adapter {adapter_dir} does not fit the policy: "
                 + _summarize("unexpected", bad)
             )
+
+    def _inject(self, lora_cfg: Any) -> None:
+        from peft import inject_adapter_in_model
+
+        if lora_cfg.target_modules == "all-linear":
+            # peft resolves "all-linear" only on transformers models: every nn.Linear leaf name
+            # of the root except the language model's output layer, as peft does.
+            lora_cfg.target_modules = sorted(
+                {
+                    name.rsplit(".", 1)[-1]
+                    for name, m in self.lora_root().named_modules()
+                    if isinstance(m, nn.Linear) and not name.endswith("lm_head")
+                }
+            )
+        inject_adapter_in_model(lora_cfg, self.lora_root())
         self._lora_config = lora_cfg
         self._freeze_base()
 

@@ -223,3 +223,14 @@ def test_missing_camera_is_named():
     p = build("pi0")
     with pytest.raises(KeyError, match="'wrist'"):
         p.act(make_obs(1, ("main",), 8))
+
+
+@pytest.mark.parametrize("name", ["pi0", "pi05"])
+def test_actions_are_unnormalised_by_hand(name):
+    p = build(name)
+    out = p.act(make_obs(2, CAMERAS, 8))
+    x = out.replay["chain"][:, -1, :2, :7]  # the final denoised state, executed part
+    zscore = x * (2.0 + 1e-6) + 0.5  # π0: mean 0.5, std 2
+    quantile = (x + 1) / 2 * (5.0 + 1e-6) - 2.0  # π0.5: q01 = -2, q99 = 3
+    expected = zscore if name == "pi0" else quantile
+    torch.testing.assert_close(out.actions, expected, rtol=0, atol=1e-5)

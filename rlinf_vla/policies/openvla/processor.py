@@ -132,6 +132,11 @@ class OpenVLAProcessor:
         for candidate in (config.tokenizer, checkpoint):
             if candidate is not None and has_tokenizer_files(candidate):
                 return load_text_tokenizer(candidate)
+        if checkpoint is not None:
+            raise FileNotFoundError(
+                f"{checkpoint} has no tokenizer files (tokenizer.json / tokenizer.model): set "
+                "tokenizer=<folder with the Llama-2 tokenizer of the checkpoint>"
+            )
         tok = build_offline_tokenizer(config.base_vocab_size, "llama", pad_token="<PAD>")
         pad_id = int(config.text_config.get("pad_token_id", config.base_vocab_size))
         if tok.pad_token_id != pad_id:

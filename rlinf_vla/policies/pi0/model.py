@@ -521,67 +521,73 @@ class Pi0Policy(Policy):
             )
         else:
             chosen = torch.full((b,), -1, dtype=torch.long, device=device)
-        chain = [x]
+        chain, steps = [x], []
         for k in range(cfg.num_steps):
             ks = torch.full((b,), k, dtype=torch.long, device=device)
-            out = self._suffix_pass(inputs, prefix, x, self.timesteps(device)[ks])
-            v = self.action_out_proj(out).float()
-            stochastic = (
-                (chosen == k)
-                if cfg.noise_method == "flow_sde"
-                else torch.ones_like(ks, dtype=torch.bool)
-            )
-            mean, std = self._step(x, v, ks, out, stochastic)
+            stochastic = chosen == k if cfg.noise_method == "flow_sde" else ks >= 0
+            mean, std, out = self._transition(inputs, prefix, x, ks, stochastic)
+            steps.append((mean, std, out))
             x = mean if greedy else mean + std * torch.randn_like(mean)
             chain.append(x)
-        chain_t = torch.stack(chain, dim=1)
-        replay = {"chain": chain_t}
+        replay = {"chain": torch.stack(chain, dim=1)}
         if cfg.noise_method == "flow_sde":
             replay["denoise_index"] = chosen
-        scored = self._score(inputs, prefix, replay)
+            # Flow-SDE re-scores the chosen steps in one batched pass, exactly as ``evaluate``.
+            scored = self._score(inputs, prefix, replay)
+        else:
+            # Flow-Noise scores every step: the passes above are the ones ``evaluate`` runs.
+            scored = self._score(inputs, prefix, replay, steps)
         actions = self.processor.unnormalize_actions(x[:, : cfg.chunk_size].cpu()).to(device)
         return ActOutput(
             actions=actions.float(), logprob=scored.logprob, value=scored.value, replay=replay
         )
 
+    def _transition(
+        self, inputs: Pi0Inputs, prefix: dict[str, Any], x: Tensor, k: Tensor, stochastic: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Mean and std of ``x_{k+1}`` from ``x_k = x`` (``[B, H, D]``) at steps ``k [B]``, and
+        the expert's action outputs."""
+        out = self._suffix_pass(inputs, prefix, x, self.timesteps(x.device)[k])
+        v = self.action_out_proj(out).float()
+        mean, std = self._step(x, v, k, out, stochastic)
+        return mean, std, out
+
     def _score(
-        self, inputs: Pi0Inputs, prefix: dict[str, Any], replay: dict[str, Tensor]
+        self,
+        inputs: Pi0Inputs,
+        prefix: dict[str, Any],
+        replay: dict[str, Tensor],
+        steps: list[tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> EvalOutput:
-        """Log-prob, entropy and value of a stored chain (the same code for act and evaluate)."""
+        """Log-prob, entropy and value of a stored chain (the same code for act and evaluate;
+        ``steps``: the per-step transitions ``act`` already computed, Flow-Noise only)."""
         cfg = self.config
         chain = replay["chain"].to(self.device).float()
         b = chain.shape[0]
+        expert_value = self.value_head is not None and cfg.value_source == "expert"
         values = []
         if cfg.noise_method == "flow_sde":
             k = replay["denoise_index"].to(self.device).long()
             rows = torch.arange(b, device=chain.device)
             x, x_next = chain[rows, k], chain[rows, k + 1]
-            out = self._suffix_pass(inputs, prefix, x, self.timesteps(chain.device)[k])
-            v = self.action_out_proj(out).float()
-            mean, std = self._step(x, v, k, out, torch.ones_like(k, dtype=torch.bool))
+            mean, std, out = self._transition(inputs, prefix, x, k, k >= 0)
             logp = gaussian_logprob(x_next, mean, std)
             entropy = gaussian_entropy(std)
-            if self.value_head is not None and cfg.value_source == "expert":
+            if expert_value:
                 values.append(self._expert_value(out))
         else:
-            terms = [
-                gaussian_logprob(
-                    chain[:, 0], torch.zeros_like(chain[:, 0]), torch.ones_like(chain[:, 0])
-                )
-            ]
+            x0 = chain[:, 0]
+            terms = [gaussian_logprob(x0, torch.zeros_like(x0), torch.ones_like(x0))]
             ents = []
             for step in range(cfg.num_steps):
-                ks = torch.full((b,), step, dtype=torch.long, device=chain.device)
-                out = self._suffix_pass(
-                    inputs, prefix, chain[:, step], self.timesteps(chain.device)[ks]
-                )
-                v = self.action_out_proj(out).float()
-                mean, std = self._step(
-                    chain[:, step], v, ks, out, torch.ones_like(ks, dtype=torch.bool)
-                )
+                if steps is not None:
+                    mean, std, out = steps[step]
+                else:
+                    ks = torch.full((b,), step, dtype=torch.long, device=chain.device)
+                    mean, std, out = self._transition(inputs, prefix, chain[:, step], ks, ks >= 0)
                 terms.append(gaussian_logprob(chain[:, step + 1], mean, std))
                 ents.append(gaussian_entropy(std))
-                if self.value_head is not None and cfg.value_source == "expert":
+                if expert_value:
                     values.append(self._expert_value(out))
             logp = torch.stack(terms, 0).mean(0)
             entropy = torch.stack(ents, 0).mean(0)

@@ -94,10 +94,11 @@ class Pi0Processor:
         for candidate in (config.tokenizer, checkpoint):
             if candidate is not None and has_tokenizer_files(candidate):
                 return load_text_tokenizer(candidate)
-        if config.preset == "full" and config.paligemma_variant != "custom":
+        if checkpoint is not None:
             raise FileNotFoundError(
-                "π0 needs the PaliGemma tokenizer: set tokenizer=<folder with tokenizer.model "
-                "or tokenizer.json> (openpi downloads it from gs://big_vision/paligemma_tokenizer.model)"
+                f"{checkpoint} has no tokenizer files: set tokenizer=<folder with the PaliGemma "
+                "tokenizer.model or tokenizer.json> (openpi downloads it from "
+                "gs://big_vision/paligemma_tokenizer.model)"
             )
         return build_offline_tokenizer(int(config.text_config["vocab_size"]), "gemma")
 
