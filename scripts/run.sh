@@ -4,9 +4,9 @@
 #   bash scripts/run.sh [ARGS...]    # ARGS go to `rlinf-vla <MAIN_SUBCOMMAND>`
 set -euo pipefail
 
-# The main job: `rlinf-vla $MAIN_SUBCOMMAND`. Today the runtime channel benchmark; it becomes
-# "train" once the trainer lands.
-MAIN_SUBCOMMAND="bench"
+# The main job: `rlinf-vla $MAIN_SUBCOMMAND` on its default config (PPO with the tiny OpenVLA on
+# the toy env, collocated on a local Ray; see docs/training.md).
+MAIN_SUBCOMMAND="train"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
