@@ -84,6 +84,11 @@ def reset_id_to_task_state(reset_id: int, num_tasks: int) -> tuple[int, int]:
     return (reset_id // INIT_STATES_PER_TASK) % num_tasks, reset_id % INIT_STATES_PER_TASK
 
 
+def task_limits(cfg: LiberoEnvConfig, tasks: tuple[LiberoTask, ...]) -> torch.Tensor:
+    """Time limit of each task: ``max_episode_steps`` if set, else its suite's ``max_steps``."""
+    return torch.tensor([cfg.max_episode_steps or cfg.max_steps[t.suite] for t in tasks])
+
+
 def quat_to_axis_angle(quat: np.ndarray) -> np.ndarray:
     """Axis-angle (3) of a quaternion in robosuite's ``xyzw`` order."""
     w = float(np.clip(quat[3], -1.0, 1.0))
@@ -129,7 +134,6 @@ class LiberoCore:
                 hard_reset=False,
                 ignore_done=True,
             )
-        env.seed(self.cfg.seed)
         if self.cfg.fast_render:
             model = env.sim.model
             model.vis.quality.shadowsize = 0
@@ -147,6 +151,7 @@ class LiberoCore:
             obs = observables[name]
             sensor = obs._sensor
 
+            @functools.wraps(sensor)  # keeps robosuite's ``__modality__`` tag
             def lazy(cache: dict, _sensor: Any = sensor, _name: str = name) -> np.ndarray:
                 if self.render or _name not in self._images:
                     self._images[_name] = _sensor(cache)
@@ -178,13 +183,45 @@ class LiberoCore:
         assert self.init_states is not None
         self.render = self.cfg.settle_steps == 0
         with contextlib.redirect_stdout(io.StringIO()):
-            self.env.reset()
+            # LIBERO re-places fixtures (cabinets, stoves: model body poses, not part of the
+            # init state) with numpy's global RNG on every reset: seed it with the reset id.
+            self.env.seed(int(reset_id) % 2**32)
+            self._reset_robosuite()
             raw = self.env.set_init_state(self.init_states[state % len(self.init_states)])
+            self._clear_episode_memory()
             for k in range(self.cfg.settle_steps):
                 self.render = k == self.cfg.settle_steps - 1
                 raw, *_ = self.env.step(SETTLE_ACTION)
         self.render = True
         return self._obs(raw)
+
+    def _reset_robosuite(self) -> None:
+        # LIBERO's own ``reset()`` retries forever and swallows every exception (``finally:
+        # continue``); retry only robosuite's placement failures, a bounded number of times.
+        from robosuite.utils.errors import RandomizationError
+
+        for attempt in range(10):
+            try:
+                self.env.env.reset()
+                return
+            except RandomizationError:
+                if attempt == 9:
+                    raise
+
+    def _clear_episode_memory(self) -> None:
+        """Forget what a soft reset (``hard_reset=False``) carries over from the last episode.
+
+        A hard reset rebuilds these objects; without it the Panda gripper keeps its stateful
+        ``current_action`` (the fingers' target ramps from it) and MuJoCo its solver warm start.
+        """
+        self.env.sim.data.qacc_warmstart[:] = 0
+        for robot in self.env.env.robots:
+            grippers = (
+                robot.gripper.values() if isinstance(robot.gripper, dict) else [robot.gripper]
+            )
+            for gripper in grippers:
+                if hasattr(gripper, "current_action"):
+                    gripper.current_action = np.zeros_like(gripper.current_action)
 
     def step(self, action: np.ndarray, render: bool) -> tuple[dict | None, float, bool, bool]:
         self.render = render
@@ -254,9 +291,7 @@ class LiberoEnv(VectorEnv):
                 )
             tasks = tuple(all_tasks[i] for i in config.task_ids)
         self.tasks = tasks
-        self._task_limits = torch.tensor(
-            [config.max_episode_steps or config.max_steps[t.suite] for t in tasks]
-        )
+        self._task_limits = task_limits(config, tasks)
         env_vars = {
             "MUJOCO_GL": config.render_backend,
             "PYOPENGL_PLATFORM": config.render_backend,

@@ -1,0 +1,129 @@
+"""Subprocess vectorisation: parallel calls, errors, crashed children restarted and reported."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+
+import pytest
+import torch
+from _cores import CounterCore
+
+from rlinf_vla.envs.base import EnvConfig, StepOutput, VectorEnv
+from rlinf_vla.envs.vector import CRASHED, EnvWorkerError, SubprocBatch, SubprocEnvs
+from rlinf_vla.types import Observation
+
+
+class CounterEnv(VectorEnv):
+    """``CounterCore`` in subprocesses behind the contract (not registered)."""
+
+    name = "counter"
+
+    def __init__(self, config: EnvConfig) -> None:
+        self.batch = SubprocBatch(SubprocEnvs([CounterCore] * config.num_envs, name="counter"))
+        super().__init__(config, default_max_episode_steps=20)
+
+    @property
+    def action_dim(self) -> int:
+        return 1
+
+    @property
+    def num_reset_ids(self) -> int:
+        return 5
+
+    def _reset_envs(self, env_ids: torch.Tensor, reset_ids: torch.Tensor) -> Observation:
+        return self.batch.reset(env_ids, reset_ids)
+
+    def _step_envs(self, actions, active, need_obs) -> StepOutput:
+        return self.batch.step(actions, active, need_obs)
+
+    def _close(self) -> None:
+        self.batch.envs.close()
+
+
+@pytest.fixture
+def env():
+    e = CounterEnv(EnvConfig(num_envs=3, max_episode_steps=20))
+    yield e
+    e.close()
+
+
+def test_children_run_and_results_batch(env: CounterEnv) -> None:
+    obs = env.reset(torch.tensor([1, 2, 3]))
+    assert obs.state.flatten().tolist() == [1, 2, 3]
+    res = env.chunk_step(torch.ones(3, 4, 1))
+    assert res.obs.state.flatten().tolist() == [5, 6, 7]
+    pids = env.batch.envs.call("pid", {0: (), 1: (), 2: ()})
+    assert len(set(pids.values())) == 3 and os.getpid() not in pids.values()
+
+
+def test_rendering_skipped_inside_chunk(env: CounterEnv) -> None:
+    env.reset(torch.tensor([0, 0, 0]))
+    before = env.batch.envs.call("render_count", {0: ()})[0]
+    env.chunk_step(torch.zeros(3, 8, 1))
+    after = env.batch.envs.call("render_count", {0: ()})[0]
+    assert after - before == 1  # only the last step of the chunk was rendered
+
+
+def test_success_inside_chunk_gives_final_obs(env: CounterEnv) -> None:
+    env.reset(torch.tensor([8, 0, 0]))
+    res = env.chunk_step(torch.ones(3, 4, 1))
+    assert res.terminated[0].tolist() == [False, True, False, False]
+    assert res.final_obs is not None and res.final_obs.state[0].item() == 10
+    assert res.success.tolist() == [True, False, False]
+    assert res.info["elapsed_steps"][0] == 0  # auto-reset
+    assert res.obs.state[1].item() == 4
+
+
+def test_core_exception_is_raised_with_traceback(env: CounterEnv) -> None:
+    with pytest.raises(EnvWorkerError, match="boom inside the core"):
+        env.batch.envs.call("boom", {1: ()})
+    env.reset()  # the pool is still usable
+
+
+def test_start_failure_names_env() -> None:
+    factory = functools.partial(CounterCore, fail_start=True)
+    with pytest.raises(EnvWorkerError, match=r"failed to start(.|\n)*refuses to start"):
+        SubprocEnvs([factory], name="counter")
+
+
+def test_killed_child_is_restarted_and_episode_invalid(env: CounterEnv) -> None:
+    env.reset(torch.tensor([0, 0, 0]))
+    env.chunk_step(torch.ones(3, 2, 1))
+    pool = env.batch.envs
+    old = pool.process(1)
+    os.kill(old.pid, signal.SIGKILL)
+    old.join(timeout=10)
+    res = env.chunk_step(torch.ones(3, 3, 1))
+    assert res.info["invalid"].tolist() == [False, True, False]
+    assert res.truncated[1].tolist() == [True, False, False]
+    assert not res.terminated[1].any() and not res.success[1] and res.reward[1].sum() == 0
+    assert pool.restarts == [0, 1, 0]
+    assert pool.process(1).pid != old.pid and pool.process(1).is_alive()
+    # the restarted env was reset to a new episode; stepping continues for everyone
+    assert res.info["elapsed_steps"].tolist() == [5, 0, 5]
+    res = env.chunk_step(torch.ones(3, 2, 1))
+    assert not res.info["invalid"].any()
+    assert res.info["elapsed_steps"].tolist() == [7, 2, 7]
+
+
+def test_call_reports_crash_without_raising() -> None:
+    pool = SubprocEnvs([CounterCore, CounterCore], name="counter")
+    try:
+        pool.call("reset", {0: (1,), 1: (1,)})
+        os.kill(pool.process(0).pid, signal.SIGKILL)
+        out = pool.call("step", {0: ([1.0], True), 1: ([1.0], True)})
+        assert out[0] is CRASHED and out[1] is not CRASHED
+    finally:
+        pool.close()
+    assert pool.process(0) is None and pool.process(1) is None
+
+
+def test_close_terminates_children() -> None:
+    pool = SubprocEnvs([CounterCore] * 2, name="counter")
+    procs = [pool.process(i) for i in range(2)]
+    pool.close()
+    assert all(not p.is_alive() for p in procs)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.call("pid", {0: ()})
