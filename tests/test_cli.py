@@ -65,4 +65,9 @@ def test_every_config_group_choice_composes_and_validates():
         validate, _ = command.load()
         for group, choices in cli.config_groups(command.config_name).items():
             for choice in choices:
-                validate(cli.compose(command.config_name, [f"{group}={choice}"]))
+                overrides = [f"{group}={choice}", "cluster.devices_per_node=2"]
+                if choice == "disaggregated":  # env, rollout and actor on their own devices
+                    overrides[1] = "cluster.devices_per_node=3"
+                if group == "cluster" and choice == "ray":  # no local devices to size
+                    overrides.pop()
+                validate(cli.compose(command.config_name, overrides))

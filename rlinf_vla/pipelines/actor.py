@@ -190,7 +190,9 @@ class ActorWorker(Worker):
 
         torch.manual_seed(seed)
         self.algo = from_section(AlgoConfig, algo, "algo")
-        self.policy = make_policy(policy_name, **policy_config).to(self.device).train()
+        self.policy = make_policy(
+            policy_name, **{**policy_config, "device": str(self.device)}
+        ).train()
         value_params = [p for n, p in self.policy.named_parameters() if "value_head" in n]
         value_ids = {id(p) for p in value_params}
         other = [p for p in self.policy.parameters() if id(p) not in value_ids and p.requires_grad]

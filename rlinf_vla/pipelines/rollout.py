@@ -219,7 +219,9 @@ class RolloutWorker(Worker):
         from rlinf_vla.policies import make_policy
 
         torch.manual_seed(seed + 7919 * (self.rank + 1))  # the action sampler's stream
-        self.policy = make_policy(policy_name, **policy_config).to(self.device).eval()
+        self.policy = make_policy(
+            policy_name, **{**policy_config, "device": str(self.device)}
+        ).eval()
         self.version = 0
 
     def sync_from(self, collective_name: str, version: int) -> None:

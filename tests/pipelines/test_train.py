@@ -116,7 +116,7 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
         (["env=toy", "env.nope=1"], "nope"),
         (["algo.micro_batch_size=5"], "must divide algo.minibatch_size"),
         (["runner.resume=/does/not/exist"], "is not a run folder"),
-        (["algo=grpo"], "algo.group_size=4 must equal env.group_size=1"),
+        (["algo=grpo", "env.group_size=2"], "algo.group_size=4 must equal env.group_size=2"),
         (
             ["algo=grpo", "env.group_size=4", "runner.rollout_chunks=2"],
             "is shorter than env.max_episode_steps=16",
