@@ -42,8 +42,9 @@ class LiberoEnvConfig(EnvConfig):
             settle; not counted in the episode.
         max_steps: time limit per suite, merged over :data:`DEFAULT_MAX_STEPS`; the shared
             ``max_episode_steps``, when set, overrides it for every task.
-        fast_render: turn shadows and multisampling off (about 2.5x faster CPU rendering; the
-            images then differ slightly from the official LIBERO renders).
+        fast_render: turn reflections, shadows, skybox and multisampling off (about 4x faster
+            CPU rendering; the table loses its mirror image, so images differ slightly from the
+            official LIBERO renders).
         render_backend: MuJoCo offscreen backend, ``"egl"`` or ``"osmesa"``.
         worker_timeout_s: seconds a worker may take for one command (a task switch rebuilds
             its simulator) before it is considered hung and restarted.

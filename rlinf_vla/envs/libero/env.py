@@ -98,6 +98,26 @@ def quat_to_axis_angle(quat: np.ndarray) -> np.ndarray:
     return np.asarray(quat[:3]) * 2.0 * math.acos(w) / den
 
 
+def _fast_render(sim: Any) -> None:
+    """Cheaper CPU rendering: no reflections, shadows, skybox or multisampling.
+
+    Reflections (the LIBERO tables are reflective) render the scene twice; multisampling
+    renders 4 samples per pixel. The MuJoCo render context is rebuilt so ``offsamples``
+    applies. About 4x faster with llvmpipe; the table loses its mirror image.
+    """
+    import mujoco
+
+    model = sim.model
+    model.vis.quality.shadowsize = 0
+    model.vis.quality.offsamples = 0
+    ctx = sim._render_context_offscreen
+    ctx.gl_ctx.make_current()
+    ctx.con.free()
+    ctx._set_mujoco_context_and_buffers()
+    for flag in ("mjRND_REFLECTION", "mjRND_SHADOW", "mjRND_SKYBOX"):
+        ctx.scn.flags[getattr(mujoco.mjtRndFlag, flag)] = 0
+
+
 class LiberoCore:
     """One LIBERO simulator in a subprocess (see ``rlinf_vla.envs.vector``).
 
@@ -135,10 +155,7 @@ class LiberoCore:
                 ignore_done=True,
             )
         if self.cfg.fast_render:
-            model = env.sim.model
-            model.vis.quality.shadowsize = 0
-            model.vis.quality.offsamples = 0
-            model.light_castshadow[:] = 0
+            _fast_render(env.sim)
         self._wrap_cameras(env)
         self.env = env
         self.task_pos = pos
@@ -271,7 +288,8 @@ class LiberoEnv(VectorEnv):
       xyz delta (x0.05 m), axis-angle rotation delta (x0.5 rad), gripper (+1 close, -1 open).
     - **Processes.** One subprocess per env (about 2 GB each). A task switch rebuilds that
       env's simulator (several seconds). A crashed subprocess is restarted and its episode
-      reported invalid. ``fast_render`` turns shadows off for about 2.5x faster CPU rendering;
+      reported invalid. ``fast_render`` turns reflections, shadows and multisampling off (about
+      4x faster CPU rendering);
       steps whose images are not used skip rendering. Nothing is downloaded and nothing prompts.
     """
 

@@ -65,6 +65,7 @@ class ToyEnv(VectorEnv):
         self._target = torch.zeros(n, dtype=torch.long)
         self._scene = torch.zeros(n, s, s, 3, dtype=torch.uint8)
         self._instructions = [""] * n
+        self._last_obs: Observation | None = None  # returned while no observation is needed
         self._move_to(self.device)
 
     # ------------------------------------------------------------------ contract
@@ -135,14 +136,17 @@ class ToyEnv(VectorEnv):
         self._pos = torch.where(active[:, None], moved, self._pos)
         dist = torch.linalg.vector_norm(self._pos - self.target_pos, dim=1)
         success = dist <= cfg.success_radius
+        if bool(((need_obs.to(self.device) | success) & active).any()) or self._last_obs is None:
+            self._last_obs = Observation(
+                images={"main": self._render()},
+                state=self._state(),
+                instruction=list(self._instructions),
+            )
         if cfg.step_time_s or cfg.step_time_per_env_s:
             time.sleep(cfg.step_time_s + cfg.step_time_per_env_s * int(active.sum()))
-        obs = Observation(
-            images={"main": self._render()},
-            state=self._state(),
-            instruction=list(self._instructions),
+        return StepOutput(
+            obs=self._last_obs, reward=success.float(), terminated=success, success=success
         )
-        return StepOutput(obs=obs, reward=success.float(), terminated=success, success=success)
 
     def _offload(self) -> None:
         self._move_to(torch.device("cpu"))
@@ -173,25 +177,30 @@ class ToyEnv(VectorEnv):
         return torch.cat((pos, target - pos), dim=1)
 
     def _render_scene(self, rows: torch.Tensor) -> torch.Tensor:
-        """Draw the objects of envs ``rows`` (static during an episode): uint8 ``[n, S, S, 3]``."""
+        """Draw the objects of envs ``rows`` (static during an episode): uint8 ``[n, S, S, 3]``.
+
+        Builds a colour-index map ``[n, S, S]`` (0 = background) and looks the colours up once,
+        which keeps the number of full-image tensor ops small.
+        """
         s = self.cfg.image_size
-        n = len(rows)
         grid = (torch.arange(s, device=self.device, dtype=torch.float32) + 0.5) / s
-        img = self._background.expand(n, s, s, 3).clone()
         obj_pos = self._obj_pos[rows]
         obj_shape = self._obj_shape[rows]
-        obj_color = self._palette[self._obj_color[rows]]
+        obj_label = (self._obj_color[rows] + 1).to(torch.uint8)
+        label = torch.zeros(len(rows), s, s, dtype=torch.uint8, device=self.device)
         r = _OBJECT_HALF_SIZE
         for j in range(self.cfg.num_objects):
             dx = grid[None, None, :] - obj_pos[:, j, 0, None, None]
             dy = grid[None, :, None] - obj_pos[:, j, 1, None, None]
-            square = (dx.abs() <= r) & (dy.abs() <= r)
-            circle = dx * dx + dy * dy <= r * r
-            triangle = (dy.abs() <= r) & (dx.abs() <= (dy + r) * 0.5)
+            adx, ady = dx.abs(), dy.abs()
             shape = obj_shape[:, j, None, None]
-            mask = torch.where(shape == 0, square, torch.where(shape == 1, circle, triangle))
-            img = torch.where(mask[..., None], obj_color[:, j, None, None, :], img)
-        return img
+            mask = (shape == 0) & (adx <= r) & (ady <= r)
+            mask |= (shape == 1) & (dx * dx + dy * dy <= r * r)
+            mask |= (shape == 2) & (ady <= r) & (adx <= (dy + r) * 0.5)
+            label.masked_fill_(mask, 0)
+            label += mask * obj_label[:, j, None, None]
+        colors = torch.cat((self._background[None], self._palette))
+        return colors[label.long()]
 
     def _render(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The scene of envs ``rows`` (all by default) with the agent drawn on top."""
