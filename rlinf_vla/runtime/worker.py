@@ -320,9 +320,13 @@ class WorkerGroup(Generic[W]):
                 "RLINF_VLA_RANK": str(rank),
                 "RLINF_VLA_WORLD_SIZE": str(len(self.devices)),
                 "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
-                "CUDA_VISIBLE_DEVICES": str(device.local_index) if device.kind == "cuda" else "",
-                **(env_vars or {}),
             }
+            # A GPU worker sees only its GPU. CPU devices exist only on nodes without GPUs, so
+            # there is nothing to hide there (an empty CUDA_VISIBLE_DEVICES also breaks
+            # robosuite's EGL renderer).
+            if device.kind == "cuda":
+                env["CUDA_VISIBLE_DEVICES"] = str(device.local_index)
+            env.update(env_vars or {})
             actor = host_cls.options(
                 name=f"{name}:{rank}:{os.getpid()}:{id(self)}",
                 num_cpus=0,

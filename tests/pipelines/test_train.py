@@ -132,3 +132,25 @@ def test_invalid_train_configs_fail_before_start(capsys, monkeypatch, overrides,
     monkeypatch.setattr(ray, "init", no_ray)
     assert cli.main(["train", *overrides]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("env", "module"),
+    [
+        (["env=maniskill", "env.num_envs=1"], "mani_skill"),
+        (["env=libero", "env.num_envs=1", "env.task_ids=[0]"], "libero"),
+    ],
+    ids=["maniskill", "libero"],
+)
+def test_two_iterations_on_a_simulator(tmp_path, env, module):
+    pytest.importorskip(module)
+    args = [*env, "cluster.devices_per_node=1", "runner.rollout_chunks=2", "algo.update_epochs=1"]
+    assert (
+        cli.main(["train", *args, "runner.max_iterations=2", f"runner.output_dir={tmp_path}"]) == 0
+    )
+    rows = _metrics(tmp_path)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert [r["env_steps"] for r in rows] == [4, 8]  # 1 env x 2 chunks x 2 steps
+    assert rows[-1]["train/samples"] == 2.0
