@@ -154,3 +154,15 @@ def test_two_iterations_on_a_simulator(tmp_path, env, module):
     assert [r["iteration"] for r in rows] == [1, 2]
     assert [r["env_steps"] for r in rows] == [4, 8]  # 1 env x 2 chunks x 2 steps
     assert rows[-1]["train/samples"] == 2.0
+
+
+@pytest.mark.slow
+def test_pi0_with_flow_sde_trains(tmp_path):
+    args = ["policy=pi0", "policy.image_keys=[main]", "cluster.devices_per_node=1", *SMALL]
+    assert (
+        cli.main(["train", *args, "runner.max_iterations=1", f"runner.output_dir={tmp_path}"]) == 0
+    )
+    [row] = _metrics(tmp_path)
+    # 4 envs x 4 chunks x 4 steps per chunk
+    assert row["env_steps"] == 64
+    assert row["train/samples"] == 16.0
