@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 
@@ -115,10 +116,13 @@ def save_observation(obs, path: str) -> None:
     images = [obs.images[k][0].cpu().numpy() for k in sorted(obs.images, key=lambda k: k != "main")]
     size = 224
     tiles = [Image.fromarray(img).resize((size, size), Image.NEAREST) for img in images]
-    canvas = Image.new("RGB", (size * len(tiles), size + 20), (0, 0, 0))
+    lines = textwrap.wrap(obs.instruction[0], width=6 * len(tiles) * size // 36)
+    canvas = Image.new("RGB", (size * len(tiles), size + 6 + 14 * len(lines)), (0, 0, 0))
     for i, tile in enumerate(tiles):
         canvas.paste(tile, (i * size, 0))
-    ImageDraw.Draw(canvas).text((4, size + 4), obs.instruction[0], fill=(255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    for j, line in enumerate(lines):
+        draw.text((4, size + 3 + 14 * j), line, fill=(255, 255, 255))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     canvas.save(path, optimize=True)
 

@@ -65,6 +65,8 @@ class ManiSkillEnvConfig(EnvConfig):
             CPU-simulated env per subprocess, ``"auto"`` picks GPU when CUDA is available.
         device: torch device of the observations (GPU backend only; CPU is always ``"cpu"``).
         instruction: override the task's instruction.
+        show_goal: show the goal markers ManiSkill hides from cameras (PickCube's green goal
+            sphere), since a VLA only sees the images and the instruction names the goal.
         shader: ManiSkill shader pack of the cameras (``"minimal"`` is the fastest).
         worker_timeout_s: seconds a CPU worker may take for one command before it is
             considered hung and restarted.
@@ -81,6 +83,7 @@ class ManiSkillEnvConfig(EnvConfig):
     sim_backend: str = "auto"
     device: str = "cpu"
     instruction: str | None = None
+    show_goal: bool = True
     shader: str = "minimal"
     worker_timeout_s: float = 600.0
 

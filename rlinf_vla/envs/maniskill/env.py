@@ -131,6 +131,18 @@ class _Cameras:
             self.names["wrist"] = wrist[0]
 
 
+def _reveal_hidden(env: Any) -> None:
+    """Show the goal markers ManiSkill hides from cameras (e.g. PickCube's green goal sphere).
+
+    ManiSkill hides them because its RL baselines get the goal in the state; a VLA only sees the
+    images, and the instruction refers to the marker. Tasks refill the list when they rebuild
+    their scene, so this runs after every reset.
+    """
+    for obj in env._hidden_objects:
+        obj.show_visual()
+    env._hidden_objects = []
+
+
 def _flip_gripper(env: Any, cfg: ManiSkillEnvConfig) -> bool:
     if cfg.gripper_convention != "close_positive":
         return False
@@ -173,8 +185,11 @@ class ManiSkillCore:
         }
 
     def reset(self, reset_id: int) -> dict[str, Any]:
-        raw, _ = self.env.reset(seed=int(reset_id))
-        return self._obs(raw)
+        with _ObsModeAs(self.env, "state_dict"):
+            self.env.reset(seed=int(reset_id))
+        if self.cfg.show_goal:
+            _reveal_hidden(self.env)
+        return self._obs(self.env.get_obs(unflattened=True))
 
     def step(self, action: np.ndarray, render: bool) -> tuple[dict | None, float, bool, bool]:
         action = np.array(action, dtype=np.float32)
@@ -231,6 +246,8 @@ class _GpuBatch:
         with _ObsModeAs(self.env, "state_dict"):
             for i, rid in zip(env_ids.tolist(), reset_ids.tolist(), strict=True):
                 self.env.reset(seed=[int(rid)], options={"env_idx": torch.tensor([i])})
+        if self.cfg.show_goal:
+            _reveal_hidden(self.env)
         raw = self.env.get_obs(unflattened=True)
         return self._obs(raw, env_ids)
 
@@ -293,7 +310,8 @@ class ManiSkillEnv(VectorEnv):
     - **Success.** ManiSkill's ``info["success"]``; it terminates the episode. The default
       reward is sparse (1.0 on success); ``reward_mode="dense"`` gives the task's shaped reward.
       Time limit: the task's registered ``max_episode_steps`` (PickCube: 50) unless configured.
-    - **Observation.** ``images["main"]``: the task's first camera (``base_camera`` for the
+    - **Observation.** Goal markers ManiSkill hides from cameras (PickCube's green goal) are shown
+      (``show_goal``). ``images["main"]``: the task's first camera (``base_camera`` for the
       tabletop tasks), ``images["wrist"]``: the robot's hand camera when it has one (robot
       ``panda_wristcam``), both uint8 ``[B, S, S, 3]`` with ``S = image_size``; ``state``:
       float32 joint positions followed by the TCP pose (xyz + quaternion wxyz), ``[B, 16]`` for
