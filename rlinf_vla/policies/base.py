@@ -258,14 +258,21 @@ class Policy(nn.Module, ABC):
         """The module the LoRA adapter is injected into (its names are the adapter's keys)."""
         raise NotImplementedError(f"{type(self).__name__} has no LoRA root")
 
+    #: Names of the RL heads (value head, log-stds, ...): kept in float32 whatever the dtype.
+    _rl_heads: ClassVar[tuple[str, ...]] = ()
+
     def _finish_init(self) -> None:
-        """Dtype/device placement, LoRA and gradient checkpointing, in that order."""
+        """Dtype/device placement, LoRA, then the RL heads back to float32."""
         cfg = self.config
         self.to(device=cfg.device, dtype=cfg.torch_dtype)
         if cfg.lora_adapter:
             self._load_lora_adapter(cfg.lora_adapter)
         elif cfg.lora_rank > 0:
             self._add_lora()
+        for name in self._rl_heads:
+            head = getattr(self, name, None)
+            if head is not None:
+                head.float()
 
     # LoRA (peft is imported lazily) ----------------------------------------------------------
     def _add_lora(self) -> None:

@@ -363,13 +363,6 @@ class OpenVLAPolicy(Policy):
     def _make_processor(self, tokenizer: Any) -> OpenVLAProcessor:
         return OpenVLAProcessor(self.config, tokenizer)
 
-    def _finish_init(self) -> None:
-        super()._finish_init()
-        for name in self._rl_heads:  # heads stay in float32 (values, log-stds)
-            head = getattr(self, name, None)
-            if head is not None:
-                head.float()
-
     def lora_root(self) -> nn.Module:
         return self.vla
 

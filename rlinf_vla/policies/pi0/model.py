@@ -369,10 +369,6 @@ class Pi0Policy(Policy):
         if ckpt is not None:
             self._load_weights(ckpt)
         self._finish_init()
-        for name in self._rl_heads:
-            head = getattr(self, name, None)
-            if head is not None:
-                head.float()
         if cfg.gradient_checkpointing:
             self.enable_gradient_checkpointing()
 
