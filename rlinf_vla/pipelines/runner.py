@@ -100,7 +100,12 @@ class EmbodiedRunner:
         r = self.job.runner
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.job.raw, sort_keys=False))
-        metrics_file = (self.output_dir / "metrics.jsonl").open("a")
+        metrics_path = self.output_dir / "metrics.jsonl"
+        if metrics_path.exists():  # a resumed run: drop rows logged after the checkpoint
+            rows = [line for line in metrics_path.read_text().splitlines() if line.strip()]
+            kept = [line for line in rows if json.loads(line)["iteration"] <= self.start_iteration]
+            metrics_path.write_text("".join(line + "\n" for line in kept))
+        metrics_file = metrics_path.open("a")
         columns = [
             TextColumn("[bold]iter {task.completed}/{task.total}"),
             BarColumn(),

@@ -90,6 +90,9 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     assert cli.main(["train", *common, "runner.max_iterations=4", f"runner.output_dir={full}"]) == 0
     assert cli.main(["train", *common, "runner.max_iterations=2", f"runner.output_dir={part}"]) == 0
+    # A crash after logging iteration 3 but before its checkpoint: that row must be replaced.
+    with (part / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"iteration": 3, "env/success_rate": -1.0}) + "\n")
     assert cli.main(["train", *common, "runner.max_iterations=4", f"runner.resume={part}"]) == 0
     expected, resumed = _metrics(full), _metrics(part)
     assert [r["iteration"] for r in resumed] == [1, 2, 3, 4]
