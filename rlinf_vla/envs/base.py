@@ -142,13 +142,7 @@ class EnvConfig:
     @classmethod
     def from_kwargs(cls, env_name: str = "", **kwargs: Any) -> EnvConfig:
         """Build the config from keyword arguments; unknown keys fail, naming them."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(
-                f"unknown config key(s) {unknown} for env {env_name or cls.__name__!r}; "
-                f"known keys: {sorted(known)}"
-            )
+        _check_keys(cls, kwargs, f"env {env_name or cls.__name__!r}")
         return cls(**kwargs)
 
 
@@ -539,14 +533,16 @@ class VectorEnv(ABC):
 
 def replace_config(config: EnvConfig, **overrides: Any) -> EnvConfig:
     """A copy of ``config`` with ``overrides``; unknown keys fail, naming them."""
-    known = {f.name for f in fields(config)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise TypeError(
-            f"unknown config key(s) {unknown} for {type(config).__name__}; "
-            f"known keys: {sorted(known)}"
-        )
+    _check_keys(type(config), overrides, type(config).__name__)
     return dataclasses.replace(config, **overrides)
+
+
+def _check_keys(cls: type[EnvConfig], keys: dict[str, Any], what: str) -> None:
+    """Unknown config keys fail, naming them and the known ones."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(keys) - known)
+    if unknown:
+        raise TypeError(f"unknown config key(s) {unknown} for {what}; known keys: {sorted(known)}")
 
 
 def split_sizes(num_envs: int, num_stages: int, group_size: int = 1) -> list[int]:
