@@ -31,13 +31,20 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 class Command:
     """A subcommand: its primary config and the module implementing ``validate`` and ``run``.
 
-    ``validate(cfg) -> job`` must be pure; ``run(job)`` does the work.
+    ``validate(cfg) -> job`` must be pure; ``run(job)`` does the work. ``config_root`` is a
+    folder under ``configs/`` holding the command's own primary config and groups (e.g. the
+    ``algo`` group of ``math-grpo``); groups it lacks (``cluster``...) come from ``configs/``.
     """
 
     name: str
     help: str
     config_name: str
     module: str
+    config_root: str = ""
+
+    @property
+    def config_dir(self) -> Path:
+        return CONFIG_DIR / self.config_root
 
     def load(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
         mod = importlib.import_module(self.module)
@@ -64,22 +71,23 @@ COMMANDS: dict[str, Command] = {
 
 
 # --------------------------------------------------------------------------- config groups
-def config_groups(config_name: str) -> dict[str, list[str]]:
+def config_groups(config_name: str, config_dir: Path = CONFIG_DIR) -> dict[str, list[str]]:
     """The config groups a primary config composes, with their available choices."""
-    data = yaml.safe_load((CONFIG_DIR / f"{config_name}.yaml").read_text()) or {}
+    data = yaml.safe_load((config_dir / f"{config_name}.yaml").read_text()) or {}
     groups: dict[str, list[str]] = {}
     for entry in data.get("defaults", []):
         if isinstance(entry, dict):
             for group in entry:
                 group = group.split("@")[0].removeprefix("override ").strip()
-                folder = CONFIG_DIR / group
-                if folder.is_dir():
-                    groups[group] = sorted(p.stem for p in folder.glob("*.yaml"))
+                for root in (config_dir, CONFIG_DIR):
+                    if (root / group).is_dir():
+                        groups[group] = sorted(p.stem for p in (root / group).glob("*.yaml"))
+                        break
     return groups
 
 
-def _default_choices(config_name: str) -> dict[str, str]:
-    data = yaml.safe_load((CONFIG_DIR / f"{config_name}.yaml").read_text()) or {}
+def _default_choices(config_name: str, config_dir: Path = CONFIG_DIR) -> dict[str, str]:
+    data = yaml.safe_load((config_dir / f"{config_name}.yaml").read_text()) or {}
     return {
         k.split("@")[0]: str(v)
         for entry in data.get("defaults", [])
@@ -88,8 +96,10 @@ def _default_choices(config_name: str) -> dict[str, str]:
     }
 
 
-def _check_group_choices(config_name: str, overrides: Sequence[str]) -> None:
-    groups = config_groups(config_name)
+def _check_group_choices(
+    config_name: str, overrides: Sequence[str], config_dir: Path = CONFIG_DIR
+) -> None:
+    groups = config_groups(config_name, config_dir)
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep:
@@ -103,8 +113,10 @@ def _check_group_choices(config_name: str, overrides: Sequence[str]) -> None:
             )
 
 
-def compose(config_name: str, overrides: Sequence[str] = ()) -> Any:
-    """Compose the primary config ``config_name`` with Hydra ``overrides``.
+def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR) -> Any:
+    """Compose the primary config ``config_name`` (in ``config_dir``) with Hydra ``overrides``.
+
+    Groups missing from ``config_dir`` are looked up in the shared ``configs/`` folder.
 
     Raises:
         ConfigError: an unknown group choice (listing the known ones) or an unknown key
@@ -115,10 +127,13 @@ def compose(config_name: str, overrides: Sequence[str] = ()) -> Any:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    _check_group_choices(config_name, overrides)
+    _check_group_choices(config_name, overrides, config_dir)
+    overrides = list(overrides)
+    if Path(config_dir) != CONFIG_DIR:
+        overrides.append(f"hydra.searchpath=[file://{CONFIG_DIR}]")
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_explain(e)) from None
 
@@ -144,8 +159,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for command in COMMANDS.values():
-        groups = config_groups(command.config_name)
-        defaults = _default_choices(command.config_name)
+        groups = config_groups(command.config_name, command.config_dir)
+        defaults = _default_choices(command.config_name, command.config_dir)
         lines = [
             f"  {g:<12} {', '.join(c + (' (default)' if c == defaults.get(g) else '') for c in cs)}"
             for g, cs in groups.items()
@@ -173,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     command = COMMANDS[args.command]
     try:
-        cfg = compose(command.config_name, args.overrides)
+        cfg = compose(command.config_name, args.overrides, command.config_dir)
         validate, run = command.load()
         job = validate(cfg)
     except ConfigError as e:
