@@ -177,7 +177,26 @@ def _build_parser() -> argparse.ArgumentParser:
             "overrides", nargs="*", metavar="override", help="group=choice or section.key=value"
         )
         p.add_argument("--cfg", choices=["job"], help="print the resolved config and exit")
+    p = sub.add_parser(
+        "plot",
+        help="render a training run's learning curves (metrics.jsonl) to a PNG",
+        description="Render the learning curves of a `rlinf-vla train` run folder to a PNG.",
+    )
+    p.add_argument("run_dir", help="the run folder (it holds metrics.jsonl)")
+    p.add_argument("-o", "--output", help="the PNG to write (default: <run_dir>/curves.png)")
     return parser
+
+
+def _plot(run_dir: str, output: str | None) -> int:
+    from rlinf_vla.pipelines.plot import plot_run
+
+    try:
+        out = plot_run(run_dir, output)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"rlinf-vla plot: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -186,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "plot":
+        return _plot(args.run_dir, args.output)
     command = COMMANDS[args.command]
     try:
         cfg = compose(command.config_name, args.overrides, command.config_dir)

@@ -139,6 +139,11 @@ class EnvConfig:
         )
         check_field(self, "video_fps", self.video_fps >= 1, "must be >= 1")
 
+    @property
+    def cameras(self) -> tuple[str, ...]:
+        """The ``images`` keys the env's observations will have (known before it starts)."""
+        return ("main",)
+
     @classmethod
     def from_kwargs(cls, env_name: str = "", **kwargs: Any) -> EnvConfig:
         """Build the config from keyword arguments; unknown keys fail, naming them."""

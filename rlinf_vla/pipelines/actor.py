@@ -204,6 +204,7 @@ class ActorWorker(Worker):
         self.optimizer = torch.optim.AdamW(groups, weight_decay=self.algo.weight_decay)
         self.generator = torch.Generator().manual_seed(seed + 1000 * self.rank)
         self.version = 0
+        self.nan_streak = 0  # optimizer updates skipped in a row (non-finite loss/gradient)
 
     def save(self, path: str) -> None:
         """Policy in its on-disk format (rank 0), optimizer and RNG states (every rank)."""
@@ -216,6 +217,7 @@ class ActorWorker(Worker):
             "torch_rng": torch.get_rng_state(),
             "generator": self.generator.get_state(),
             "version": self.version,
+            "nan_streak": self.nan_streak,
         }
         torch.save(state, Path(path) / f"actor_rank{self.rank}.pt")
 
@@ -229,6 +231,7 @@ class ActorWorker(Worker):
         torch.set_rng_state(state["torch_rng"])
         self.generator.set_state(state["generator"])
         self.version = state["version"]
+        self.nan_streak = state.get("nan_streak", 0)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
@@ -343,13 +346,16 @@ class ActorWorker(Worker):
                 if not math.isfinite(float(grad_norm)):
                     self.optimizer.zero_grad(set_to_none=True)
                     sums["skipped_updates"] = sums.get("skipped_updates", 0.0) + 1
+                    self.nan_streak += 1
                 else:
                     self.optimizer.step()
+                    self.nan_streak = 0
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
                 steps += 1
         self.version += 1
         result = {f"train/{k}": v / steps for k, v in sums.items() if k != "skipped_updates"}
         result["train/skipped_updates"] = sums.get("skipped_updates", 0.0)
+        result["train/nan_streak"] = float(self.nan_streak)
         result["train/lr"] = lr
         result["train/advantage_mean"] = float(batch.advantages.mean())
         result["train/return_mean"] = float(batch.returns.mean())

@@ -13,6 +13,7 @@ from typing import Any
 
 from rlinf_vla.config import ConfigError, from_section
 from rlinf_vla.pipelines.actor import AlgoConfig
+from rlinf_vla.pipelines.tracking import LoggingConfig
 from rlinf_vla.runtime.cluster import ClusterConfig
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, resolve_placement
 
@@ -50,6 +51,10 @@ class RunnerConfig:
         output_dir: the run folder (``None``: ``runs/<name>-<timestamp>``).
         resume: a run folder to continue from its last checkpoint.
         save_interval: save a checkpoint every N iterations (and at the end).
+        max_nan_updates: abort after this many optimizer updates in a row were skipped for a
+            non-finite loss or gradient (each skip is warned about and counted in
+            ``train/skipped_updates``).
+        logging: where metrics go besides ``metrics.jsonl`` (TensorBoard, wandb).
     """
 
     name: str = "train"
@@ -59,9 +64,11 @@ class RunnerConfig:
     output_dir: str | None = None
     resume: str | None = None
     save_interval: int = 5
+    max_nan_updates: int = 5
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        for key in ("max_iterations", "rollout_chunks", "save_interval"):
+        for key in ("max_iterations", "rollout_chunks", "save_interval", "max_nan_updates"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"runner.{key} must be >= 1, got {getattr(self, key)}")
         if self.resume is not None and not os.path.isdir(self.resume):
@@ -151,6 +158,18 @@ def validate(cfg: Any) -> TrainJob:
         raise ConfigError(
             f"policy.action_dim={pol_cfg.action_dim} does not match the env's action size "
             f"env.action_dim={env_action_dim}"
+        )
+    image_keys = tuple(getattr(pol_cfg, "image_keys", ()))
+    missing = [k for k in image_keys if k not in env_cfg.cameras]
+    if missing:
+        hint = (
+            " (ManiSkill: env.wrist=true env.robot=panda_wristcam adds a hand camera)"
+            if env_name == "maniskill"
+            else ""
+        )
+        raise ConfigError(
+            f"policy.image_keys={list(image_keys)} asks for camera(s) {missing} that env "
+            f"{env_name!r} does not provide (its cameras: {list(env_cfg.cameras)}){hint}"
         )
     if job.algo.name == "grpo":
         if job.algo.group_size != env_cfg.group_size:

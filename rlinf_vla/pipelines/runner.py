@@ -12,7 +12,6 @@ pipeline stages each env worker has; the loop never changes.
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from rlinf_vla.pipelines.actor import ActorWorker
 from rlinf_vla.pipelines.config import TrainJob, check_env_split
 from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
+from rlinf_vla.pipelines.tracking import MetricsLogger
 from rlinf_vla.runtime import (
     Channel,
     Cluster,
@@ -39,6 +39,20 @@ DATA_PARALLEL = "actor-dp"
 def _mean(xs: list[float]) -> float | None:
     """Mean, or ``None`` (JSON null) when no episode ended in the iteration."""
     return sum(xs) / len(xs) if xs else None
+
+
+def _average(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Train metrics averaged over the actor ranks; counts and streaks are summed / maxed."""
+    out: dict[str, float] = {}
+    for key in per_rank[0]:
+        values = [m[key] for m in per_rank]
+        if key in ("train/skipped_updates", "train/samples"):
+            out[key] = sum(values)
+        elif key == "train/nan_streak":
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
 
 
 class EmbodiedRunner:
@@ -82,6 +96,7 @@ class EmbodiedRunner:
         stages = job.placement.stages
         self.sources = [(r, s) for r in range(self.env.world_size) for s in range(stages)]
         self.start_iteration = 0
+        self.last_checkpoint: Path | None = None
         if job.runner.resume:
             self.start_iteration = self._restore(Path(job.runner.resume))
 
@@ -94,43 +109,80 @@ class EmbodiedRunner:
         return Path("runs") / f"{r.name}-{datetime.now():%Y%m%d-%H%M%S}"
 
     def run(self) -> Path:
+        """Train from ``start_iteration`` to ``runner.max_iterations``; returns the run folder.
+
+        Raises:
+            TrainingAborted: too many non-finite updates in a row.
+            WorkerError: a worker crashed (its name and traceback are in the message).
+            Either way the console names the last checkpoint to resume from.
+        """
         import yaml
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         r = self.job.runner
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.job.raw, sort_keys=False))
-        metrics_path = self.output_dir / "metrics.jsonl"
-        if metrics_path.exists():  # a resumed run: drop rows logged after the checkpoint
-            rows = [line for line in metrics_path.read_text().splitlines() if line.strip()]
-            kept = [line for line in rows if json.loads(line)["iteration"] <= self.start_iteration]
-            metrics_path.write_text("".join(line + "\n" for line in kept))
-        metrics_file = metrics_path.open("a")
+        logger = MetricsLogger(
+            self.output_dir,
+            r.logging,
+            run_name=self.output_dir.name,
+            resume_iteration=self.start_iteration,
+            full_config=self.job.raw,
+        )
+        console = Console(stderr=True)
         columns = [
             TextColumn("[bold]iter {task.completed}/{task.total}"),
             BarColumn(),
             TextColumn("{task.fields[status]}"),
             TimeRemainingColumn(),
         ]
+        it = self.start_iteration
         try:
-            with Progress(*columns) as progress:
+            with Progress(*columns, console=console) as progress:
                 task = progress.add_task(
                     "train", total=r.max_iterations, completed=self.start_iteration, status=""
                 )
                 for it in range(self.start_iteration, r.max_iterations):
                     metrics = self.iteration(it)
-                    metrics_file.write(json.dumps(metrics) + "\n")
-                    metrics_file.flush()
-                    progress.update(
-                        task,
-                        completed=it + 1,
-                        status=_status(metrics),
-                    )
+                    logger.log(metrics)
+                    progress.update(task, completed=it + 1, status=_status(metrics))
+                    self._check_finite(metrics, progress.console)
                     if (it + 1) % r.save_interval == 0 or it + 1 == r.max_iterations:
-                        self.save(it + 1)
+                        self.last_checkpoint = self.save(it + 1)
+        except BaseException as e:
+            console.print(
+                f"[bold red]training stopped in iteration {it + 1}:[/] {type(e).__name__}"
+            )
+            console.print(self._resume_hint())
+            raise
         finally:
-            metrics_file.close()
+            logger.close()
         return self.output_dir
+
+    def _check_finite(self, metrics: dict[str, Any], console: Any) -> None:
+        skipped = metrics.get("train/skipped_updates", 0)
+        if skipped:
+            console.print(
+                f"[yellow]warning:[/] iteration {metrics['iteration']}: {skipped:.0f} update(s) "
+                "skipped for a non-finite loss or gradient"
+            )
+        streak = metrics.get("train/nan_streak", 0)
+        if streak >= self.job.runner.max_nan_updates:
+            raise TrainingAborted(
+                f"{streak:.0f} optimizer updates in a row had a non-finite loss or gradient "
+                f"(runner.max_nan_updates={self.job.runner.max_nan_updates}); lower algo.lr, "
+                "check the rewards, or resume from an earlier checkpoint"
+            )
+
+    def _resume_hint(self) -> str:
+        last = self.last_checkpoint or _last_checkpoint(self.output_dir)
+        if last is None:
+            return f"no checkpoint was saved yet (run folder: {self.output_dir})"
+        return (
+            f"last checkpoint: {last}\nresume with: rlinf-vla train ... "
+            f"runner.resume={self.output_dir}"
+        )
 
     def iteration(self, it: int) -> dict[str, Any]:
         """One rollout and one update; returns the iteration's metrics."""
@@ -162,7 +214,7 @@ class EmbodiedRunner:
             ]
         )
         t3 = time.perf_counter()
-        train_metrics = train[0][0]
+        train_metrics = _average([result[0] for result in train])
         stats = {k: [x for s in env_stats for x in s[k]] for k in ("return", "success", "invalid")}
         num_envs = self.job.env["num_envs"]
         env_steps = num_envs * r.rollout_chunks * self.job.policy.get("chunk_size", 1)
@@ -195,16 +247,12 @@ class EmbodiedRunner:
         return path
 
     def _restore(self, run_dir: Path) -> int:
-        done = sorted(
-            (int(p.name.split("_")[1]), p)
-            for p in (run_dir / "checkpoints").glob("iter_*")
-            if (p / "COMPLETE").exists()
-        )
-        if not done:
+        path = _last_checkpoint(run_dir)
+        if path is None:
             raise FileNotFoundError(
                 f"runner.resume: no complete checkpoint in {run_dir / 'checkpoints'}"
             )
-        iteration, path = done[-1]
+        iteration = int(path.name.split("_")[1])
         self.actor.load(str(path)).wait()
         state = torch.load(path / "runner.pt", weights_only=False)
         wait_all([self.env.set_state(s, ranks=[i]) for i, s in enumerate(state["env_cursors"])])
@@ -217,6 +265,20 @@ class EmbodiedRunner:
         for group in (self.env, self.rollout, self.actor):
             group.shutdown()
         self.channel.close()
+
+
+class TrainingAborted(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite updates in a row)."""
+
+
+def _last_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete ``checkpoints/iter_N`` folder of a run, or ``None``."""
+    done = sorted(
+        (int(p.name.split("_")[1]), p)
+        for p in (run_dir / "checkpoints").glob("iter_*")
+        if (p / "COMPLETE").exists()
+    )
+    return done[-1][1] if done else None
 
 
 def _status(metrics: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ REQUIRED = {
     "throughput/env_steps_per_s",
 }
 SMALL = [
+    "env=toy",
     "env.num_envs=4",
     "env.max_episode_steps=8",
     "runner.rollout_chunks=4",
@@ -120,8 +121,12 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
         (["algo.micro_batch_size=5"], "must divide algo.minibatch_size"),
         (["runner.resume=/does/not/exist"], "is not a run folder"),
         (["algo=grpo", "env.group_size=2"], "algo.group_size=4 must equal env.group_size=2"),
+        (["env=toy", "policy=pi0"], "asks for camera(s) ['wrist'] that env 'toy' does not"),
+        (["env=maniskill", "policy=openvla_oft"], "env.robot=panda_wristcam"),
+        (["runner.max_nan_updates=0"], "runner.max_nan_updates must be >= 1"),
+        (["runner.logging.wandb_mode=sometimes"], "wandb_mode must be auto, online or offline"),
         (
-            ["algo=grpo", "env.group_size=4", "runner.rollout_chunks=2"],
+            ["env=toy", "algo=grpo", "env.group_size=4", "runner.rollout_chunks=2"],
             "is shorter than env.max_episode_steps=16",
         ),
     ],
@@ -137,8 +142,16 @@ def test_invalid_train_configs_fail_before_start(capsys, monkeypatch, overrides,
     assert message in capsys.readouterr().err
 
 
+MODES = {
+    "collocated": ["placement=collocated", "cluster.devices_per_node=1"],
+    "hybrid": ["placement=hybrid", "placement.stages=1", "cluster.devices_per_node=2"],
+    "disaggregated": ["placement=disaggregated", "cluster.devices_per_node=3"],
+}
+
+
 @pytest.mark.sim
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize(
     ("env", "module"),
     [
@@ -147,9 +160,9 @@ def test_invalid_train_configs_fail_before_start(capsys, monkeypatch, overrides,
     ],
     ids=["maniskill", "libero"],
 )
-def test_two_iterations_on_a_simulator(tmp_path, env, module):
+def test_two_iterations_on_a_simulator(tmp_path, env, module, mode):
     pytest.importorskip(module)
-    args = [*env, "cluster.devices_per_node=1", "runner.rollout_chunks=2", "algo.update_epochs=1"]
+    args = [*env, *MODES[mode], "runner.rollout_chunks=2", "algo.update_epochs=1"]
     assert (
         cli.main(["train", *args, "runner.max_iterations=2", f"runner.output_dir={tmp_path}"]) == 0
     )

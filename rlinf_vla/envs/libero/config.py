@@ -59,6 +59,15 @@ class LiberoEnvConfig(EnvConfig):
     render_backend: str = "egl"
     worker_timeout_s: float = 600.0
 
+    @property
+    def action_dim(self) -> int:
+        """7-D: end-effector delta position and rotation, and the gripper."""
+        return 7
+
+    @property
+    def cameras(self) -> tuple[str, ...]:
+        return ("main", "wrist")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_field(self, "suite", self.suite in SUITE_CHOICES, f"must be one of {SUITE_CHOICES}")

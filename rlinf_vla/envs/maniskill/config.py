@@ -45,6 +45,20 @@ def default_instruction(task: str) -> str:
     return "complete the task: " + " ".join(words)
 
 
+# Panda: 7 arm joints + 1 gripper; end-effector poses are 6-D (xyz + axis-angle), positions 3-D.
+_PANDA_ACTION_DIMS = {
+    "pd_ee_delta_pose": 7,
+    "pd_ee_target_delta_pose": 7,
+    "pd_ee_pose": 7,
+    "pd_ee_delta_pos": 4,
+    "pd_ee_target_delta_pos": 4,
+    "pd_joint_delta_pos": 8,
+    "pd_joint_target_delta_pos": 8,
+    "pd_joint_pos": 8,
+    "pd_joint_vel": 8,
+}
+
+
 @dataclass
 class ManiSkillEnvConfig(EnvConfig):
     """Settings of :class:`rlinf_vla.envs.maniskill.env.ManiSkillEnv` (plus :class:`EnvConfig`).
@@ -86,6 +100,21 @@ class ManiSkillEnvConfig(EnvConfig):
     show_goal: bool = True
     shader: str = "minimal"
     worker_timeout_s: float = 600.0
+
+    @property
+    def action_dim(self) -> int | None:
+        """The action size, known before the env starts for a Panda (the default robot of the
+        tabletop tasks) in its standard control modes; ``None`` when only the simulator knows."""
+        if self.robot is not None and not self.robot.startswith("panda"):
+            return None
+        return _PANDA_ACTION_DIMS.get(self.control_mode)
+
+    @property
+    def cameras(self) -> tuple[str, ...]:
+        """``main``, plus ``wrist`` when asked for and the robot has a hand camera (its name
+        says ``wristcam``; a task's default robot, ``robot=None``, is assumed to have none)."""
+        has_hand_camera = self.robot is not None and "wristcam" in self.robot
+        return ("main", "wrist") if self.wrist and has_hand_camera else ("main",)
 
     def __post_init__(self) -> None:
         super().__post_init__()

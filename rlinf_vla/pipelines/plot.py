@@ -1,0 +1,79 @@
+"""``rlinf-vla plot <run dir>``: learning curves of a training run as one PNG.
+
+Reads ``<run>/metrics.jsonl`` and draws one panel per metric against environment steps
+(success rate and return from training episodes, the greedy evaluation when the run has one,
+the PPO losses, KL and clip fraction, and the throughput).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rlinf_vla.pipelines.tracking import read_metrics
+
+# (panel title, metrics drawn in it)
+PANELS: list[tuple[str, list[str]]] = [
+    ("success rate", ["env/success_rate", "eval/success_rate"]),
+    ("episode return", ["env/episode_return", "eval/episode_return"]),
+    ("policy loss", ["train/policy_loss"]),
+    ("value loss", ["train/value_loss"]),
+    ("entropy", ["train/entropy"]),
+    ("approx. KL / clip fraction", ["train/approx_kl", "train/clip_fraction"]),
+    ("gradient norm", ["train/grad_norm"]),
+    ("env steps / s", ["throughput/env_steps_per_s"]),
+]
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            xs.append(float(row.get("env_steps", row["iteration"])))
+            ys.append(float(value))
+    return xs, ys
+
+
+def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
+    """Render the learning curves of ``run_dir`` to ``output`` (default ``<run>/curves.png``).
+
+    Panels whose metrics the run never logged (e.g. the value loss of a GRPO run) are left out.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
+        ValueError: the file has no rows yet.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'} has no rows yet")
+    panels = [
+        (title, [(k, *_series(rows, k)) for k in keys])
+        for title, keys in PANELS
+        if any(_series(rows, k)[0] for k in keys)
+    ]
+    cols = 2
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(11, 3.2 * nrows), squeeze=False)
+    for ax, (title, curves) in zip(axes.flat, panels, strict=False):
+        for key, xs, ys in curves:
+            if xs:
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("env steps")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(f"{Path(run_dir).resolve().name}: {len(rows)} iterations")
+    fig.tight_layout()
+    out = Path(output) if output else Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

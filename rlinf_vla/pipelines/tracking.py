@@ -1,0 +1,147 @@
+"""Where a run's metrics go: ``metrics.jsonl`` always, TensorBoard and wandb when enabled.
+
+One :class:`MetricsLogger` per run. ``metrics.jsonl`` holds one JSON object per iteration
+(the record a resumed run truncates back to its checkpoint); TensorBoard event files go to
+``<run>/tensorboard/``; wandb runs offline unless an API key is configured, so a run never
+blocks on a login prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlinf_vla.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoggingConfig:
+    """The ``runner.logging`` section.
+
+    Attributes:
+        tensorboard: write TensorBoard event files to ``<run>/tensorboard/``.
+        wandb: log to Weights & Biases as well (needs the ``wandb`` package).
+        wandb_project: the wandb project.
+        wandb_mode: ``auto`` (online when an API key is configured, offline otherwise),
+            ``online`` or ``offline``. Offline runs can be uploaded later with ``wandb sync``.
+    """
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "rlinf-vla"
+    wandb_mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("auto", "online", "offline"):
+            raise ConfigError(
+                f"runner.logging.wandb_mode must be auto, online or offline, got {self.wandb_mode!r}"
+            )
+
+
+def _wandb_mode(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path.home() / ".netrc"
+    if netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
+        return "online"
+    return "offline"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``<run_dir>/metrics.jsonl`` (one dict per iteration, in order)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a training run folder?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    """Appends iteration metrics to ``metrics.jsonl`` and mirrors them to TensorBoard/wandb.
+
+    Args:
+        run_dir: the run folder.
+        config: the ``runner.logging`` section.
+        run_name: the wandb run name.
+        resume_iteration: a resumed run's checkpoint iteration; rows logged after it (by the
+            interrupted run) are dropped so the file reads as one uninterrupted run.
+        full_config: the resolved config, stored with the wandb run.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: LoggingConfig,
+        run_name: str,
+        resume_iteration: int = 0,
+        full_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        if self.path.exists():
+            rows = [line for line in self.path.read_text().splitlines() if line.strip()]
+            kept = [line for line in rows if json.loads(line)["iteration"] <= resume_iteration]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = self.path.open("a")
+        self._tb = None
+        self._wandb = None
+        if config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_iteration + 1)
+        if config.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError(
+                    "runner.logging.wandb=true needs the wandb package: pip install wandb "
+                    "(or install rlinf-vla with the [wandb] extra)"
+                ) from None
+            self._wandb = wandb.init(
+                project=config.wandb_project,
+                name=run_name,
+                dir=str(run_dir),
+                mode=_wandb_mode(config.wandb_mode),
+                config=full_config or {},
+                resume="allow",
+                id=run_name.replace("/", "-"),
+            )
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Record one iteration's metrics (``metrics["iteration"]`` is the step)."""
+        self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()
+        step = int(metrics["iteration"])
+        scalars = {
+            k: float(v)
+            for k, v in metrics.items()
+            if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        if self._tb is not None:
+            for k, v in scalars.items():
+                if math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def log_video(self, tag: str, path: Path, step: int) -> None:
+        """Attach an MP4 written by the evaluation to wandb (TensorBoard keeps scalars only)."""
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({tag: wandb.Video(str(path), format="mp4")}, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

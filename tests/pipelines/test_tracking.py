@@ -1,0 +1,96 @@
+"""metrics.jsonl, TensorBoard and wandb logging of a run, and `rlinf-vla plot`."""
+
+import json
+
+import pytest
+
+from rlinf_vla import cli
+from rlinf_vla.pipelines.plot import _series, plot_run
+from rlinf_vla.pipelines.tracking import LoggingConfig, MetricsLogger, read_metrics
+
+
+def _rows(n, start=1):
+    return [
+        {
+            "iteration": i,
+            "env_steps": 32 * i,
+            "env/success_rate": None if i == 1 else i / 10,
+            "train/policy_loss": -0.01 * i,
+            "train/grad_norm": float("nan") if i == 2 else 1.0,
+            "throughput/env_steps_per_s": 100.0 + i,
+        }
+        for i in range(start, start + n)
+    ]
+
+
+def test_tensorboard_gets_every_finite_scalar(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=True), "run")
+    for row in _rows(3):
+        logger.log(row)
+    logger.close()
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    loss = acc.Scalars("train/policy_loss")
+    assert [e.step for e in loss] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([-0.01, -0.02, -0.03])
+    # None (no episode ended) and NaN are not written as points.
+    assert [e.step for e in acc.Scalars("env/success_rate")] == [2, 3]
+    assert [e.step for e in acc.Scalars("train/grad_norm")] == [1, 3]
+
+
+def test_resumed_logger_drops_rows_after_the_checkpoint(tmp_path):
+    logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False), "run")
+    for row in _rows(5):
+        logger.log(row)
+    logger.close()
+    logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False), "run", resume_iteration=3)
+    logger.log(_rows(1, start=4)[0])
+    logger.close()
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_wandb_runs_offline_without_a_key(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
+    cfg = LoggingConfig(tensorboard=False, wandb=True, wandb_mode="auto")
+    logger = MetricsLogger(tmp_path, cfg, "wandb-test", full_config={"algo": {"lr": 1e-4}})
+    for row in _rows(2):
+        logger.log(row)
+    logger.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
+    assert list(runs[0].glob("*.wandb")), "the offline run has no data file"
+
+
+def test_series_skips_missing_and_non_finite_values():
+    xs, ys = _series(_rows(3), "train/grad_norm")
+    assert xs == [32.0, 96.0] and ys == [1.0, 1.0]
+    xs, ys = _series(_rows(3), "env/success_rate")
+    assert xs == [64.0, 96.0] and ys == pytest.approx([0.2, 0.3])
+
+
+def test_plot_writes_a_png_with_the_logged_panels(tmp_path):
+    with (tmp_path / "metrics.jsonl").open("w") as f:
+        for row in _rows(6):
+            f.write(json.dumps(row) + "\n")
+    assert cli.main(["plot", str(tmp_path)]) == 0
+    png = tmp_path / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    h, w = matplotlib.image.imread(png).shape[:2]
+    # 4 logged panels (success, policy loss, grad norm, throughput) -> 2 rows of 3.2 in at 110 dpi
+    assert w == round(11 * 110)
+    assert h == round(2 * 3.2 * 110)
+    assert plot_run(tmp_path, tmp_path / "other.png") == tmp_path / "other.png"
+    assert (tmp_path / "other.png").stat().st_size > 1000
+
+
+def test_plot_of_a_folder_without_metrics_fails_clearly(tmp_path, capsys):
+    assert cli.main(["plot", str(tmp_path / "nope")]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
