@@ -63,11 +63,16 @@ def test_bad_config_fails_before_anything_starts(capsys, monkeypatch, overrides,
 def test_every_config_group_choice_composes_and_validates():
     for command in cli.COMMANDS.values():
         validate, _ = command.load()
-        for group, choices in cli.config_groups(command.config_name).items():
+        groups = cli.config_groups(command.config_name, command.config_dir)
+        for group, choices in groups.items():
             for choice in choices:
                 overrides = [f"{group}={choice}", "cluster.devices_per_node=2"]
                 if choice == "disaggregated":  # env, rollout and actor on their own devices
                     overrides[1] = "cluster.devices_per_node=3"
                 if group == "cluster" and choice == "ray":  # no local devices to size
                     overrides.pop()
-                validate(cli.compose(command.config_name, overrides))
+                if group == "policy" and "env" in groups and choice != "openvla":
+                    overrides.append("env=libero")  # these read a wrist camera too
+                if group == "algo" and choice == "grpo" and "env" in groups:
+                    overrides.append("env.num_envs=8")  # whole groups of algo.group_size=4
+                validate(cli.compose(command.config_name, overrides, command.config_dir))

@@ -59,7 +59,7 @@ class RunnerConfig:
 
     name: str = "train"
     max_iterations: int = 10
-    rollout_chunks: int = 8
+    rollout_chunks: int = 25
     seed: int = 0
     output_dir: str | None = None
     resume: str | None = None
