@@ -1,0 +1,375 @@
+"""The ``rlinf-vla eval`` job: the ``eval`` section, the trial plan and the pre-flight checks.
+
+:func:`validate` is pure: it types every section, checks that the policy fits the env (cameras,
+action size, proprio size; from the checkpoint's own config files when one is given) and plans
+the trials, without starting any process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rlinf_vla.config import ConfigError, from_section
+from rlinf_vla.runtime.cluster import ClusterConfig
+
+#: Tasks per LIBERO suite (``libero_130`` = the five suites in order).
+LIBERO_SUITE_SIZES: dict[str, int] = {
+    "libero_spatial": 10,
+    "libero_object": 10,
+    "libero_goal": 10,
+    "libero_10": 10,
+    "libero_90": 90,
+    "libero_130": 130,
+}
+#: Official init states per LIBERO task.
+LIBERO_INIT_STATES = 50
+#: Action size of ManiSkill controllers for the Panda robots (arm + gripper).
+MANISKILL_PANDA_ACTION_DIMS: dict[str, int] = {
+    "pd_ee_delta_pose": 7,
+    "pd_ee_delta_pos": 4,
+    "pd_ee_pose": 7,
+    "pd_joint_delta_pos": 8,
+    "pd_joint_pos": 8,
+    "pd_joint_vel": 8,
+}
+
+
+@dataclass
+class EvalConfig:
+    """The ``eval`` section.
+
+    Attributes:
+        trials_per_task: trials of every task. LIBERO: init states ``0 .. n - 1`` of each task,
+            each used once (at most 50; 50 is the standard protocol). Other envs: seeds
+            ``seed .. seed + n - 1``.
+        tasks: ManiSkill task ids to evaluate (``None``: ``env.task``). LIBERO selects tasks
+            with ``env.suite`` and ``env.task_ids``.
+        seed: first seed of the non-LIBERO trials; also seeds torch for sampled actions.
+        greedy: deterministic actions (the mode / argmax); ``false`` samples.
+        output_dir: the results folder (``None``: ``runs/eval-<env>-<timestamp>``). Re-running
+            into the same folder skips the trials already finished there.
+        videos: MP4 per trial: ``none``, ``failures`` (failed and error trials) or ``all``.
+        video_fps: frames per second of the videos.
+        envs_per_worker: envs each Ray env worker holds (``env.num_envs`` envs in total).
+        retries: how often a trial whose simulator crashed is run again before it is recorded
+            as an error.
+        device: torch device of the policy (``auto``: ``cuda`` when available, else ``cpu``).
+        progress: show a progress bar (trials done and success rate per suite).
+    """
+
+    trials_per_task: int = 50
+    tasks: list[str] | None = None
+    seed: int = 0
+    greedy: bool = True
+    output_dir: str | None = None
+    videos: Literal["none", "failures", "all"] = "none"
+    video_fps: int = 10
+    envs_per_worker: int = 1
+    retries: int = 1
+    device: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("trials_per_task", "envs_per_worker", "video_fps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"eval.{key} must be >= 1, got {getattr(self, key)}")
+        if self.retries < 0:
+            raise ConfigError(f"eval.retries must be >= 0, got {self.retries}")
+        if self.seed < 0:
+            raise ConfigError(f"eval.seed must be >= 0, got {self.seed}")
+        if self.tasks is not None and not self.tasks:
+            raise ConfigError("eval.tasks must name at least one task (or be null)")
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One planned episode.
+
+    Attributes:
+        suite: LIBERO suite of the task, or the env name for other envs.
+        task: the task's name (LIBERO task name, ManiSkill env id, ``toy``).
+        task_index: index of the task in its suite (LIBERO) or in ``eval.tasks``.
+        init_state: LIBERO init-state index, or the seed of other envs.
+        reset_id: the id the env is reset with (selects the task and scene deterministically).
+        env_key: env config overrides of this trial's env (ManiSkill: ``{"task": id}``), as a
+            sorted tuple of items; trials with the same key run in the same env.
+    """
+
+    suite: str
+    task: str
+    task_index: int
+    init_state: int
+    reset_id: int
+    env_key: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """What identifies a trial in the results (resume skips finished keys)."""
+        return (self.suite, self.task, self.init_state)
+
+
+@dataclass
+class EvalJob:
+    """A validated ``rlinf-vla eval`` job."""
+
+    cluster: ClusterConfig
+    env_name: str
+    env: dict[str, Any]
+    policy_name: str
+    policy: dict[str, Any]
+    eval: EvalConfig
+    trials: list[Trial] = field(default_factory=list)
+    output_dir: str = ""
+    identity: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------- validation
+def _plain(section: Any, path: str) -> dict[str, Any]:
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(section, DictConfig):
+        section = OmegaConf.to_container(section, resolve=True)
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {section!r}")
+    return dict(section)
+
+
+def _check_libero(env: dict[str, Any], ev: EvalConfig) -> None:
+    suite = env.get("suite", "libero_spatial")
+    if suite not in LIBERO_SUITE_SIZES:
+        raise ConfigError(
+            f"env.suite={suite!r} is not a LIBERO suite; known suites: "
+            f"{', '.join(LIBERO_SUITE_SIZES)}"
+        )
+    size = LIBERO_SUITE_SIZES[suite]
+    bad = [i for i in env.get("task_ids") or [] if not 0 <= int(i) < size]
+    if bad:
+        raise ConfigError(
+            f"env.task_ids {bad} out of range for suite {suite!r} with {size} tasks "
+            f"(valid: 0..{size - 1})"
+        )
+    if ev.trials_per_task > LIBERO_INIT_STATES:
+        raise ConfigError(
+            f"eval.trials_per_task={ev.trials_per_task}: a LIBERO task has "
+            f"{LIBERO_INIT_STATES} official init states and each is used once (use at most 50)"
+        )
+    if ev.tasks is not None:
+        raise ConfigError(
+            "eval.tasks lists ManiSkill tasks; LIBERO tasks are chosen with env.suite and "
+            "env.task_ids"
+        )
+
+
+def env_spec(env_name: str, env_cfg: Any) -> dict[str, Any]:
+    """What the env will provide, known before it starts: ``cameras``, ``action_dim`` and
+    ``state_dim`` (``None`` where it depends on the simulator)."""
+    cameras = tuple(getattr(env_cfg, "cameras", ()) or ())
+    if env_name == "libero":
+        return {"cameras": cameras or ("main", "wrist"), "action_dim": 7, "state_dim": 8}
+    if env_name == "maniskill":
+        panda = env_cfg.robot is None or str(env_cfg.robot).startswith("panda")
+        action_dim = MANISKILL_PANDA_ACTION_DIMS.get(env_cfg.control_mode) if panda else None
+        # Panda: 9 joint positions + TCP pose (xyz + quaternion).
+        return {
+            "cameras": cameras or ("main",),
+            "action_dim": action_dim,
+            "state_dim": 16 if panda else None,
+        }
+    state_dim = None
+    if env_name == "toy":
+        state_dim = 4 if env_cfg.state_mode == "privileged" else 2
+    return {
+        "cameras": cameras or ("main",),
+        "action_dim": getattr(env_cfg, "action_dim", None),
+        "state_dim": state_dim,
+    }
+
+
+def policy_config_for(policy_name: str, policy: dict[str, Any]) -> Any:
+    """The policy's config as it will be built: from ``policy.checkpoint``'s config files
+    (architecture, action size, cameras) updated with the section's other keys, else from its
+    preset. Reads files only; loads no weights.
+
+    Raises:
+        ConfigError: unknown policy or key, or a missing / unreadable checkpoint.
+    """
+    from rlinf_vla.policies import POLICIES, policy_config
+
+    values = dict(policy)
+    checkpoint = values.pop("checkpoint", None)
+    if policy_name not in POLICIES:
+        raise ConfigError(f"policy: unknown policy {policy_name!r}; known: {sorted(POLICIES)}")
+    if not checkpoint:
+        try:
+            return policy_config(policy_name, **values)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"policy: {e.args[0] if e.args else e}") from None
+    path = Path(checkpoint).expanduser()
+    if not path.exists():
+        raise ConfigError(f"policy.checkpoint={checkpoint!r} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"policy.checkpoint={checkpoint!r} is not a checkpoint folder")
+    values.pop("preset", None)  # the architecture comes from the checkpoint
+    cls = POLICIES[policy_name].cls
+    defaults = {k: v for k, v in POLICIES[policy_name].defaults.items() if k != "preset"}
+    try:
+        return cls.config_from_dir(path, **{**defaults, **values})
+    except (OSError, KeyError, TypeError, ValueError, NotImplementedError) as e:
+        raise ConfigError(
+            f"policy.checkpoint={checkpoint!r} cannot be read as a {policy_name} checkpoint: "
+            f"{e.args[0] if e.args else e}"
+        ) from None
+
+
+def check_fit(env_name: str, spec: dict[str, Any], pol: Any) -> None:
+    """The policy's cameras, action size and proprio size must fit the env."""
+    keys = tuple(getattr(pol, "image_keys", ()) or ())
+    missing = [k for k in keys if k not in spec["cameras"]]
+    if missing:
+        hint = (
+            " (ManiSkill: env.wrist=true env.robot=panda_wristcam adds a hand camera)"
+            if env_name == "maniskill"
+            else ""
+        )
+        raise ConfigError(
+            f"policy.image_keys={list(keys)} asks for camera(s) {missing} that env "
+            f"{env_name!r} does not provide (its cameras: {list(spec['cameras'])}){hint}"
+        )
+    if spec["action_dim"] is not None and pol.action_dim != spec["action_dim"]:
+        raise ConfigError(
+            f"policy.action_dim={pol.action_dim} (from "
+            f"{'the checkpoint' if pol.checkpoint else 'the policy config'}) does not match the "
+            f"action size of env {env_name!r}: {spec['action_dim']}"
+        )
+    state_dim = spec["state_dim"]
+    if state_dim is None:
+        return
+    if getattr(pol, "use_proprio", False) and pol.proprio_dim != state_dim:
+        raise ConfigError(
+            f"policy.proprio_dim={pol.proprio_dim} does not match the state size of env "
+            f"{env_name!r}: {state_dim}"
+        )
+    max_state = getattr(pol, "max_state_dim", None)
+    if max_state is not None and max_state < state_dim:
+        raise ConfigError(
+            f"policy.max_state_dim={max_state} is smaller than the state size of env "
+            f"{env_name!r}: {state_dim}"
+        )
+
+
+def _default_output_dir(env_name: str, env: dict[str, Any]) -> str:
+    import time
+
+    what = env.get("suite") if env_name == "libero" else env.get("task", env_name)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"eval-{env_name}-{str(what).lower()}-{stamp}")
+
+
+def validate(cfg: Any) -> EvalJob:
+    """Typed sections, policy/env fit and the trial plan for a composed ``eval`` config.
+
+    Starts nothing (it may read the checkpoint's config files and the LIBERO task list).
+
+    Raises:
+        ConfigError: naming the offending key: an unknown section or key, an unknown LIBERO
+            suite (listing the known ones) or ManiSkill task, a missing checkpoint, a policy
+            whose cameras, action size or proprio size do not fit the env.
+    """
+    from rlinf_vla.envs import ENVS, env_config
+
+    known = {"cluster", "env", "policy", "eval"}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: {sorted(known)})")
+    env = _plain(cfg["env"], "env")
+    policy = _plain(cfg["policy"], "policy")
+    env_name = env.pop("name", None)
+    policy_name = policy.pop("name", None)
+    if env_name not in ENVS:
+        raise ConfigError(f"env.name: unknown env {env_name!r}; known envs: {sorted(ENVS)}")
+    ev = from_section(EvalConfig, cfg.get("eval"), "eval")
+    if env_name == "libero":
+        _check_libero(env, ev)
+    elif env_name != "maniskill" and ev.tasks is not None:
+        raise ConfigError(f"eval.tasks: env {env_name!r} has a single task; leave it null")
+    # The eval drives every env itself: one env per slot, resets chosen per trial.
+    env["group_size"] = 1
+    try:
+        env_cfg = env_config(env_name, **{**env, "num_envs": 1})
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
+    pol = policy_config_for(policy_name, policy)
+    check_fit(env_name, env_spec(env_name, env_cfg), pol)
+    if env_name == "maniskill":
+        _check_maniskill_tasks(ev.tasks or [env_cfg.task])
+    job = EvalJob(
+        cluster=from_section(ClusterConfig, cfg["cluster"], "cluster"),
+        env_name=env_name,
+        env=env,
+        policy_name=policy_name,
+        policy=policy,
+        eval=ev,
+        output_dir=ev.output_dir or _default_output_dir(env_name, env),
+    )
+    job.trials = plan_trials(env_name, env_cfg, ev)
+    job.identity = identity(job)
+    return job
+
+
+def _check_maniskill_tasks(tasks: list[str]) -> None:
+    from rlinf_vla.envs.maniskill.env import MissingAssetError, check_task
+
+    for task in tasks:
+        try:
+            check_task(task)
+        except (ValueError, MissingAssetError) as e:
+            raise ConfigError(f"eval.tasks / env.task: {e}") from None
+
+
+# ------------------------------------------------------------------------------- trial plan
+def plan_trials(env_name: str, env_cfg: Any, ev: EvalConfig) -> list[Trial]:
+    """Every trial of the evaluation, task by task.
+
+    LIBERO: the selected tasks of ``env.suite`` x init states ``0 .. trials_per_task - 1``;
+    the reset id of task position ``p`` and init state ``s`` is ``50 p + s``, which the LIBERO
+    env maps back to exactly that (task, init state). Other envs: ``eval.tasks`` (or the env's
+    own task) x seeds ``seed .. seed + trials_per_task - 1``, the seed being the reset id.
+    """
+    n = ev.trials_per_task
+    if env_name == "libero":
+        from rlinf_vla.envs.libero.env import suite_tasks
+
+        all_tasks = suite_tasks(env_cfg.suite)
+        ids = env_cfg.task_ids if env_cfg.task_ids is not None else range(len(all_tasks))
+        return [
+            Trial(t.suite, t.name, t.index, s, LIBERO_INIT_STATES * pos + s)
+            for pos, i in enumerate(ids)
+            for t in [all_tasks[i]]
+            for s in range(n)
+        ]
+    if env_name == "maniskill":
+        tasks = ev.tasks or [env_cfg.task]
+        return [
+            Trial(env_name, task, j, ev.seed + s, ev.seed + s, (("task", task),))
+            for j, task in enumerate(tasks)
+            for s in range(n)
+        ]
+    return [Trial(env_name, env_name, 0, ev.seed + s, ev.seed + s) for s in range(n)]
+
+
+def identity(job: EvalJob) -> dict[str, Any]:
+    """The settings that decide a trial's outcome; a folder's results are only resumed by a
+    job with the same identity (the number of trials, workers and videos may change)."""
+    env = {k: v for k, v in job.env.items() if k not in ("num_envs", "video_fps", "video_dir")}
+    policy = {k: v for k, v in job.policy.items() if k not in ("device",)}
+    return {
+        "env_name": job.env_name,
+        "env": env,
+        "policy_name": job.policy_name,
+        "policy": policy,
+        "greedy": job.eval.greedy,
+        "seed": job.eval.seed if job.env_name != "libero" else None,
+    }

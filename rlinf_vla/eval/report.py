@@ -1,0 +1,217 @@
+"""The results folder: a durable trial log and the reports built from it.
+
+``trials.jsonl`` gets one JSON line per finished trial, flushed and ``fsync``-ed before the next
+trial is scheduled, so an interrupted evaluation loses at most the episodes that were running.
+A re-run into the same folder reads it back (a torn last line from a killed process is
+dropped) and skips those trials. The reports are rewritten from the log:
+
+- ``results.json``: ``trials`` (sorted by suite, task index, init state), per-task and
+  per-suite counts with success rates and Wilson 95% intervals, ``overall``; nothing in it
+  depends on timing or scheduling, so an interrupted-and-resumed run writes the same file as
+  an uninterrupted one.
+- ``results.csv``: one row per trial.
+- ``summary.md``: the per-suite table (the one a paper prints), then the per-task table.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rlinf_vla.eval.stats import aggregate
+
+TRIALS_FILE = "trials.jsonl"
+CONFIG_FILE = "eval_config.json"
+#: Fields of a trial record, in CSV column order.
+FIELDS = (
+    "suite",
+    "task",
+    "task_index",
+    "init_state",
+    "reset_id",
+    "success",
+    "steps",
+    "error",
+    "video",
+)
+
+
+class TrialLog:
+    """Append-only JSONL of finished trials in ``folder``."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = self.folder / TRIALS_FILE
+        self.records: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self._load()
+
+    @staticmethod
+    def key(record: dict[str, Any]) -> tuple[str, str, int]:
+        return (record["suite"], record["task"], int(record["init_state"]))
+
+    def _load(self) -> None:
+        if not self.path.exists():
+            return
+        raw = self.path.read_bytes()
+        lines = raw.split(b"\n")
+        good = 0  # bytes of complete, parsable lines
+        for line in lines[:-1]:  # the part after the last newline is incomplete
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            self.records[self.key(record)] = record
+            good += len(line) + 1
+        if good != len(raw):  # drop a torn tail so the next append starts on a fresh line
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+
+    def __contains__(self, key: tuple[str, str, int]) -> bool:
+        return key in self.records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Write ``record`` durably (flush + fsync) and remember it."""
+        line = json.dumps(record, sort_keys=True) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        self.records[self.key(record)] = record
+
+
+def check_identity(folder: str | Path, identity: dict[str, Any]) -> None:
+    """Record the job's identity in a new folder, or check that a used folder has the same.
+
+    Raises:
+        ValueError: the folder holds results of an evaluation with other settings (the
+            differing keys are named).
+    """
+    path = Path(folder) / CONFIG_FILE
+    ident = json.loads(json.dumps(identity))  # as it reads back from JSON
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != ident:
+            diff = sorted(_diff(old, ident))
+            raise ValueError(
+                f"{folder} holds results of an evaluation with other settings "
+                f"(differing: {', '.join(diff)}); pick another eval.output_dir or restore them"
+            )
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, json.dumps(ident, indent=2, sort_keys=True) + "\n")
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def sort_trials(records: list[dict[str, Any]], order: dict[str, int]) -> list[dict[str, Any]]:
+    """Trials sorted by suite (in ``order``), task index, task name and init state."""
+    return sorted(
+        records,
+        key=lambda r: (
+            order.get(r["suite"], len(order)),
+            r["suite"],
+            r["task_index"],
+            r["task"],
+            r["init_state"],
+        ),
+    )
+
+
+def build_results(records: list[dict[str, Any]], header: dict[str, Any]) -> dict[str, Any]:
+    """The content of ``results.json``: ``header`` plus trials and their aggregates."""
+    trials = [{k: r.get(k) for k in FIELDS} for r in records]
+    stats = aggregate(trials)
+    return {**header, **stats, "trials": trials}
+
+
+def write_reports(folder: str | Path, results: dict[str, Any]) -> None:
+    """Write ``results.json``, ``results.csv`` and ``summary.md`` (each atomically)."""
+    folder = Path(folder)
+    _atomic_write(folder / "results.json", json.dumps(results, indent=2) + "\n")
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(FIELDS), lineterminator="\n")
+    writer.writeheader()
+    for t in results["trials"]:
+        writer.writerow({k: "" if t.get(k) is None else t[k] for k in FIELDS})
+    _atomic_write(folder / "results.csv", buf.getvalue())
+    _atomic_write(folder / "summary.md", render_summary(results))
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}"
+
+
+def _ci(ci: list[float] | None) -> str:
+    return "n/a" if ci is None else f"[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+
+def render_summary(results: dict[str, Any]) -> str:
+    """``summary.md``: per-suite and per-task success rates (%) with Wilson 95% intervals."""
+    lines = [
+        f"# Evaluation: {results.get('policy_name', '?')} on {results.get('env_name', '?')}",
+        "",
+    ]
+    if results.get("checkpoint"):
+        lines += [f"Checkpoint: `{results['checkpoint']}`", ""]
+    planned, done = results.get("planned"), len(results["trials"])
+    if planned is not None and done < planned:
+        lines += [f"**Incomplete: {done} of {planned} planned trials finished.**", ""]
+    lines += [
+        "Success rate (%) over valid trials, with its Wilson 95% interval. Error trials (a",
+        "simulator that crashed on every attempt) are neither successes nor failures.",
+        "",
+        "| Suite | Success (%) | 95% CI | Successes / valid | Errors |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for suite, s in results["suites"].items():
+        lines.append(
+            f"| {suite} | {_pct(s['success_rate'])} | {_ci(s['ci95'])} | "
+            f"{s['successes']} / {s['valid']} | {s['errors']} |"
+        )
+    if len(results["suites"]) > 1:
+        s = results["overall"]
+        lines.append(
+            f"| **all** | {_pct(s['success_rate'])} | {_ci(s['ci95'])} | "
+            f"{s['successes']} / {s['valid']} | {s['errors']} |"
+        )
+    lines += [
+        "",
+        "## Per task",
+        "",
+        "| Suite | # | Task | Success (%) | 95% CI | Successes / valid | Errors |",
+        "|---|---:|---|---:|---|---:|---:|",
+    ]
+    for t in results["tasks"]:
+        lines.append(
+            f"| {t['suite']} | {t['task_index']} | {t['task']} | {_pct(t['success_rate'])} | "
+            f"{_ci(t['ci95'])} | {t['successes']} / {t['valid']} | {t['errors']} |"
+        )
+    errors = [t for t in results["trials"] if t.get("error")]
+    if errors:
+        lines += ["", "## Errors", ""]
+        lines += [
+            f"- {t['suite']} / {t['task']} / init state {t['init_state']}: {t['error']}"
+            for t in errors
+        ]
+    return "\n".join(lines) + "\n"

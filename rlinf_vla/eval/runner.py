@@ -1,0 +1,339 @@
+"""The evaluation driver: trials scheduled onto env slots, one batched policy call per round.
+
+Each round (lockstep over all workers):
+
+1. free slots get the next trials (a slot prefers more trials of its current task, so LIBERO
+   rarely rebuilds a simulator) and reset to them (``EvalEnvWorker.start``);
+2. the observations of every busy slot are concatenated and the policy acts once on the batch
+   (greedy by default), giving action chunks ``[N, K, A]``;
+3. each slot executes its whole chunk (``EvalEnvWorker.step``), all workers in parallel;
+   slots whose episode ended report their trial, which is appended to ``trials.jsonl`` at once.
+
+A trial whose simulator crashed (its subprocess died, or the env raised) goes back to the
+front of the queue; after ``eval.retries`` such retries it is recorded as an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlinf_vla.eval.config import EvalJob, Trial
+from rlinf_vla.eval.report import (
+    TrialLog,
+    build_results,
+    check_identity,
+    render_summary,
+    sort_trials,
+    write_reports,
+)
+
+
+@dataclass
+class _SlotState:
+    worker: int
+    index: int
+    trial: Trial | None = None
+    obs: Any = None
+    last_task: tuple[str, str] | None = None
+    env_key: tuple | None = None
+
+
+class _Queue:
+    """Pending trials; a slot takes one of its current task, else of its env, else the first."""
+
+    def __init__(self, trials: list[Trial]) -> None:
+        self.items: deque[Trial] = deque(trials)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def push_front(self, trial: Trial) -> None:
+        self.items.appendleft(trial)
+
+    def take(self, slot: _SlotState) -> Trial:
+        best = 0
+        for j, t in enumerate(self.items):
+            if slot.last_task is not None and (t.suite, t.task) == slot.last_task:
+                best = j
+                break
+            if slot.env_key is not None and t.env_key == slot.env_key and best == 0:
+                best = j
+        trial = self.items[best]
+        del self.items[best]
+        return trial
+
+
+class _Progress:
+    """A progress bar per suite: trials done, success rate over valid trials, errors."""
+
+    def __init__(self, enabled: bool, planned: dict[str, int]) -> None:
+        self.counts = {s: [0, 0, 0] for s in planned}  # done, successes, errors
+        self._bar = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+        self._bar = Progress(
+            "[bold]{task.fields[suite]}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            "{task.fields[rate]}",
+            TimeRemainingColumn(),
+        )
+        self._ids = {
+            s: self._bar.add_task("", total=n, suite=s, rate="") for s, n in planned.items()
+        }
+
+    def add(self, record: dict[str, Any]) -> None:
+        c = self.counts[record["suite"]]
+        c[0] += 1
+        c[1] += bool(record["success"]) and not record["error"]
+        c[2] += bool(record["error"])
+        if self._bar is not None:
+            valid = c[0] - c[2]
+            rate = f"success {100 * c[1] / valid:5.1f}% ({c[1]}/{valid})" if valid else ""
+            if c[2]:
+                rate += f" errors {c[2]}"
+            self._bar.update(self._ids[record["suite"]], advance=1, rate=rate)
+
+    def __enter__(self) -> _Progress:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _trial_dict(trial: Trial) -> dict[str, Any]:
+    return dataclasses.asdict(trial)
+
+
+def _record(trial: Trial, result: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+    return {
+        "suite": trial.suite,
+        "task": trial.task,
+        "task_index": trial.task_index,
+        "init_state": trial.init_state,
+        "reset_id": trial.reset_id,
+        "success": None if error else bool(result["success"]),
+        "steps": None if error else result["steps"],
+        "error": error,
+        "video": result.get("video"),
+    }
+
+
+def _policy_device(job: EvalJob) -> str:
+    if "device" in job.policy:
+        return str(job.policy["device"])
+    if job.eval.device != "auto":
+        return job.eval.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_policy(job: EvalJob) -> Any:
+    """The policy of the job, in eval mode on its device."""
+    from rlinf_vla.policies import make_policy
+
+    policy = make_policy(job.policy_name, **{**job.policy, "device": _policy_device(job)})
+    policy.eval()
+    return policy
+
+
+def header(job: EvalJob) -> dict[str, Any]:
+    """The settings part of ``results.json``."""
+    env = job.env
+    return {
+        "env_name": job.env_name,
+        "suite": env.get("suite") if job.env_name == "libero" else None,
+        "tasks": sorted({t.task for t in job.trials}) if job.env_name != "libero" else None,
+        "policy_name": job.policy_name,
+        "checkpoint": job.policy.get("checkpoint"),
+        "trials_per_task": job.eval.trials_per_task,
+        "greedy": job.eval.greedy,
+        "max_episode_steps": env.get("max_episode_steps"),
+        "planned": len(job.trials),
+    }
+
+
+def finalize(job: EvalJob, log: TrialLog) -> dict[str, Any]:
+    """Rewrite the reports of ``job.output_dir`` from the trial log (planned trials only)."""
+    planned = {t.key for t in job.trials}
+    order = {t.suite: i for i, t in reversed(list(enumerate(job.trials)))}
+    order = {s: i for i, s in enumerate(sorted(order, key=order.get))}
+    records = sort_trials([r for k, r in log.records.items() if k in planned], order)
+    results = build_results(records, header(job))
+    write_reports(job.output_dir, results)
+    return results
+
+
+def run(job: EvalJob) -> dict[str, Any]:
+    """Run (or resume) the evaluation; returns the content of ``results.json``."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    out = Path(job.output_dir)
+    check_identity(out, job.identity)
+    log = TrialLog(out)
+    todo = [t for t in job.trials if t.key not in log]
+    console.print(
+        f"[bold]rlinf-vla eval[/]: {len(job.trials)} trials planned, "
+        f"{len(job.trials) - len(todo)} already in {out}, {len(todo)} to run"
+    )
+    start = time.monotonic()
+    done_now = 0
+    try:
+        if todo:
+            done_now = _evaluate(job, todo, log, console)
+    finally:
+        results = finalize(job, log)
+    elapsed = time.monotonic() - start
+    timing = {
+        "trials_run": done_now,
+        "seconds": round(elapsed, 2),
+        "trials_per_hour": round(3600 * done_now / elapsed, 1) if done_now else None,
+    }
+    (out / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
+    console.print(render_summary(results), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"results: {out / 'results.json'} ({timing})")
+    return results
+
+
+def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> int:
+    import torch
+
+    from rlinf_vla.envs.base import cat_obs
+    from rlinf_vla.eval.worker import EvalEnvWorker
+    from rlinf_vla.runtime import Cluster, WorkerGroup, wait_all
+
+    ev = job.eval
+    torch.manual_seed(ev.seed)
+    policy = build_policy(job)  # fails on a broken checkpoint before any env starts
+    total_slots = max(1, min(int(job.env.get("num_envs", 1)), len(todo)))
+    num_workers = math.ceil(total_slots / ev.envs_per_worker)
+    sizes = [ev.envs_per_worker] * (num_workers - 1)
+    sizes.append(total_slots - sum(sizes))
+    planned: dict[str, int] = {}
+    for t in job.trials:
+        planned[t.suite] = planned.get(t.suite, 0) + 1
+    progress = _Progress(ev.progress, planned)
+    for record in log.records.values():
+        if record["suite"] in planned:
+            progress.add(record)
+    queue = _Queue(todo)
+    attempts: dict[tuple, int] = {}
+    finished = 0
+    env_config = {k: v for k, v in job.env.items() if k != "num_envs"}
+    console.print(
+        f"{total_slots} env(s) in {num_workers} worker(s); policy {job.policy_name} on "
+        f"{_policy_device(job)}"
+    )
+    with Cluster(job.cluster) as cluster:
+        devices = [i % cluster.num_devices for i in range(num_workers)]
+        group = WorkerGroup(
+            cluster,
+            EvalEnvWorker,
+            name="eval_env",
+            devices=devices,
+            args=(job.env_name, env_config, sizes),
+            kwargs={
+                "videos": ev.videos,
+                "output_dir": str(Path(job.output_dir).resolve()),
+                "video_fps": ev.video_fps,
+            },
+            timeout=None,
+        )
+        slots = [_SlotState(w, i) for w in range(num_workers) for i in range(sizes[w])]
+
+        def crashed(trial: Trial, result: dict[str, Any]) -> dict[str, Any] | None:
+            """Requeue a crashed trial, or its error record once its retries are spent."""
+            n = attempts[trial.key] = attempts.get(trial.key, 0) + 1
+            if n <= ev.retries:
+                queue.push_front(trial)
+                return None
+            reason = result.get("error") or "the simulator crashed"
+            return _record(trial, result, error=f"{reason} (after {n} attempt(s))")
+
+        def save(record: dict[str, Any] | None) -> None:
+            nonlocal finished
+            if record is None:
+                return
+            log.append(record)
+            progress.add(record)
+            finished += 1
+
+        try:
+            with progress:
+                while len(queue) or any(s.trial is not None for s in slots):
+                    # 1. fill the free slots
+                    starts: dict[int, dict[int, Trial]] = {}
+                    for slot in slots:
+                        if slot.trial is None and len(queue):
+                            trial = queue.take(slot)
+                            slot.trial = trial
+                            starts.setdefault(slot.worker, {})[slot.index] = trial
+                    if starts:
+                        order = list(starts)
+                        replies = wait_all(
+                            [
+                                group.start(
+                                    {i: _trial_dict(t) for i, t in starts[w].items()},
+                                    ranks=[w],
+                                )
+                                for w in order
+                            ]
+                        )
+                        for w, (reply,) in zip(order, replies, strict=True):
+                            for i, r in reply.items():
+                                slot = next(s for s in slots if s.worker == w and s.index == i)
+                                trial = starts[w][i]
+                                slot.last_task = (trial.suite, trial.task)
+                                slot.env_key = trial.env_key
+                                if "error" in r:
+                                    slot.trial = None
+                                    save(crashed(trial, {"error": r["error"]}))
+                                else:
+                                    slot.obs = r["obs"]
+                    busy = [s for s in slots if s.trial is not None]
+                    if not busy:
+                        continue
+                    # 2. one policy call on the batch of every busy slot
+                    with torch.inference_mode():
+                        actions = policy.act(cat_obs([s.obs for s in busy]), greedy=ev.greedy)
+                    chunks = actions.actions.detach().float().cpu()  # [N, K, A]
+                    # 3. every slot executes its chunk
+                    per_worker: dict[int, dict[int, torch.Tensor]] = {}
+                    for j, s in enumerate(busy):
+                        per_worker.setdefault(s.worker, {})[s.index] = chunks[j]
+                    order = list(per_worker)
+                    replies = wait_all([group.step(per_worker[w], ranks=[w]) for w in order])
+                    for w, (reply,) in zip(order, replies, strict=True):
+                        for i, r in reply.items():
+                            slot = next(s for s in slots if s.worker == w and s.index == i)
+                            trial = slot.trial
+                            assert trial is not None
+                            if not r["done"]:
+                                slot.obs = r["obs"]
+                                continue
+                            slot.trial, slot.obs = None, None
+                            if r["invalid"]:
+                                save(crashed(trial, r))
+                            else:
+                                save(_record(trial, r))
+        finally:
+            try:
+                group.close().wait(timeout=120)
+            except Exception as e:  # closing must not hide the original error
+                console.print(f"[yellow]closing the env workers failed: {e}")
+            group.shutdown()
+    return finished

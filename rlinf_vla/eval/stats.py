@@ -1,0 +1,91 @@
+"""Success rates with Wilson score intervals, per task and per suite.
+
+Error trials (a simulator that crashed twice) are counted apart: they are neither successes nor
+failures and never enter a rate or its interval.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+#: Two-sided 95% standard normal quantile.
+Z95 = 1.959963984540054
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float] | None:
+    """Wilson score interval of a binomial proportion (``None`` when ``n == 0``).
+
+    With ``p = successes / n``::
+
+        centre = (p + z^2 / (2n)) / (1 + z^2 / n)
+        half   = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / (4 n^2))
+
+    Unlike the normal approximation it stays inside ``[0, 1]`` and is not degenerate at
+    ``p = 0`` or ``p = 1`` (0 of 50 gives ``[0, 0.071]``).
+    """
+    if n <= 0:
+        return None
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes={successes} must lie in [0, n={n}]")
+    p = successes / n
+    z2 = z * z
+    denom = 1.0 + z2 / n
+    centre = (p + z2 / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def summarize(trials: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Counts, success rate and Wilson 95% interval of some trials.
+
+    A trial with a non-empty ``error`` is an error; otherwise ``success`` decides. Returns
+    ``trials`` (all), ``valid`` (successes + failures), ``successes``, ``failures``, ``errors``,
+    ``success_rate`` (``successes / valid``, ``None`` without valid trials) and ``ci95``
+    (``[low, high]`` or ``None``).
+    """
+    n = successes = errors = 0
+    for t in trials:
+        n += 1
+        if t.get("error"):
+            errors += 1
+        elif t.get("success"):
+            successes += 1
+    valid = n - errors
+    ci = wilson_interval(successes, valid)
+    return {
+        "trials": n,
+        "valid": valid,
+        "successes": successes,
+        "failures": valid - successes,
+        "errors": errors,
+        "success_rate": successes / valid if valid else None,
+        "ci95": list(ci) if ci is not None else None,
+    }
+
+
+def aggregate(trials: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per-task and per-suite summaries (:func:`summarize`), in the trials' order.
+
+    Returns ``{"tasks": [{suite, task, task_index, ...summary}], "suites": {suite: summary},
+    "overall": summary}``. A suite's rate pools its trials (with equal trials per task this is
+    the mean of the task rates, the number papers report).
+    """
+    by_task: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    by_suite: dict[str, list[Mapping[str, Any]]] = {}
+    index: dict[tuple[str, str], int] = {}
+    for t in trials:
+        key = (t["suite"], t["task"])
+        by_task.setdefault(key, []).append(t)
+        by_suite.setdefault(t["suite"], []).append(t)
+        index.setdefault(key, int(t.get("task_index", 0)))
+    tasks = [
+        {"suite": s, "task": name, "task_index": index[(s, name)], **summarize(ts)}
+        for (s, name), ts in by_task.items()
+    ]
+    return {
+        "tasks": tasks,
+        "suites": {s: summarize(ts) for s, ts in by_suite.items()},
+        "overall": summarize(trials),
+    }
