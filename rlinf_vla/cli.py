@@ -61,6 +61,12 @@ COMMANDS: dict[str, Command] = {
             "rlinf_vla.pipelines",
         ),
         Command(
+            "eval",
+            "success rates of a policy on a LIBERO suite or ManiSkill tasks (parallel envs, resumable reports, videos)",
+            "eval",
+            "rlinf_vla.eval",
+        ),
+        Command(
             "bench",
             "measure a part of the system (default: channel latency/throughput); prints a table, writes JSON",
             "bench",
