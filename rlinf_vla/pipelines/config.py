@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rlinf_vla.config import ConfigError, from_section
 from rlinf_vla.pipelines.actor import AlgoConfig
@@ -23,15 +23,26 @@ class TrainPlacementConfig(PlacementConfig):
     """The ``placement`` section: the runtime's placement plus the pipeline stage count.
 
     Attributes:
+        mode: ``collocated``, ``disaggregated``, ``hybrid``, or ``auto`` (profile the workload
+            at start, then pick the mode, the device split and ``stages``; see
+            :mod:`rlinf_vla.pipelines.auto`).
         stages: pipeline stages ``S`` per env worker (``hybrid``: env stage ``s`` steps while
             the rollout computes stage ``s - 1``).
+        max_stages: ``auto`` only: the largest stage count it considers (1, 2, 4, ...).
+        profile_chunks: ``auto`` only: chunk steps it times.
     """
 
+    mode: Literal["collocated", "disaggregated", "hybrid", "auto"] = "collocated"
     stages: int = 1
+    max_stages: int = 4
+    profile_chunks: int = 3
 
     def __post_init__(self) -> None:
-        if self.stages < 1:
-            raise ConfigError(f"placement.stages must be >= 1, got {self.stages}")
+        for key in ("stages", "max_stages", "profile_chunks"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"placement.{key} must be >= 1, got {getattr(self, key)}")
+        if self.mode == "auto":
+            return
         for name in ("actor", "env", "rollout"):
             if name not in self.components:
                 raise ConfigError(
@@ -184,7 +195,12 @@ def validate(cfg: Any) -> TrainJob:
                 f"is shorter than env.max_episode_steps={env_cfg.max_episode_steps}"
             )
     devices = local_device_count(job.cluster)
-    if devices is not None:
+    if devices is not None and job.placement.mode == "auto":
+        from rlinf_vla.pipelines.auto import Costs, candidate_plans, choose
+
+        groups = env_cfg.num_envs // env_cfg.group_size
+        choose(candidate_plans(Costs(1.0, 1.0, 1.0), devices, groups, 1, job.placement.max_stages))
+    elif devices is not None:
         job.resolved = resolve_placement(job.placement, devices)
         check_env_split(job, len(job.resolved.of("env")))
     return job

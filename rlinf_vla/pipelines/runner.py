@@ -287,6 +287,12 @@ def _status(metrics: dict[str, Any]) -> str:
     return f"{metrics['throughput/env_steps_per_s']:.0f} env steps/s  success {rate}"
 
 
+def _placement_dict(job: TrainJob) -> dict[str, Any]:
+    from rlinf_vla.config import to_dict
+
+    return to_dict(job.placement)
+
+
 def _algo_dict(job: TrainJob) -> dict[str, Any]:
     from rlinf_vla.config import to_dict
 
@@ -296,6 +302,11 @@ def _algo_dict(job: TrainJob) -> dict[str, Any]:
 def run(job: TrainJob) -> Path:
     """``rlinf-vla train``: start the cluster, train, print where the outputs are."""
     with Cluster(job.cluster) as cluster:
+        if job.placement.mode == "auto":
+            from rlinf_vla.pipelines.auto import resolve_auto
+
+            job = resolve_auto(job, cluster.num_devices)
+            job.raw["placement"] = _placement_dict(job)
         runner = EmbodiedRunner(job, cluster)
         try:
             out = runner.run()

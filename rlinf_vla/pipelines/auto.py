@@ -1,0 +1,229 @@
+"""``placement=auto``: measure the workload once, then pick the execution mode and stage count.
+
+Profiling runs a few chunk steps of the env batch and of the policy's ``act`` in the driver,
+and one forward/backward pass over those samples, all on one device. That gives three costs:
+
+- ``e``: one chunk step of all ``B`` envs, seconds;
+- ``i``: the policy's actions for all ``B`` observations, seconds;
+- ``u``: one update over an iteration's ``B * T`` samples (``update_epochs`` passes), seconds.
+
+The cost model of one iteration of ``T`` chunk steps on ``N`` devices, with work splitting
+evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor devices) and
+``o`` the cost of one channel round trip per stage and chunk:
+
+- collocated (everything on all ``N``; env and inference take turns):
+  ``T * (e + i) / N + u / N``
+- disaggregated (disjoint ``E + R + A = N``; env and inference alternate):
+  ``T * (e / E + i / R + o) + u / A``
+- hybrid with ``S`` stages (disjoint ``E + R = N``; env stage ``s`` steps while the rollout
+  computes stage ``s - 1``, so the two overlap after the pipeline fills; actor on all ``N``):
+  ``T * (max(a, b) + S * o) + min(a, b) / S + u / N`` with ``a = e / E``, ``b = i / R``;
+  with ``S = 1`` there is no overlap: ``T * (a + b + o) + u / N``.
+
+Only plans whose env batches split into whole GRPO groups are considered. The plan with the
+lowest estimate wins (ties go to the simpler mode); the table of estimates is printed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from rlinf_vla.config import ConfigError
+
+CHANNEL_ROUND_TRIP_S = 0.002  # measured small-message channel round trip (docs/runtime.md)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured costs on one device, seconds (see the module docstring)."""
+
+    env_chunk_s: float
+    infer_chunk_s: float
+    train_s: float
+    overhead_s: float = CHANNEL_ROUND_TRIP_S
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate placement and its estimated iteration time."""
+
+    mode: str
+    components: dict[str, str]
+    stages: int
+    rollout_s: float
+    train_s: float
+
+    @property
+    def iteration_s(self) -> float:
+        return self.rollout_s + self.train_s
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v}" for k, v in self.components.items())
+        return f"{self.mode:<13} S={self.stages}  ({parts})"
+
+
+def _span(first: int, count: int) -> str:
+    return str(first) if count == 1 else f"{first}-{first + count - 1}"
+
+
+def candidate_plans(
+    costs: Costs,
+    num_devices: int,
+    num_groups: int,
+    chunks: int,
+    max_stages: int = 4,
+) -> list[Plan]:
+    """Every placement that fits ``num_devices`` and splits ``num_groups`` env groups evenly,
+    with its estimated rollout and train time for ``chunks`` chunk steps."""
+    e, i, u, o = costs.env_chunk_s, costs.infer_chunk_s, costs.train_s, costs.overhead_s
+    n, t = num_devices, chunks
+    plans: list[Plan] = []
+    if num_groups % n == 0:
+        plans.append(
+            Plan(
+                "collocated",
+                {"actor": "all", "env": "all", "rollout": "all"},
+                1,
+                t * (e + i) / n,
+                u / n,
+            )
+        )
+    for env_devices in range(1, n):
+        rollout_devices = n - env_devices
+        a, b = e / env_devices, i / rollout_devices
+        components = {
+            "actor": "all",
+            "env": _span(0, env_devices),
+            "rollout": _span(env_devices, rollout_devices),
+        }
+        stages = 1
+        while stages <= max_stages:
+            if num_groups % (env_devices * stages) == 0:
+                if stages == 1:
+                    rollout = t * (a + b + o)
+                else:
+                    rollout = t * (max(a, b) + stages * o) + min(a, b) / stages
+                plans.append(Plan("hybrid", components, stages, rollout, u / n))
+            stages *= 2
+        for actor_devices in range(1, rollout_devices):
+            r = rollout_devices - actor_devices
+            if num_groups % env_devices:
+                continue
+            plans.append(
+                Plan(
+                    "disaggregated",
+                    {
+                        "actor": _span(env_devices + r, actor_devices),
+                        "env": _span(0, env_devices),
+                        "rollout": _span(env_devices, r),
+                    },
+                    1,
+                    t * (e / env_devices + i / r + o),
+                    u / actor_devices,
+                )
+            )
+    return plans
+
+
+_SIMPLICITY = {"collocated": 0, "hybrid": 1, "disaggregated": 2}
+
+
+def choose(plans: list[Plan]) -> Plan:
+    """The fastest plan; within 2 % of it, the simplest (fewest stages, collocated first)."""
+    if not plans:
+        raise ConfigError(
+            "placement=auto: no placement splits the env batch into whole groups on these "
+            "devices; change env.num_envs or cluster.devices_per_node"
+        )
+    best = min(p.iteration_s for p in plans)
+    close = [p for p in plans if p.iteration_s <= best * 1.02]
+    return min(close, key=lambda p: (_SIMPLICITY[p.mode], p.stages, p.iteration_s))
+
+
+def profile(job: Any, chunks: int = 3) -> Costs:
+    """Measure ``e``, ``i`` and ``u`` (module docstring) in this process on one device."""
+    from rlinf_vla.envs import make_env
+    from rlinf_vla.policies import make_policy
+
+    seed = job.runner.seed
+    policy = make_policy(job.policy_name, **dict(job.policy, seed=seed))
+    env = make_env(job.env_name, **dict(job.env, seed=job.env.get("seed", seed)))
+    try:
+        obs = env.reset()
+        for _ in range(2):  # the first calls pay one-off kernel and allocator set-up
+            with torch.no_grad():
+                out = policy.act(obs)
+            obs = env.chunk_step(out.actions).obs
+        _update_cost(policy, obs, out.replay)
+        env_s = infer_s = 0.0
+        for _ in range(chunks):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = policy.act(obs)
+            t1 = time.perf_counter()
+            next_obs = env.chunk_step(out.actions).obs
+            t2 = time.perf_counter()
+            infer_s += t1 - t0
+            env_s += t2 - t1
+            last_obs, obs = obs, next_obs
+        per_sample = _update_cost(policy, last_obs, out.replay) / env.num_envs
+    finally:
+        env.close()
+    samples = env.num_envs * job.runner.rollout_chunks * job.algo.update_epochs
+    return Costs(env_s / chunks, infer_s / chunks, per_sample * samples)
+
+
+def _update_cost(policy: Any, obs: Any, replay: dict[str, torch.Tensor]) -> float:
+    """Seconds of one forward/backward pass of the PPO objective's parts over ``obs``."""
+    t0 = time.perf_counter()
+    out = policy.evaluate(obs, replay)
+    loss = out.logprob.float().mean() + out.entropy.float().mean()
+    if out.value is not None:
+        loss = loss + out.value.float().pow(2).mean()
+    loss.backward()
+    policy.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def plan_table(plans: list[Plan], chosen: Plan, env_steps: int) -> str:
+    """The estimates as a text table, the chosen plan marked."""
+    lines = [f"{'placement':<50} {'rollout s':>9} {'train s':>8} {'env steps/s':>11}"]
+    for p in sorted(plans, key=lambda p: p.iteration_s):
+        mark = " <- chosen" if p is chosen else ""
+        lines.append(
+            f"{p.describe():<50} {p.rollout_s:>9.2f} {p.train_s:>8.2f} "
+            f"{env_steps / p.rollout_s:>11.1f}{mark}"
+        )
+    return "\n".join(lines)
+
+
+def resolve_auto(job: Any, num_devices: int, log: Any = print) -> Any:
+    """A copy of ``job`` whose ``placement`` is the plan chosen by profiling (module docstring)."""
+    from rlinf_vla.envs import env_config
+
+    env_cfg = env_config(job.env_name, **job.env)
+    log(f"placement=auto: profiling {job.placement.profile_chunks} chunk steps and one update ...")
+    costs = profile(job, job.placement.profile_chunks)
+    plans = candidate_plans(
+        costs,
+        num_devices,
+        env_cfg.num_envs // env_cfg.group_size,
+        job.runner.rollout_chunks,
+        job.placement.max_stages,
+    )
+    chosen = choose(plans)
+    env_steps = env_cfg.num_envs * job.runner.rollout_chunks * job.policy.get("chunk_size", 1)
+    log(
+        f"measured on one device: env chunk step {costs.env_chunk_s * 1e3:.1f} ms, "
+        f"inference {costs.infer_chunk_s * 1e3:.1f} ms ({env_cfg.num_envs} envs), "
+        f"update {costs.train_s:.2f} s"
+    )
+    log(plan_table(plans, chosen, env_steps))
+    placement = replace(
+        job.placement, mode=chosen.mode, components=dict(chosen.components), stages=chosen.stages
+    )
+    return replace(job, placement=placement)

@@ -1,0 +1,82 @@
+"""placement=auto: the cost model against hand computations, and a profiled run."""
+
+import json
+
+import pytest
+import yaml
+
+from rlinf_vla import cli
+from rlinf_vla.config import ConfigError
+from rlinf_vla.pipelines.auto import Costs, candidate_plans, choose
+
+
+def _by_key(plans):
+    return {(p.mode, p.components["env"], p.components["rollout"], p.stages): p for p in plans}
+
+
+def test_estimates_match_the_formulas_by_hand():
+    # e = 0.3 s, i = 0.1 s per chunk for the whole batch, u = 2 s; o = 0.01 s; T = 10 chunks
+    costs = Costs(env_chunk_s=0.3, infer_chunk_s=0.1, train_s=2.0, overhead_s=0.01)
+    plans = _by_key(candidate_plans(costs, num_devices=3, num_groups=12, chunks=10, max_stages=4))
+    col = plans[("collocated", "all", "all", 1)]
+    assert col.rollout_s == pytest.approx(10 * 0.4 / 3) and col.train_s == pytest.approx(2 / 3)
+    # hybrid, env on 2 devices (a = 0.15), rollout on 1 (b = 0.1)
+    h1 = plans[("hybrid", "0-1", "2", 1)]
+    assert h1.rollout_s == pytest.approx(10 * (0.15 + 0.1 + 0.01))
+    h2 = plans[("hybrid", "0-1", "2", 2)]
+    assert h2.rollout_s == pytest.approx(10 * (0.15 + 2 * 0.01) + 0.1 / 2)
+    # 12 groups over 2 env devices x 4 stages do not split: no such plan
+    assert ("hybrid", "0-1", "2", 4) not in plans
+    # env on 1 device (a = 0.3), rollout on 2 (b = 0.05), 4 stages
+    h4 = plans[("hybrid", "0", "1-2", 4)]
+    assert h4.rollout_s == pytest.approx(10 * (0.3 + 4 * 0.01) + 0.05 / 4)
+    dis = plans[("disaggregated", "0", "1", 1)]
+    assert dis.components["actor"] == "2"
+    assert dis.rollout_s == pytest.approx(10 * (0.3 + 0.1 + 0.01))
+    assert dis.train_s == pytest.approx(2.0)
+
+
+def test_choice_prefers_overlap_when_env_and_inference_are_balanced():
+    # With a fixed per-message overhead and no data parallel gain for the actor (one device
+    # each), the best plan overlaps env and inference in stages.
+    costs = Costs(env_chunk_s=0.2, infer_chunk_s=0.2, train_s=0.1, overhead_s=0.001)
+    plans = candidate_plans(costs, num_devices=2, num_groups=4, chunks=20)
+    best = choose(plans)
+    # collocated 20 * 0.4 / 2 = 4.0 s; hybrid S=4: 20 * (0.2 + 0.004) + 0.2 / 4 = 4.13 s
+    assert best.mode == "collocated"
+    costs = Costs(env_chunk_s=0.2, infer_chunk_s=0.05, train_s=0.1, overhead_s=0.0)
+    # one device: nothing but collocated fits
+    assert [p.mode for p in candidate_plans(costs, 1, 4, 20)] == ["collocated"]
+
+
+def test_only_plans_that_split_whole_groups_are_considered():
+    # one GRPO group cannot be split over two collocated env workers or two stages
+    plans = candidate_plans(Costs(1, 1, 1), num_devices=2, num_groups=1, chunks=1)
+    assert [(p.mode, p.stages) for p in plans] == [("hybrid", 1)]
+    with pytest.raises(ConfigError, match="no placement splits the env batch"):
+        choose([])
+
+
+@pytest.mark.slow
+def test_auto_profiles_prints_its_choice_and_trains(tmp_path, capsys):
+    args = [
+        "train",
+        "env=toy",
+        "env.num_envs=4",
+        "env.max_episode_steps=8",
+        "+env.step_time_s=0.02",
+        "runner.rollout_chunks=4",
+        "algo.update_epochs=1",
+        "placement=auto",
+        "cluster.devices_per_node=2",
+        "runner.max_iterations=1",
+        f"runner.output_dir={tmp_path}",
+    ]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "placement=auto: profiling" in out and "<- chosen" in out
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["placement"]
+    assert saved["mode"] in ("collocated", "hybrid", "disaggregated")
+    assert saved["mode"] in out.split("<- chosen")[0].splitlines()[-1]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1]
