@@ -1,0 +1,315 @@
+"""``rlinf-vla deploy``: the robot client loop.
+
+Each control tick (at the server's control rate unless ``control_rate_hz`` is set): read the
+cameras and proprioception, ask the policy server for an action chunk when the previous one is
+used up (in the background when ``realtime``, so the safety layer keeps ticking while the
+request is in flight), scale the next action into metres/radians, pass it through the
+:class:`~rlinf_vla.real_robot.safety.SafetyFilter` and send the safe target to the robot; every
+tick is recorded (:mod:`.recording`). SIGINT/SIGTERM or Enter trigger the e-stop, which calls
+``robot.stop()`` at once and ends the episode::
+
+    rlinf-vla deploy robot=sim server=ws://127.0.0.1:8000 instruction="pick up the red cube"
+    rlinf-vla deploy robot=franka robot.host=172.16.0.2 server=ws://gpu-box:8000 \\
+        token=$TOKEN instruction="put the cup on the plate" max_steps=300
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlinf_vla.config import ConfigError, from_section, to_dict
+from rlinf_vla.real_robot.kinematics import matrix_to_rotvec
+from rlinf_vla.real_robot.robot import Robot
+from rlinf_vla.real_robot.safety import EStop, SafetyConfig, SafetyFilter
+
+__all__ = ["ROBOTS", "DeployJob", "EpisodeResult", "make_robot", "run", "run_episode", "validate"]
+
+log = logging.getLogger(__name__)
+
+#: Robot backends: name -> (config module:class, robot module:class). Imported when used.
+ROBOTS: dict[str, tuple[str, str]] = {
+    "sim": ("rlinf_vla.real_robot.sim:SimFrankaConfig", "rlinf_vla.real_robot.sim:SimFranka"),
+    "franka": ("rlinf_vla.real_robot.franka:FrankaConfig", "rlinf_vla.real_robot.franka:Franka"),
+}
+
+
+def _load(path: str) -> Any:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def robot_config(section: Any) -> Any:
+    """The typed config of the ``robot`` section (its ``name`` picks the backend)."""
+    values = dict(section)
+    name = values.get("name")
+    if name not in ROBOTS:
+        raise ConfigError(f"robot.name: unknown robot {name!r} (known: {', '.join(sorted(ROBOTS))})")
+    return from_section(_load(ROBOTS[name][0]), values, "robot")
+
+
+def make_robot(cfg: Any) -> Robot:
+    """Build the backend of a robot config (imports its libraries now)."""
+    return _load(ROBOTS[cfg.name][1])(cfg)
+
+
+@dataclass
+class ActionConfig:
+    """How the policy's actions map to the robot (the ``action`` section).
+
+    Attributes:
+        translation_scale: metres per policy unit of ``dx, dy, dz`` (1.0: already metres).
+        rotation_scale: radians per policy unit of ``drx, dry, drz``.
+        actions_per_query: execute this many actions of each chunk before asking again
+            (``0``: the whole chunk).
+    """
+
+    translation_scale: float = 1.0
+    rotation_scale: float = 1.0
+    actions_per_query: int = 0
+
+    def __post_init__(self) -> None:
+        if self.translation_scale <= 0 or self.rotation_scale <= 0:
+            raise ValueError("action.translation_scale and action.rotation_scale must be > 0")
+        if self.actions_per_query < 0:
+            raise ValueError("action.actions_per_query must be >= 0")
+
+
+@dataclass
+class RecordConfig:
+    """The ``record`` section: where and how episodes are written (see :mod:`.recording`)."""
+
+    enabled: bool = True
+    output_dir: str = "episodes"
+    video: str = "mp4"
+
+    def __post_init__(self) -> None:
+        if self.video not in ("mp4", "png"):
+            raise ValueError(f"record.video must be 'mp4' or 'png', got {self.video!r}")
+
+
+@dataclass
+class DeployJob:
+    """A validated ``rlinf-vla deploy`` job."""
+
+    robot: Any
+    server: str
+    instruction: str
+    token: str | None = None
+    episodes: int = 1
+    max_steps: int = 200
+    control_rate_hz: float | None = None
+    realtime: bool = True
+    connect_timeout_s: float = 10.0
+    action: ActionConfig = field(default_factory=ActionConfig)
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
+    record: RecordConfig = field(default_factory=RecordConfig)
+
+    def __post_init__(self) -> None:
+        if not self.server.startswith(("ws://", "wss://")):
+            raise ValueError(f"server must be a ws:// or wss:// URL, got {self.server!r}")
+        if not self.instruction.strip():
+            raise ValueError("instruction is empty: say what the robot should do")
+        if self.episodes < 1 or self.max_steps < 1:
+            raise ValueError("episodes and max_steps must be >= 1")
+        if self.control_rate_hz is not None and not 0 < self.control_rate_hz <= 1000:
+            raise ValueError(f"control_rate_hz must be in (0, 1000], got {self.control_rate_hz}")
+
+
+_TOP = {f for f in DeployJob.__dataclass_fields__}
+
+
+def validate(cfg: Any) -> DeployJob:
+    """Typed configs for a composed ``deploy`` config; starts nothing, connects to nothing."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
+    unknown = sorted(set(values) - _TOP)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: {', '.join(sorted(_TOP))})")
+    robot = robot_config(values.pop("robot", {}) or {})
+    job = from_section(DeployJob, {**values, "robot": {}}, "")
+    job.robot = robot
+    if robot.name == "franka" and not job.realtime:
+        raise ConfigError("realtime=false steps a simulator as fast as it can; a real arm needs realtime=true")
+    return job
+
+
+# ------------------------------------------------------------------------------ the loop
+@dataclass
+class EpisodeResult:
+    """What one episode did."""
+
+    steps: int
+    folder: Path | None
+    interventions: dict[str, int]
+    queries: int
+    server_errors: int
+    latency_ms: list[float]
+    estopped: bool
+
+
+def run_episode(
+    robot: Robot,
+    client: Any,
+    job: DeployJob,
+    estop: EStop | None = None,
+    episode_index: int = 0,
+) -> EpisodeResult:
+    """Run one episode of ``job`` on ``robot`` with a connected :class:`PolicyClient`."""
+    from rlinf_vla.real_robot.client import ServerError
+    from rlinf_vla.real_robot.recording import EpisodeWriter
+
+    meta = client.metadata
+    missing = [k for k in meta.image_keys if k not in robot.camera_names]
+    if missing:
+        raise ValueError(
+            f"the policy needs cameras {list(meta.image_keys)}; robot {job.robot.name!r} has "
+            f"{list(robot.camera_names)} (missing {missing})"
+        )
+    if meta.action_dim != 7:
+        raise ValueError(f"the policy's action_dim is {meta.action_dim}; the Franka convention needs 7")
+    rate = job.control_rate_hz or meta.control_rate_hz
+    dt = 1.0 / rate
+    estop = estop or EStop()
+    safety = SafetyFilter(job.safety, dt, estop)
+    estop.on_trigger(robot.stop)
+    per_query = job.action.actions_per_query or meta.chunk_size
+    scale = np.array([job.action.translation_scale] * 3 + [job.action.rotation_scale] * 3)
+
+    writer = None
+    if job.record.enabled:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        folder = Path(job.record.output_dir) / f"{stamp}-{job.robot.name}-ep{episode_index:03d}"
+        writer = EpisodeWriter(
+            folder,
+            list(robot.camera_names),
+            job.record.video,
+            rate,
+            meta={
+                "instruction": job.instruction,
+                "robot": to_dict(job.robot),
+                "server": job.server,
+                "control_rate_hz": rate,
+                "policy": {**meta.__dict__, "image_keys": list(meta.image_keys)},
+                "action": to_dict(job.action),
+                "safety": to_dict(job.safety),
+            },
+        )
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-query")
+    future: Future | None = None
+    chunk: list[tuple[np.ndarray, float]] = []
+    queries = server_errors = 0
+    latency: list[float] = []
+    steps = 0
+    state = robot.reset()
+    next_tick = time.monotonic()
+    try:
+        for step in range(job.max_steps):
+            state = robot.read()
+            images = {k: state.images[k] for k in meta.image_keys}
+            proprio = state.proprio()
+            if not chunk and future is None and not estop.triggered:
+                sent = time.monotonic()
+                future = executor.submit(client.infer, images, proprio if meta.state_dim else None, job.instruction)
+                queries += 1
+            if future is not None and (future.done() or not job.realtime):
+                try:
+                    actions, _timing = future.result()
+                    received = time.monotonic()
+                    latency.append((received - sent) * 1000.0)
+                    chunk = [(a, received + k * dt) for k, a in enumerate(actions[:per_query])]
+                except ServerError as e:
+                    server_errors += 1
+                    log.error("server refused the request: %s", e.reason)
+                future = None
+            raw, scheduled = chunk.pop(0) if chunk else (None, None)
+            metric = None
+            if raw is not None:
+                metric = np.asarray(raw, dtype=np.float64).copy()
+                if metric.shape == (7,):
+                    metric[:6] = metric[:6] * scale
+            cmd = safety(metric, state, time.monotonic(), scheduled)
+            if not estop.triggered:
+                robot.command(cmd.target_pos, cmd.target_rot, cmd.gripper_closed)
+            steps += 1
+            if writer is not None:
+                executed = np.concatenate([cmd.delta_pos / scale[:3], cmd.delta_rot / scale[3:], [1.0 if cmd.gripper_closed else -1.0]])
+                policy_action = np.full(meta.action_dim, np.nan) if raw is None else np.asarray(raw).reshape(-1)[: meta.action_dim]
+                writer.add(
+                    timestamp=state.timestamp,
+                    images=state.images,
+                    state=proprio,
+                    joint_positions=state.joint_positions,
+                    ee_pos=state.ee_pos,
+                    ee_rotvec=matrix_to_rotvec(state.ee_rot),
+                    gripper_width=state.gripper_width,
+                    policy_action=policy_action,
+                    action=executed,
+                    hold=cmd.hold,
+                    interventions=[i for i in safety.log if i.step == safety._step],
+                )
+            if estop.triggered:
+                break
+            if job.realtime:
+                next_tick += dt
+                delay = next_tick - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                else:
+                    next_tick = time.monotonic()  # overran: do not try to catch up
+    finally:
+        robot.stop()
+        executor.shutdown(wait=False, cancel_futures=True)
+        folder = None
+        if writer is not None:
+            folder = writer.close(
+                interventions=safety.summary(),
+                estop=estop.reason,
+                queries=queries,
+                server_errors=server_errors,
+            )
+    return EpisodeResult(steps, folder, safety.summary(), queries, server_errors, latency, estop.triggered)
+
+
+def run(job: DeployJob) -> list[EpisodeResult]:
+    """Connect, run ``job.episodes`` episodes, print a summary per episode."""
+    from rich.console import Console
+
+    from rlinf_vla.real_robot.client import PolicyClient
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    console = Console()
+    estop = EStop()
+    estop.install_signals()
+    estop.watch_keys()
+    console.print("[bold red]E-STOP:[/] press Enter (or Ctrl-C) to stop the robot at once")
+    results = []
+    robot = make_robot(job.robot)
+    try:
+        with PolicyClient(job.server, job.token, timeout=job.connect_timeout_s) as client:
+            console.print(f"connected to {job.server}: {client.metadata}")
+            for ep in range(job.episodes):
+                if estop.triggered:
+                    break
+                res = run_episode(robot, client, job, estop, ep)
+                results.append(res)
+                lat = np.percentile(res.latency_ms, [50, 99]).round(1).tolist() if res.latency_ms else "n/a"
+                console.print(
+                    f"episode {ep}: {res.steps} steps, {res.queries} queries (latency p50/p99 ms {lat}), "
+                    f"interventions {{{', '.join(f'{k}: {v}' for k, v in res.interventions.items() if v)}}}"
+                    f"{', E-STOP' if res.estopped else ''} -> {res.folder}"
+                )
+    finally:
+        robot.stop()
+        robot.close()
+        estop.restore()
+    return results

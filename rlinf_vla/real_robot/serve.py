@@ -1,0 +1,79 @@
+"""``rlinf-vla serve``: load a registered policy and serve it over websockets::
+
+    rlinf-vla serve policy=openvla_oft policy.checkpoint=runs/<run>/checkpoints/iter_10/policy
+    rlinf-vla serve policy=pi0 policy.preset=tiny server.port=8001 server.token=$TOKEN
+    rlinf-vla serve policy=openvla_oft --cfg job        # print the resolved config
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlinf_vla.config import ConfigError, from_section
+from rlinf_vla.real_robot.server import PolicyServer, ServerConfig
+
+__all__ = ["ServeJob", "run", "validate"]
+
+
+@dataclass
+class ServeJob:
+    """A validated ``rlinf-vla serve`` job."""
+
+    policy_name: str
+    policy: dict[str, Any]
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+def validate(cfg: Any) -> ServeJob:
+    """Check the composed ``serve`` config (policy name, keys, server limits); pure."""
+    from omegaconf import OmegaConf
+
+    from rlinf_vla.policies import policy_config
+
+    values = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
+    unknown = sorted(set(values) - {"policy", "server"})
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: policy, server)")
+    policy = dict(values.get("policy") or {})
+    name = policy.pop("name", None)
+    if name is None:
+        raise ConfigError("policy.name is missing")
+    try:
+        policy_config(name, **{k: v for k, v in policy.items() if k != "checkpoint"})
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"policy: {e.args[0] if e.args else e}") from None
+    checkpoint = policy.get("checkpoint")
+    if checkpoint is not None:
+        from pathlib import Path
+
+        if not Path(checkpoint).is_dir():
+            raise ConfigError(f"policy.checkpoint: {checkpoint!r} is not a checkpoint folder")
+    return ServeJob(name, policy, from_section(ServerConfig, values.get("server"), "server"))
+
+
+def run(job: ServeJob) -> None:
+    """Load the policy and serve until interrupted."""
+    from rich.console import Console
+
+    from rlinf_vla.policies import make_policy
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    console = Console()
+    with console.status(f"loading policy {job.policy_name}..."):
+        policy = make_policy(job.policy_name, **job.policy).eval()
+    server = PolicyServer(policy, job.policy_name, job.server)
+    meta = server.metadata
+    console.print(
+        f"policy {meta.policy}: cameras {list(meta.image_keys)} ({meta.image_size} px), "
+        f"state_dim {meta.state_dim}, action_dim {meta.action_dim}, chunk {meta.chunk_size}, "
+        f"{meta.control_rate_hz} Hz; token {'on' if job.server.token else 'off'}"
+    )
+    if job.server.host not in ("127.0.0.1", "localhost", "::1") and not job.server.token:
+        console.print("[yellow]warning:[/] serving beyond localhost without server.token")
+    try:
+        asyncio.run(server.serve())
+    except KeyboardInterrupt:
+        console.print("stopped")

@@ -1,0 +1,284 @@
+"""A websocket policy server: any registered policy behind the protocol of :mod:`.protocol`.
+
+The server is thin: it validates requests, batches the ones that arrive together from
+concurrent connections into one ``policy.act(obs, greedy=True)`` call, and sends back each
+robot's action chunk ``float32 [K, A]``. A bad request gets an ``error`` reply naming what was
+wrong and the connection stays open; an inference failure sends the remote traceback. Frames
+over ``max_message_bytes`` close that connection with code 1009 (the websocket "message too
+big" code and a reason); other connections are unaffected. ``GET /healthz`` answers ``OK``.
+
+>>> server = PolicyServer(policy, "openvla_oft", ServerConfig(port=0))
+>>> with server.run_in_thread() as url:          # ws://127.0.0.1:<port>
+...     client = PolicyClient(url)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import numpy as np
+
+from rlinf_vla.real_robot import codec
+from rlinf_vla.real_robot.protocol import (
+    InferRequest,
+    PolicyMetadata,
+    RequestError,
+    parse_infer_request,
+    policy_metadata,
+)
+
+__all__ = ["PolicyServer", "ServerConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    """The ``server`` section of ``rlinf-vla serve``.
+
+    Attributes:
+        host: interface to bind; ``127.0.0.1`` (default) serves only this machine. Bind
+            ``0.0.0.0`` only on a trusted robot network, with a ``token``.
+        port: TCP port (``0``: any free port, printed at start).
+        token: shared secret; clients send ``Authorization: Bearer <token>``. ``None``: none.
+        max_message_bytes: the largest frame read from a client; bigger ones close the
+            connection (1009). Two 224 px cameras need about 0.3 MB.
+        max_batch_size: at most this many concurrent requests go into one ``act`` call.
+        batch_window_ms: after the first request arrives, wait this long for others to batch
+            (``0``: batch only what queued up while the previous batch ran).
+        control_rate_hz: the control rate advertised to clients (the policy's training rate).
+        greedy: ``act(obs, greedy=...)``; deterministic actions for deployment.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token: str | None = None
+    max_message_bytes: int = 8 * 1024 * 1024
+    max_batch_size: int = 8
+    batch_window_ms: float = 0.0
+    control_rate_hz: float = 10.0
+    greedy: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"server.port must be in 0..65535, got {self.port}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"server.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.batch_window_ms < 0:
+            raise ValueError(f"server.batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if self.control_rate_hz <= 0:
+            raise ValueError(f"server.control_rate_hz must be > 0, got {self.control_rate_hz}")
+        if self.token is not None and len(self.token) < 8:
+            raise ValueError("server.token must have at least 8 characters")
+
+
+@dataclass
+class _Pending:
+    request: InferRequest
+    future: asyncio.Future
+    received: float
+
+
+class PolicyServer:
+    """Serve ``policy`` (a :class:`~rlinf_vla.policies.Policy`) over websockets.
+
+    Args:
+        policy: the loaded policy; its ``config`` gives the handshake metadata.
+        name: its registered name (sent in the metadata).
+        config: the server settings.
+    """
+
+    def __init__(self, policy: Any, name: str, config: ServerConfig) -> None:
+        self.policy = policy
+        self.config = config
+        self.metadata: PolicyMetadata = policy_metadata(
+            name, policy.config, config.control_rate_hz, config.max_message_bytes
+        )
+        self.stats = {"requests": 0, "errors": 0, "batches": 0, "rejected_auth": 0}
+        self._queue: asyncio.Queue[_Pending] | None = None
+        # One inference thread: torch modules are not re-entrant, and the event loop stays free.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-act")
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------ inference
+    def _act(self, batch: list[InferRequest]) -> np.ndarray:
+        """Stack equal-shaped requests into one Observation and call ``act``: ``[B, K, A]``."""
+        import torch
+
+        from rlinf_vla.types import Observation
+
+        first = batch[0]
+        images = {
+            k: torch.from_numpy(np.stack([r.images[k] for r in batch])) for k in first.images
+        }
+        state = None
+        if first.state is not None:
+            state = torch.from_numpy(np.stack([r.state for r in batch]).astype(np.float32))
+        obs = Observation(images=images, state=state, instruction=[r.instruction for r in batch])
+        with torch.inference_mode():
+            out = self.policy.act(obs, greedy=self.config.greedy)
+        return out.actions.detach().float().cpu().numpy()
+
+    async def _batcher(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        window = self.config.batch_window_ms / 1000.0
+        while True:
+            pending = [await self._queue.get()]
+            deadline = loop.time() + window
+            while len(pending) < self.config.max_batch_size:
+                timeout = deadline - loop.time()
+                try:
+                    if timeout <= 0:
+                        pending.append(self._queue.get_nowait())
+                    else:
+                        pending.append(await asyncio.wait_for(self._queue.get(), timeout))
+                except (asyncio.QueueEmpty, TimeoutError):
+                    break
+            groups: dict[tuple, list[_Pending]] = {}
+            for p in pending:
+                groups.setdefault(p.request.signature(), []).append(p)
+            for group in groups.values():
+                await self._run_group(group)
+
+    async def _run_group(self, group: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        try:
+            actions = await loop.run_in_executor(
+                self._executor, self._act, [p.request for p in group]
+            )
+            error = None
+        except Exception as e:
+            actions, error = None, (f"inference failed: {type(e).__name__}: {e}", traceback.format_exc())
+        infer_ms = (time.perf_counter() - start) * 1000.0
+        self.stats["batches"] += 1
+        for i, p in enumerate(group):
+            if p.future.done():
+                continue
+            if error is not None:
+                p.future.set_exception(_InferenceError(*error))
+            else:
+                p.future.set_result(
+                    (actions[i], {"queue_ms": (start - p.received) * 1000.0, "infer_ms": infer_ms, "batch_size": len(group)})
+                )
+
+    # ------------------------------------------------------------------ websocket side
+    def _process_request(self, connection: Any, request: Any) -> Any:
+        """Health check and token authentication, before the websocket handshake."""
+        if request.path == "/healthz":
+            return connection.respond(HTTPStatus.OK, "OK\n")
+        if self.config.token is not None:
+            header = request.headers.get("Authorization", "")
+            expected = f"Bearer {self.config.token}"
+            if not hmac.compare_digest(header.encode(), expected.encode()):
+                self.stats["rejected_auth"] += 1
+                log.warning("rejected a connection from %s: bad or missing token", connection.remote_address)
+                return connection.respond(
+                    HTTPStatus.UNAUTHORIZED, "missing or wrong token (send 'Authorization: Bearer <token>')\n"
+                )
+        return None
+
+    async def _handler(self, connection: Any) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        assert self._queue is not None
+        await connection.send(codec.packb(self.metadata.to_message()))
+        try:
+            async for frame in connection:
+                received = time.perf_counter()
+                self.stats["requests"] += 1
+                req_id = None
+                try:
+                    msg = codec.unpackb(frame)
+                    if isinstance(msg, dict):
+                        req_id = msg.get("id") if isinstance(msg.get("id"), int | str) else None
+                    request = parse_infer_request(msg, self.metadata)
+                    future = asyncio.get_running_loop().create_future()
+                    await self._queue.put(_Pending(request, future, received))
+                    actions, timing = await future
+                    timing["server_ms"] = (time.perf_counter() - received) * 1000.0
+                    reply = {"type": "actions", "id": req_id, "actions": actions, "timing": timing}
+                except (codec.DecodeError, RequestError) as e:
+                    self.stats["errors"] += 1
+                    reply = {"type": "error", "id": req_id, "reason": str(e), "traceback": None}
+                except _InferenceError as e:
+                    self.stats["errors"] += 1
+                    reply = {"type": "error", "id": req_id, "reason": e.reason, "traceback": e.tb}
+                await connection.send(codec.packb(reply))
+        except ConnectionClosed:
+            pass
+
+    async def serve(self, ready: threading.Event | None = None, stop: asyncio.Event | None = None) -> None:
+        """Serve until ``stop`` is set (forever when ``None``)."""
+        from websockets.asyncio.server import serve
+
+        self._queue = asyncio.Queue()
+        batcher = asyncio.create_task(self._batcher())
+        async with serve(
+            self._handler,
+            self.config.host,
+            self.config.port,
+            process_request=self._process_request,
+            max_size=self.config.max_message_bytes,
+            compression=None,
+        ) as server:
+            self.port = server.sockets[0].getsockname()[1]
+            log.info("serving %s on ws://%s:%d", self.metadata.policy, self.config.host, self.port)
+            if ready is not None:
+                ready.set()
+            try:
+                await (stop.wait() if stop is not None else asyncio.Future())
+            finally:
+                batcher.cancel()
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self.config.host}:{self.port}"
+
+    @contextlib.contextmanager
+    def run_in_thread(self) -> Iterator[str]:
+        """Serve from a background thread (tests, benchmarks); yields the ``ws://`` URL."""
+        ready = threading.Event()
+        loop = asyncio.new_event_loop()
+        stop = asyncio.Event()
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.serve(ready, stop))
+            except BaseException as e:  # surfaced to the caller below
+                errors.append(e)
+                ready.set()
+
+        thread = threading.Thread(target=target, name="policy-server", daemon=True)
+        thread.start()
+        ready.wait(30)
+        if errors:
+            raise errors[0]
+        try:
+            yield self.url
+        finally:
+            loop.call_soon_threadsafe(stop.set)
+            thread.join(10)
+            loop.close()
+
+
+class _InferenceError(Exception):
+    def __init__(self, reason: str, tb: str) -> None:
+        super().__init__(reason)
+        self.reason, self.tb = reason, tb
