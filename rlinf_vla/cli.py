@@ -72,6 +72,18 @@ COMMANDS: dict[str, Command] = {
             "bench",
             "rlinf_vla.bench",
         ),
+        Command(
+            "serve",
+            "serve a policy over websockets (msgpack + numpy) for robot clients",
+            "serve",
+            "rlinf_vla.real_robot.serve",
+        ),
+        Command(
+            "deploy",
+            "run a served policy on a Franka (real or simulated) through the safety layer, recording episodes",
+            "deploy",
+            "rlinf_vla.real_robot.deploy",
+        ),
     ]
 }
 
