@@ -66,6 +66,11 @@ class RunnerConfig:
             non-finite loss or gradient (each skip is warned about and counted in
             ``train/skipped_updates``).
         logging: where metrics go besides ``metrics.jsonl`` (TensorBoard, wandb).
+        eval_interval: every N iterations, evaluate the greedy policy on held-out scenes
+            (``eval/*`` metrics; 0 = never).
+        eval_episodes: episodes per evaluation.
+        eval_videos: write an MP4 per evaluation round of the first env to
+            ``<run>/videos/iter_<N>/``.
     """
 
     name: str = "train"
@@ -77,11 +82,17 @@ class RunnerConfig:
     save_interval: int = 5
     max_nan_updates: int = 5
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval_interval: int = 10
+    eval_episodes: int = 4
+    eval_videos: bool = True
 
     def __post_init__(self) -> None:
         for key in ("max_iterations", "rollout_chunks", "save_interval", "max_nan_updates"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"runner.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("eval_interval", "eval_episodes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"runner.{key} must be >= 0, got {getattr(self, key)}")
         if self.resume is not None and not os.path.isdir(self.resume):
             raise ConfigError(f"runner.resume: {self.resume!r} is not a run folder")
 

@@ -97,6 +97,7 @@ class EmbodiedRunner:
         self.sources = [(r, s) for r in range(self.env.world_size) for s in range(stages)]
         self.start_iteration = 0
         self.last_checkpoint: Path | None = None
+        self._eval: tuple[Any, Any] | None = None  # the evaluation's (policy, env), made lazily
         if job.runner.resume:
             self.start_iteration = self._restore(Path(job.runner.resume))
 
@@ -145,6 +146,9 @@ class EmbodiedRunner:
                 )
                 for it in range(self.start_iteration, r.max_iterations):
                     metrics = self.iteration(it)
+                    if r.eval_interval and (it + 1) % r.eval_interval == 0:
+                        progress.update(task, status="greedy evaluation ...")
+                        metrics.update(self.evaluate(it + 1, logger))
                     logger.log(metrics)
                     progress.update(task, completed=it + 1, status=_status(metrics))
                     self._check_finite(metrics, progress.console)
@@ -232,6 +236,31 @@ class EmbodiedRunner:
             "throughput/env_steps_per_s": env_steps / (t2 - t1),
         }
 
+    def evaluate(self, iteration: int, logger: MetricsLogger) -> dict[str, float]:
+        """Greedy episodes of the current weights on held-out scenes (``eval/*`` metrics).
+
+        Runs in the driver on its own env and policy copy, so the training envs' reset-id
+        cursors (and hence a resumed run's metrics) are untouched.
+        """
+        from rlinf_vla.envs import make_env
+        from rlinf_vla.pipelines.evaluation import greedy_eval
+        from rlinf_vla.policies import make_policy
+
+        r = self.job.runner
+        if self._eval is None:
+            policy = make_policy(self.job.policy_name, **dict(self.job.policy, device="cpu"))
+            env_cfg = dict(self.job.env, seed=r.seed, group_size=1)
+            env_cfg["num_envs"] = min(env_cfg.get("num_envs", 1), r.eval_episodes)
+            self._eval = (policy, make_env(self.job.env_name, **env_cfg))
+        policy, env = self._eval
+        policy.load_state_dict(self.actor.state_dict(ranks=[0]).wait()[0])
+        t0 = time.perf_counter()
+        video_dir = self.output_dir / "videos" / f"iter_{iteration}" if r.eval_videos else None
+        result = greedy_eval(policy, env, r.eval_episodes, video_dir=video_dir)
+        for video in result.videos:
+            logger.log_video("eval/video", Path(video), iteration)
+        return {**result.metrics(), "time/eval_s": time.perf_counter() - t0}
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, iteration: int) -> Path:
         path = self.output_dir / "checkpoints" / f"iter_{iteration}"
@@ -262,6 +291,8 @@ class EmbodiedRunner:
         return iteration
 
     def shutdown(self) -> None:
+        if self._eval is not None:
+            self._eval[1].close()
         for group in (self.env, self.rollout, self.actor):
             group.shutdown()
         self.channel.close()

@@ -50,6 +50,8 @@ def test_two_iterations_in_each_mode(tmp_path, placement):
                 *placement,
                 *SMALL,
                 "runner.max_iterations=2",
+                "runner.eval_interval=2",
+                "runner.eval_episodes=3",
                 f"runner.output_dir={tmp_path}",
             ]
         )
@@ -58,6 +60,11 @@ def test_two_iterations_in_each_mode(tmp_path, placement):
     rows = _metrics(tmp_path)
     assert [r["iteration"] for r in rows] == [1, 2]
     assert set(rows[0]) >= REQUIRED
+    # greedy evaluation at iteration 2 only: 3 episodes in rounds of 3 envs -> one video
+    assert "eval/success_rate" not in rows[0]
+    assert rows[1]["eval/episodes"] == 3
+    assert 0.0 <= rows[1]["eval/success_rate"] <= 1.0
+    assert len(list((tmp_path / "videos" / "iter_2").glob("*.mp4"))) == 1
     # 4 envs x 4 chunks x 2 steps per chunk per iteration
     assert [r["env_steps"] for r in rows] == [32, 64]
     ckpt = tmp_path / "checkpoints" / "iter_2"

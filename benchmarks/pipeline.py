@@ -1,0 +1,193 @@
+"""Rollout throughput of the execution modes, next to a synchronous loop and the overlap bound.
+
+Prints a table and writes JSON (default ``benchmarks/results/pipeline.json``)::
+
+    PYTHONPATH=. python benchmarks/pipeline.py                     # toy (balanced) + ManiSkill
+    PYTHONPATH=. python benchmarks/pipeline.py --workloads toy --iterations 3
+
+For each workload, in one run on the same hardware:
+
+- **sync**: the loop of synchronous VLA-RL systems, in one process: all envs step, then the
+  policy computes the next actions, one after the other. Its per-chunk env time ``e`` and
+  inference time ``i`` give the **overlap bound** ``B * K / max(e, i)``: the rate if env and
+  inference overlapped perfectly.
+- **collocated**, **disaggregated**, **hybrid S=1, 2, 4**: ``rlinf-vla train`` on a local Ray
+  with ``--devices`` devices (CPU slots here; disaggregated gets one more, for the actor),
+  rollout throughput ``throughput/env_steps_per_s`` (env steps / rollout seconds) as the median
+  of the iterations after the first.
+
+The toy workload adds a sleep per env step (``step_time_per_env_s``) chosen from the measured
+inference time so that ``e == i`` (balanced; the sleep stands for a simulator running on its
+own hardware). ManiSkill PickCube runs its CPU simulator in one subprocess per env.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from rlinf_vla import cli
+from rlinf_vla.envs import make_env
+from rlinf_vla.policies import make_policy
+
+
+@dataclass
+class Workload:
+    name: str
+    env: str
+    env_config: dict
+    num_envs: int
+    chunks: int
+
+
+@dataclass
+class Row:
+    workload: str
+    mode: str
+    env_steps_per_s: float
+    vs_sync: float
+    of_bound: float
+
+
+def sync_loop(w: Workload, chunk_size: int, chunks: int) -> tuple[float, float, float]:
+    """The synchronous loop in this process: returns (env steps/s, e, i), e and i per chunk."""
+    policy = make_policy("openvla", preset="tiny", chunk_size=chunk_size, seed=0)
+    env = make_env(w.env, num_envs=w.num_envs, **w.env_config)
+    try:
+        obs = env.reset()
+        for _ in range(2):  # warm-up
+            with torch.no_grad():
+                actions = policy.act(obs).actions
+            obs = env.chunk_step(actions).obs
+        e = i = 0.0
+        for _ in range(chunks):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                actions = policy.act(obs).actions
+            t1 = time.perf_counter()
+            obs = env.chunk_step(actions).obs
+            t2 = time.perf_counter()
+            i += t1 - t0
+            e += t2 - t1
+    finally:
+        env.close()
+    steps = w.num_envs * chunk_size * chunks
+    return steps / (e + i), e / chunks, i / chunks
+
+
+def mode_rate(w: Workload, mode: list[str], devices: int, iterations: int, out: Path) -> float:
+    """Median rollout env steps/s of ``rlinf-vla train`` in ``mode`` (iterations after the first)."""
+    defaults = yaml.safe_load((cli.CONFIG_DIR / "env" / f"{w.env}.yaml").read_text())
+    env_args = [f"{'' if k in defaults else '+'}env.{k}={v}" for k, v in w.env_config.items()]
+    args = [
+        "train",
+        f"env={w.env}",
+        f"env.num_envs={w.num_envs}",
+        *env_args,
+        *mode,
+        f"cluster.devices_per_node={devices}",
+        f"runner.rollout_chunks={w.chunks}",
+        f"runner.max_iterations={iterations}",
+        f"runner.save_interval={iterations}",
+        "runner.logging.tensorboard=false",
+        "runner.eval_interval=0",
+        "algo.update_epochs=1",
+        f"runner.output_dir={out}",
+    ]
+    if cli.main(args) != 0:
+        raise RuntimeError(f"train failed: {' '.join(args)}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["throughput/env_steps_per_s"] for r in rows[1:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="toy,maniskill")
+    parser.add_argument("--devices", type=int, default=2, help="devices of the Ray modes")
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--chunk-size", type=int, default=2)
+    parser.add_argument("--output", default="benchmarks/results/pipeline.json")
+    args = parser.parse_args()
+
+    workloads = []
+    if "toy" in args.workloads:
+        workloads.append(Workload("toy (balanced)", "toy", {}, 8, 16))
+    if "maniskill" in args.workloads:
+        maniskill = {"task": "PickCube-v1", "sim_backend": "cpu", "wrist": False}
+        workloads.append(Workload("maniskill PickCube", "maniskill", maniskill, 4, 8))
+    d = args.devices
+    modes = {
+        "collocated": ["placement=collocated"],
+        "disaggregated": ["placement=disaggregated"],
+        "hybrid S=1": ["placement=hybrid", "placement.stages=1"],
+        "hybrid S=2": ["placement=hybrid", "placement.stages=2"],
+        "hybrid S=4": ["placement=hybrid", "placement.stages=4"],
+    }
+    torch.set_num_threads(1)  # the sync loop gets one device, like each Ray component
+    results: list[Row] = []
+    meta = {}
+    for w in workloads:
+        if w.env == "toy":
+            # Balance: pick the per-env sleep so that a chunk of env steps costs what inference does.
+            _, _, i = sync_loop(w, args.chunk_size, 4)
+            w.env_config["step_time_per_env_s"] = round(i / (args.chunk_size * w.num_envs), 5)
+        sync, e, i = sync_loop(w, args.chunk_size, w.chunks)
+        bound = w.num_envs * args.chunk_size / max(e, i)
+        meta[w.name] = {"env_chunk_s": e, "infer_chunk_s": i, "config": w.env_config}
+        results.append(Row(w.name, "sync loop", round(sync, 1), 1.0, round(sync / bound, 3)))
+        for mode, overrides in modes.items():
+            devices = d + 1 if mode == "disaggregated" else d
+            with tempfile.TemporaryDirectory() as tmp:
+                rate = mode_rate(w, overrides, devices, args.iterations, Path(tmp))
+            results.append(
+                Row(w.name, mode, round(rate, 1), round(rate / sync, 2), round(rate / bound, 3))
+            )
+        results.append(Row(w.name, "overlap bound", round(bound, 1), round(bound / sync, 2), 1.0))
+
+    print(f"\n{'workload':<20} {'mode':<15} {'env steps/s':>11} {'x sync':>7} {'of bound':>9}")
+    for r in results:
+        print(
+            f"{r.workload:<20} {r.mode:<15} {r.env_steps_per_s:>11.1f} {r.vs_sync:>7.2f} "
+            f"{r.of_bound:>8.0%}"
+        )
+    for name, m in meta.items():
+        print(
+            f"{name}: env chunk {m['env_chunk_s'] * 1e3:.1f} ms, inference "
+            f"{m['infer_chunk_s'] * 1e3:.1f} ms per chunk (sync loop)"
+        )
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "python": sys.version.split()[0],
+                    "torch": torch.__version__,
+                    "load_avg": os.getloadavg(),
+                },
+                "devices": d,
+                "iterations": args.iterations,
+                "workloads": meta,
+                "rows": [asdict(r) for r in results],
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
