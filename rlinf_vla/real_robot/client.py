@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import urllib.error
 import urllib.request
 from typing import Any
@@ -26,7 +27,9 @@ class ServerError(RuntimeError):
     """The server answered a request with an error; ``reason`` says why."""
 
     def __init__(self, reason: str, remote_traceback: str | None = None) -> None:
-        super().__init__(reason + (f"\n--- remote traceback ---\n{remote_traceback}" if remote_traceback else ""))
+        super().__init__(
+            reason + (f"\n--- remote traceback ---\n{remote_traceback}" if remote_traceback else "")
+        )
         self.reason = reason
         self.remote_traceback = remote_traceback
 
@@ -63,12 +66,15 @@ class PolicyClient:
         headers = {"Authorization": f"Bearer {token}"} if token else None
         self.url = url
         self.timeout = timeout
-        self._ws = connect(
-            url,
-            additional_headers=headers,
-            max_size=max_message_bytes,
-            open_timeout=timeout,
-            compression=None,
+        self._stack = contextlib.ExitStack()
+        self._ws = self._stack.enter_context(
+            connect(
+                url,
+                additional_headers=headers,
+                max_size=max_message_bytes,
+                open_timeout=timeout,
+                compression=None,
+            )
         )
         self.metadata = PolicyMetadata.from_message(codec.unpackb(self._ws.recv(timeout=timeout)))
         self._next_id = 0
@@ -105,7 +111,7 @@ class PolicyClient:
         return np.asarray(reply["actions"], dtype=np.float32), reply.get("timing", {})
 
     def close(self) -> None:
-        self._ws.close()
+        self._stack.close()
 
     def __enter__(self) -> PolicyClient:
         return self

@@ -52,7 +52,9 @@ def robot_config(section: Any) -> Any:
     values = dict(section)
     name = values.get("name")
     if name not in ROBOTS:
-        raise ConfigError(f"robot.name: unknown robot {name!r} (known: {', '.join(sorted(ROBOTS))})")
+        raise ConfigError(
+            f"robot.name: unknown robot {name!r} (known: {', '.join(sorted(ROBOTS))})"
+        )
     return from_section(_load(ROBOTS[name][0]), values, "robot")
 
 
@@ -134,12 +136,16 @@ def validate(cfg: Any) -> DeployJob:
     values = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
     unknown = sorted(set(values) - _TOP)
     if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: {', '.join(sorted(_TOP))})")
+        raise ConfigError(
+            f"unknown config key(s): {', '.join(unknown)} (known: {', '.join(sorted(_TOP))})"
+        )
     robot = robot_config(values.pop("robot", {}) or {})
     job = from_section(DeployJob, {**values, "robot": {}}, "")
     job.robot = robot
     if robot.name == "franka" and not job.realtime:
-        raise ConfigError("realtime=false steps a simulator as fast as it can; a real arm needs realtime=true")
+        raise ConfigError(
+            "realtime=false steps a simulator as fast as it can; a real arm needs realtime=true"
+        )
     return job
 
 
@@ -176,7 +182,9 @@ def run_episode(
             f"{list(robot.camera_names)} (missing {missing})"
         )
     if meta.action_dim != 7:
-        raise ValueError(f"the policy's action_dim is {meta.action_dim}; the Franka convention needs 7")
+        raise ValueError(
+            f"the policy's action_dim is {meta.action_dim}; the Franka convention needs 7"
+        )
     rate = job.control_rate_hz or meta.control_rate_hz
     dt = 1.0 / rate
     estop = estop or EStop()
@@ -213,13 +221,15 @@ def run_episode(
     state = robot.reset()
     next_tick = time.monotonic()
     try:
-        for step in range(job.max_steps):
+        for _ in range(job.max_steps):
             state = robot.read()
             images = {k: state.images[k] for k in meta.image_keys}
             proprio = state.proprio()
             if not chunk and future is None and not estop.triggered:
                 sent = time.monotonic()
-                future = executor.submit(client.infer, images, proprio if meta.state_dim else None, job.instruction)
+                future = executor.submit(
+                    client.infer, images, proprio if meta.state_dim else None, job.instruction
+                )
                 queries += 1
             if future is not None and (future.done() or not job.realtime):
                 try:
@@ -242,8 +252,18 @@ def run_episode(
                 robot.command(cmd.target_pos, cmd.target_rot, cmd.gripper_closed)
             steps += 1
             if writer is not None:
-                executed = np.concatenate([cmd.delta_pos / scale[:3], cmd.delta_rot / scale[3:], [1.0 if cmd.gripper_closed else -1.0]])
-                policy_action = np.full(meta.action_dim, np.nan) if raw is None else np.asarray(raw).reshape(-1)[: meta.action_dim]
+                executed = np.concatenate(
+                    [
+                        cmd.delta_pos / scale[:3],
+                        cmd.delta_rot / scale[3:],
+                        [1.0 if cmd.gripper_closed else -1.0],
+                    ]
+                )
+                policy_action = (
+                    np.full(meta.action_dim, np.nan)
+                    if raw is None
+                    else np.asarray(raw).reshape(-1)[: meta.action_dim]
+                )
                 writer.add(
                     timestamp=state.timestamp,
                     images=state.images,
@@ -255,7 +275,7 @@ def run_episode(
                     policy_action=policy_action,
                     action=executed,
                     hold=cmd.hold,
-                    interventions=[i for i in safety.log if i.step == safety._step],
+                    interventions=safety.last,
                 )
             if estop.triggered:
                 break
@@ -277,7 +297,9 @@ def run_episode(
                 queries=queries,
                 server_errors=server_errors,
             )
-    return EpisodeResult(steps, folder, safety.summary(), queries, server_errors, latency, estop.triggered)
+    return EpisodeResult(
+        steps, folder, safety.summary(), queries, server_errors, latency, estop.triggered
+    )
 
 
 def run(job: DeployJob) -> list[EpisodeResult]:
@@ -286,7 +308,9 @@ def run(job: DeployJob) -> list[EpisodeResult]:
 
     from rlinf_vla.real_robot.client import PolicyClient
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     console = Console()
     estop = EStop()
     estop.install_signals()
@@ -302,7 +326,11 @@ def run(job: DeployJob) -> list[EpisodeResult]:
                     break
                 res = run_episode(robot, client, job, estop, ep)
                 results.append(res)
-                lat = np.percentile(res.latency_ms, [50, 99]).round(1).tolist() if res.latency_ms else "n/a"
+                lat = (
+                    np.percentile(res.latency_ms, [50, 99]).round(1).tolist()
+                    if res.latency_ms
+                    else "n/a"
+                )
                 console.print(
                     f"episode {ep}: {res.steps} steps, {res.queries} queries (latency p50/p99 ms {lat}), "
                     f"interventions {{{', '.join(f'{k}: {v}' for k, v in res.interventions.items() if v)}}}"

@@ -82,7 +82,11 @@ class FrankaConfig:
                 f"robot.cameras: no serial number for {missing}; list them with "
                 "`rs-enumerate-devices -s` and set e.g. robot.cameras.main=123456789012"
             )
-        if len(self.home) != 7 or len(self.torque_thresholds) != 7 or len(self.force_thresholds) != 6:
+        if (
+            len(self.home) != 7
+            or len(self.torque_thresholds) != 7
+            or len(self.force_thresholds) != 6
+        ):
             raise ValueError("robot.home/torque_thresholds need 7 values, force_thresholds 6")
 
 
@@ -157,14 +161,19 @@ class Franka(Robot):
 
     def command(self, target_pos: np.ndarray, target_rot: np.ndarray, gripper_closed: bool) -> None:
         franky = self._franky
-        target = franky.Affine(np.asarray(target_pos, dtype=np.float64), matrix_to_quat_xyzw(target_rot))
+        target = franky.Affine(
+            np.asarray(target_pos, dtype=np.float64), matrix_to_quat_xyzw(target_rot)
+        )
         self.robot.move(
             franky.CartesianMotion(target, franky.ReferenceType.Absolute), asynchronous=True
         )
         if gripper_closed != self._gripper_closed:
             if gripper_closed:
                 self.gripper.grasp_async(
-                    0.0, self.cfg.gripper_speed, self.cfg.grasp_force, epsilon_outer=self.cfg.gripper_open_width
+                    0.0,
+                    self.cfg.gripper_speed,
+                    self.cfg.grasp_force,
+                    epsilon_outer=self.cfg.gripper_open_width,
                 )
             else:
                 self.gripper.move_async(self.cfg.gripper_open_width, self.cfg.gripper_speed)

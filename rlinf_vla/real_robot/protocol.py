@@ -175,7 +175,9 @@ def parse_infer_request(msg: Any, meta: PolicyMetadata) -> InferRequest:
     else:
         if state is None:
             if meta.state_dim_exact:
-                raise RequestError(f"obs.state is missing: the policy needs float32 [{meta.state_dim}]")
+                raise RequestError(
+                    f"obs.state is missing: the policy needs float32 [{meta.state_dim}]"
+                )
         else:
             if not isinstance(state, np.ndarray) or state.dtype.kind != "f" or state.ndim != 1:
                 raise RequestError(
@@ -192,5 +194,7 @@ def parse_infer_request(msg: Any, meta: PolicyMetadata) -> InferRequest:
             state = state.astype(np.float32)
     instruction = obs.get("instruction")
     if not isinstance(instruction, str) or len(instruction) > MAX_INSTRUCTION_CHARS:
-        raise RequestError(f"obs.instruction must be a string of at most {MAX_INSTRUCTION_CHARS} chars")
+        raise RequestError(
+            f"obs.instruction must be a string of at most {MAX_INSTRUCTION_CHARS} chars"
+        )
     return InferRequest(id=req_id, images=checked, state=state, instruction=instruction)

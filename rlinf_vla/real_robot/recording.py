@@ -76,7 +76,12 @@ class EpisodeWriter:
     """
 
     def __init__(
-        self, folder: str | Path, cameras: list[str], video: str = "mp4", fps: float = 10.0, meta: dict[str, Any] | None = None
+        self,
+        folder: str | Path,
+        cameras: list[str],
+        video: str = "mp4",
+        fps: float = 10.0,
+        meta: dict[str, Any] | None = None,
     ) -> None:
         if video not in ("mp4", "png"):
             raise ValueError(f"video must be 'mp4' or 'png', got {video!r}")
@@ -98,7 +103,11 @@ class EpisodeWriter:
             return
         if camera not in self._writers:
             self._writers[camera] = imageio.get_writer(
-                self.folder / f"{camera}.mp4", fps=self.fps, codec="libx264", quality=9, macro_block_size=1
+                self.folder / f"{camera}.mp4",
+                fps=self.fps,
+                codec="libx264",
+                quality=9,
+                macro_block_size=1,
             )
         self._writers[camera].append_data(image)
 
@@ -145,7 +154,9 @@ class EpisodeWriter:
         for w in self._writers.values():
             w.close()
         self._interventions.close()
-        arrays = {k: np.stack(v) if v else np.zeros((0,), _STEP_KEYS[k]) for k, v in self._rows.items()}
+        arrays = {
+            k: np.stack(v) if v else np.zeros((0,), _STEP_KEYS[k]) for k, v in self._rows.items()
+        }
         np.savez(self.folder / "steps.npz", **arrays)
         info = {
             "format_version": FORMAT_VERSION,
@@ -196,7 +207,9 @@ def read_episode(folder: str | Path, load_images: bool = True) -> Episode:
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{folder}: format version {meta.get('format_version')} (this reader: {FORMAT_VERSION})")
+        raise ValueError(
+            f"{folder}: format version {meta.get('format_version')} (this reader: {FORMAT_VERSION})"
+        )
     with np.load(folder / "steps.npz") as f:
         steps = {k: f[k] for k in f.files}
     images: dict[str, np.ndarray] = {}
@@ -204,7 +217,11 @@ def read_episode(folder: str | Path, load_images: bool = True) -> Episode:
         for cam in meta["cameras"]:
             if meta["video"] == "png":
                 files = sorted((folder / cam).glob("*.png"))
-                images[cam] = np.stack([imageio.imread(p) for p in files]) if files else np.zeros((0,), np.uint8)
+                images[cam] = (
+                    np.stack([imageio.imread(p) for p in files])
+                    if files
+                    else np.zeros((0,), np.uint8)
+                )
             else:
                 with imageio.get_reader(folder / f"{cam}.mp4") as r:
                     images[cam] = np.stack([np.asarray(fr) for fr in r])

@@ -47,9 +47,9 @@ class RobotState:
     def proprio(self) -> np.ndarray:
         """The policy's state vector ``float32 [8]`` (see the module docstring)."""
         half = self.gripper_width / 2.0
-        return np.concatenate(
-            [self.ee_pos, matrix_to_rotvec(self.ee_rot), [half, -half]]
-        ).astype(np.float32)
+        return np.concatenate([self.ee_pos, matrix_to_rotvec(self.ee_rot), [half, -half]]).astype(
+            np.float32
+        )
 
 
 class Robot(ABC):

@@ -12,8 +12,8 @@ the backend executes, and logs and counts every intervention. The chain, in orde
 4. **workspace**: the target ``p + dp`` is clamped into the box (:func:`clamp_to_workspace`).
 5. **max translation / rotation per step**: ``|dp| <= max_translation_m``,
    ``|dr| <= max_rotation_rad`` (:func:`clamp_norm`).
-6. **joint velocity**: the twist is scaled down until the joint velocities it needs,
-   ``J^+ [dp; dr] / dt``, stay within ``max_joint_velocity`` (:func:`limit_joint_velocity`).
+6. **joint velocity**: the twist is scaled down until the joint step it needs (solved on the
+   exact Panda kinematics) stays within ``max_joint_velocity * dt`` (:func:`limit_joint_velocity`).
 7. **gripper debounce**: a gripper toggle needs ``gripper_debounce_steps`` consecutive
    requests and ``gripper_min_interval_s`` since the last one (:func:`debounce_gripper`).
 
@@ -36,7 +36,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from rlinf_vla.real_robot.kinematics import panda_jacobian, rotvec_to_matrix
+from rlinf_vla.real_robot.kinematics import (
+    matrix_to_rotvec,
+    panda_fk,
+    panda_jacobian,
+    rotvec_to_matrix,
+)
 from rlinf_vla.real_robot.robot import RobotState
 
 __all__ = [
@@ -52,6 +57,7 @@ __all__ = [
     "debounce_gripper",
     "is_finite_action",
     "is_stale",
+    "joint_step_for",
     "limit_joint_velocity",
 ]
 
@@ -155,6 +161,24 @@ def clamp_to_workspace(
     return clamped - pos, bool(np.any(clamped != target))
 
 
+def joint_step_for(
+    q: np.ndarray, dp: np.ndarray, dr: np.ndarray, tcp: float = 0.1034, iters: int = 8
+) -> np.ndarray:
+    """The joint step ``dq [7]`` that moves the TCP by ``(dp, dr)``, by damped Gauss-Newton on
+    the exact kinematics (the minimum-norm solution of the redundant arm, to first order)."""
+    p0, r0 = panda_fk(q, tcp)
+    target_p, target_r = p0 + dp, rotvec_to_matrix(dr) @ r0
+    qq = np.asarray(q, dtype=np.float64).copy()
+    for _ in range(iters):
+        p, r = panda_fk(qq, tcp)
+        err = np.concatenate([target_p - p, matrix_to_rotvec(target_r @ r.T)])
+        if np.linalg.norm(err) < 1e-9:
+            break
+        jac = panda_jacobian(qq, tcp)
+        qq = qq + jac.T @ np.linalg.solve(jac @ jac.T + 1e-6 * np.eye(6), err)
+    return qq - q
+
+
 def limit_joint_velocity(
     q: np.ndarray,
     dp: np.ndarray,
@@ -162,27 +186,29 @@ def limit_joint_velocity(
     dt: float,
     max_qd: np.ndarray,
     tcp: float = 0.1034,
-    damping: float = 1e-3,
+    rounds: int = 3,
 ) -> tuple[np.ndarray, np.ndarray, float]:
-    """Scale the TCP step ``(dp [3], dr [3])`` so the joint velocities it needs stay bounded.
+    """Scale the TCP step ``(dp [3], dr [3])`` so the joint step it needs stays bounded.
 
-    The joint step is estimated by damped least squares, ``dq = J^T (J J^T + l^2 I)^-1 [dp; dr]``
-    with the Panda Jacobian at ``q``; the twist is scaled by
-    ``s = min(1, min_i max_qd_i * dt / |dq_i|)``. Near a singularity ``dq`` grows and ``s``
-    shrinks, so the arm slows instead of whipping.
+    The joint step ``dq`` is solved on the exact Panda kinematics (:func:`joint_step_for`); the
+    twist is scaled by ``s = min(1, min_i max_qd_i * dt / |dq_i|)`` and, because ``dq`` is only
+    linear in the twist to first order, solved and scaled again (``rounds`` times), keeping
+    the accumulated scale. Near a singularity ``dq`` grows and ``s`` shrinks, so the arm slows
+    down instead of whipping.
 
     Returns:
         ``(dp', dr', s)`` with ``s`` in ``[0, 1]``.
     """
-    jac = panda_jacobian(q, tcp)
-    twist = np.concatenate([dp, dr])
-    dq = jac.T @ np.linalg.solve(jac @ jac.T + damping**2 * np.eye(6), twist)
     allowed = np.asarray(max_qd, dtype=np.float64) * dt
-    need = np.abs(dq)
-    with np.errstate(divide="ignore"):
-        ratio = np.where(need > 0, allowed / np.maximum(need, 1e-300), np.inf)
-    s = float(min(1.0, ratio.min()))
-    return np.asarray(dp) * s, np.asarray(dr) * s, s
+    dp, dr = np.asarray(dp, dtype=np.float64), np.asarray(dr, dtype=np.float64)
+    total = 1.0
+    for _ in range(rounds):
+        need = np.abs(joint_step_for(q, dp * total, dr * total, tcp))
+        over = float(np.max(need / allowed))
+        if over <= 1.0:
+            break
+        total *= 0.999 / over
+    return dp * total, dr * total, float(total)
 
 
 @dataclass
@@ -333,11 +359,13 @@ class SafetyFilter:
         self._lo = np.asarray(config.workspace_min)
         self._hi = np.asarray(config.workspace_max)
         self._step = 0
+        self.last: list[Intervention] = []  # the interventions of the latest tick
 
     def _record(self, kinds: list[str], kind: str, detail: str, now: float) -> None:
         kinds.append(kind)
         self.counts[kind] += 1
         self.log.append(Intervention(self._step, now, kind, detail))
+        self.last.append(self.log[-1])
         log.warning("safety[%d] %s: %s", self._step, kind, detail)
 
     def _hold(self, state: RobotState, kinds: list[str]) -> SafeCommand:
@@ -370,19 +398,31 @@ class SafetyFilter:
         cfg = self.config
         kinds: list[str] = []
         self._step += 1
+        self.last = []
         if self.last_fresh is None:
             self.last_fresh = now
         if self.estop.triggered:
             self._record(kinds, "estop", self.estop.reason or "e-stop", now)
             return self._hold(state, kinds)
-        if action is not None and scheduled_at is not None and is_stale(scheduled_at, now, cfg.watchdog_s):
+        if (
+            action is not None
+            and scheduled_at is not None
+            and is_stale(scheduled_at, now, cfg.watchdog_s)
+        ):
             late = now - scheduled_at
             action = None
-            self._record(kinds, "watchdog", f"action {late * 1000:.0f} ms late (deadline {cfg.watchdog_s} s)", now)
+            self._record(
+                kinds,
+                "watchdog",
+                f"action {late * 1000:.0f} ms late (deadline {cfg.watchdog_s} s)",
+                now,
+            )
             return self._hold(state, kinds)
         if action is None:
             if now - self.last_fresh > cfg.watchdog_s:
-                self._record(kinds, "watchdog", f"no fresh action for {now - self.last_fresh:.2f} s", now)
+                self._record(
+                    kinds, "watchdog", f"no fresh action for {now - self.last_fresh:.2f} s", now
+                )
             return self._hold(state, kinds)
         self.last_fresh = now
         reason = is_finite_action(action)
@@ -393,7 +433,12 @@ class SafetyFilter:
         pos = np.asarray(state.ee_pos, dtype=np.float64)
         dp, clipped = clamp_to_workspace(pos, a[:3], self._lo, self._hi)
         if clipped:
-            self._record(kinds, "workspace", f"target {np.round(pos + a[:3], 3).tolist()} outside the box", now)
+            self._record(
+                kinds,
+                "workspace",
+                f"target {np.round(pos + a[:3], 3).tolist()} outside the box",
+                now,
+            )
         dp, clipped = clamp_norm(dp, cfg.max_translation_m)
         if clipped:
             self._record(kinds, "max_translation", f"|dp|={np.linalg.norm(a[:3]):.4f} m", now)
@@ -401,7 +446,12 @@ class SafetyFilter:
         if clipped:
             self._record(kinds, "max_rotation", f"|dr|={np.linalg.norm(a[3:6]):.4f} rad", now)
         dp, dr, s = limit_joint_velocity(
-            state.joint_positions, dp, dr, self.dt, np.asarray(cfg.max_joint_velocity), cfg.tcp_offset_m
+            state.joint_positions,
+            dp,
+            dr,
+            self.dt,
+            np.asarray(cfg.max_joint_velocity),
+            cfg.tcp_offset_m,
         )
         if s < 1.0:
             self._record(kinds, "joint_velocity", f"step scaled by {s:.3f}", now)
@@ -413,7 +463,12 @@ class SafetyFilter:
             cfg.gripper_min_interval_s,
         )
         if suppressed:
-            self._record(kinds, "gripper_debounce", f"toggle to {'closed' if not self.gripper.closed else 'open'} held back", now)
+            self._record(
+                kinds,
+                "gripper_debounce",
+                f"toggle to {'closed' if not self.gripper.closed else 'open'} held back",
+                now,
+            )
         return SafeCommand(
             target_pos=pos + dp,
             target_rot=rotvec_to_matrix(dr) @ np.asarray(state.ee_rot, dtype=np.float64),

@@ -1,8 +1,8 @@
 """``rlinf-vla serve``: load a registered policy and serve it over websockets::
 
-    rlinf-vla serve policy=openvla_oft policy.checkpoint=runs/<run>/checkpoints/iter_10/policy
-    rlinf-vla serve policy=pi0 policy.preset=tiny server.port=8001 server.token=$TOKEN
-    rlinf-vla serve policy=openvla_oft --cfg job        # print the resolved config
+rlinf-vla serve policy=openvla_oft policy.checkpoint=runs/<run>/checkpoints/iter_10/policy
+rlinf-vla serve policy=pi0 policy.preset=tiny server.port=8001 server.token=$TOKEN
+rlinf-vla serve policy=openvla_oft --cfg job        # print the resolved config
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def run(job: ServeJob) -> None:
 
     from rlinf_vla.policies import make_policy
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     console = Console()
     with console.status(f"loading policy {job.policy_name}..."):
         policy = make_policy(job.policy_name, **job.policy).eval()

@@ -74,7 +74,9 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port must be in 0..65535, got {self.port}")
         if self.max_message_bytes < 1024:
-            raise ValueError(f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+            raise ValueError(
+                f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes}"
+            )
         if self.max_batch_size < 1:
             raise ValueError(f"server.max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.batch_window_ms < 0:
@@ -121,9 +123,7 @@ class PolicyServer:
         from rlinf_vla.types import Observation
 
         first = batch[0]
-        images = {
-            k: torch.from_numpy(np.stack([r.images[k] for r in batch])) for k in first.images
-        }
+        images = {k: torch.from_numpy(np.stack([r.images[k] for r in batch])) for k in first.images}
         state = None
         if first.state is not None:
             state = torch.from_numpy(np.stack([r.state for r in batch]).astype(np.float32))
@@ -163,7 +163,10 @@ class PolicyServer:
             )
             error = None
         except Exception as e:
-            actions, error = None, (f"inference failed: {type(e).__name__}: {e}", traceback.format_exc())
+            actions, error = (
+                None,
+                (f"inference failed: {type(e).__name__}: {e}", traceback.format_exc()),
+            )
         infer_ms = (time.perf_counter() - start) * 1000.0
         self.stats["batches"] += 1
         for i, p in enumerate(group):
@@ -173,7 +176,14 @@ class PolicyServer:
                 p.future.set_exception(_InferenceError(*error))
             else:
                 p.future.set_result(
-                    (actions[i], {"queue_ms": (start - p.received) * 1000.0, "infer_ms": infer_ms, "batch_size": len(group)})
+                    (
+                        actions[i],
+                        {
+                            "queue_ms": (start - p.received) * 1000.0,
+                            "infer_ms": infer_ms,
+                            "batch_size": len(group),
+                        },
+                    )
                 )
 
     # ------------------------------------------------------------------ websocket side
@@ -186,9 +196,12 @@ class PolicyServer:
             expected = f"Bearer {self.config.token}"
             if not hmac.compare_digest(header.encode(), expected.encode()):
                 self.stats["rejected_auth"] += 1
-                log.warning("rejected a connection from %s: bad or missing token", connection.remote_address)
+                log.warning(
+                    "rejected a connection from %s: bad or missing token", connection.remote_address
+                )
                 return connection.respond(
-                    HTTPStatus.UNAUTHORIZED, "missing or wrong token (send 'Authorization: Bearer <token>')\n"
+                    HTTPStatus.UNAUTHORIZED,
+                    "missing or wrong token (send 'Authorization: Bearer <token>')\n",
                 )
         return None
 
@@ -222,7 +235,9 @@ class PolicyServer:
         except ConnectionClosed:
             pass
 
-    async def serve(self, ready: threading.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    async def serve(
+        self, ready: threading.Event | None = None, stop: asyncio.Event | None = None
+    ) -> None:
         """Serve until ``stop`` is set (forever when ``None``)."""
         from websockets.asyncio.server import serve
 

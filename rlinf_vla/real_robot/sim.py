@@ -119,10 +119,15 @@ def build_model(cfg: SimFrankaConfig):  # -> mujoco.MjModel
     cube = world.add_body(name="cube", pos=list(cfg.cube_pos))
     cube.add_freejoint()
     cube.add_geom(
-        type=mujoco.mjtGeom.mjGEOM_BOX, size=[0.02, 0.02, 0.02], rgba=[0.85, 0.1, 0.1, 1.0], mass=0.05
+        type=mujoco.mjtGeom.mjGEOM_BOX,
+        size=[0.02, 0.02, 0.02],
+        rgba=[0.85, 0.1, 0.1, 1.0],
+        mass=0.05,
     )
     cam_pos = np.array([1.25, 0.0, 0.75])
-    world.add_camera(name="main", pos=cam_pos, xyaxes=_look_at(cam_pos, np.array([0.45, 0.0, 0.15])), fovy=50)
+    world.add_camera(
+        name="main", pos=cam_pos, xyaxes=_look_at(cam_pos, np.array([0.45, 0.0, 0.15])), fovy=50
+    )
     model = arm.compile()
     model.site_rgba[:, 3] = 0.0  # robosuite's visual helper sites would show in the cameras
     # Software rendering: shadows and multisampling cost ~15x; off by default.
@@ -152,7 +157,10 @@ class SimFranka(Robot):
         self._vadr = np.array([m.jnt_dofadr[m.joint(f"joint{i}").id] for i in range(1, 8)])
         self._arm_act = np.array([m.actuator(f"torq_j{i}").id for i in range(1, 8)])
         self._torque_limit = m.actuator_ctrlrange[self._arm_act, 1].copy()
-        self._grip_act = [m.actuator("gripper_gripper_finger_joint1").id, m.actuator("gripper_gripper_finger_joint2").id]
+        self._grip_act = [
+            m.actuator("gripper_gripper_finger_joint1").id,
+            m.actuator("gripper_gripper_finger_joint2").id,
+        ]
         self._finger_q = [m.jnt_qposadr[m.joint(f"gripper_finger_joint{i}").id] for i in (1, 2)]
         self._tcp = m.site("tcp").id
         self._cube_q = m.jnt_qposadr[m.body("cube").jntadr[0]]
@@ -198,7 +206,9 @@ class SimFranka(Robot):
         return self.read()
 
     # ------------------------------------------------------------------ control
-    def solve_ik(self, target_pos: np.ndarray, target_rot: np.ndarray, q0: np.ndarray, iters: int = 10) -> np.ndarray:
+    def solve_ik(
+        self, target_pos: np.ndarray, target_rot: np.ndarray, q0: np.ndarray, iters: int = 10
+    ) -> np.ndarray:
         """Joint positions ``[7]`` reaching the TCP target, by damped least squares from ``q0``."""
         mj, m, d = self._mj, self.model, self._scratch
         d.qpos[:] = self.data.qpos
@@ -235,7 +245,9 @@ class SimFranka(Robot):
         """Track the TCP target for one control period (simulated time)."""
         dt = self._substeps * self.model.opt.timestep
         q_goal = self.solve_ik(np.asarray(target_pos), np.asarray(target_rot), self._q_ref)
-        step = np.clip(q_goal - self._q_ref, -PANDA_MAX_JOINT_VELOCITY * dt, PANDA_MAX_JOINT_VELOCITY * dt)
+        step = np.clip(
+            q_goal - self._q_ref, -PANDA_MAX_JOINT_VELOCITY * dt, PANDA_MAX_JOINT_VELOCITY * dt
+        )
         q_next = np.clip(self._q_ref + step, PANDA_JOINT_LOWER, PANDA_JOINT_UPPER)
         self._gripper_closed = bool(gripper_closed)
         self._track(self._q_ref, q_next, self._substeps)
