@@ -50,7 +50,7 @@ def assert_serves(url: str, policy) -> None:
 
 
 def test_handshake_and_health(server, tiny_policy):
-    srv, url = server
+    _srv, url = server
     assert check_health(url)
     with PolicyClient(url, TOKEN) as c:
         m = c.metadata
@@ -94,7 +94,7 @@ def test_handshake_and_health(server, tiny_policy):
 def test_wrong_requests_get_a_reason_and_the_connection_keeps_serving(
     server, tiny_policy, mutate, reason
 ):
-    srv, url = server
+    _srv, url = server
     obs = good_obs()
     mutate(obs)
     with PolicyClient(url, TOKEN) as c:
@@ -107,7 +107,7 @@ def test_wrong_requests_get_a_reason_and_the_connection_keeps_serving(
 
 
 def test_garbage_frames(server, tiny_policy):
-    srv, url = server
+    _srv, url = server
     with PolicyClient(url, TOKEN) as c:
         for frame, reason in [
             (b"\xc1\xc1\xc1", "not a msgpack message"),
@@ -143,7 +143,7 @@ def test_garbage_frames(server, tiny_policy):
 def test_oversize_frame_closes_only_that_connection(server, tiny_policy):
     from websockets.exceptions import ConnectionClosedError
 
-    srv, url = server
+    _srv, url = server
     with PolicyClient(url, TOKEN) as c:
         big = good_obs(size=160)  # 2 x 160 x 160 x 3 = 154 kB > 64 kB
         with pytest.raises(ConnectionClosedError) as err:
