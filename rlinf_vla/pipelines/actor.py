@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rlinf_vla.config import ConfigError
 from rlinf_vla.runtime import Channel, Worker
-from rlinf_vla.types import Observation
+from rlinf_vla.types import EvalOutput, Observation
 
 
 @dataclass
@@ -44,6 +44,9 @@ class AlgoConfig:
         weight_decay: AdamW weight decay.
         lr_schedule: ``constant`` or ``linear`` decay to 0 over the run.
         warmup_iterations: linear warmup of the learning rate.
+        autocast: mixed precision of the policy's forward passes in the rollout and the
+            update: ``auto`` (bf16 on CUDA devices, off on CPU), ``bf16`` (also on CPU) or
+            ``off``. Weights, optimizer state and losses stay float32.
     """
 
     name: Literal["ppo", "grpo"] = "ppo"
@@ -67,6 +70,7 @@ class AlgoConfig:
     weight_decay: float = 0.0
     lr_schedule: Literal["constant", "linear"] = "constant"
     warmup_iterations: int = 0
+    autocast: Literal["auto", "bf16", "off"] = "auto"
 
     def __post_init__(self) -> None:
         for key in ("update_epochs", "minibatch_size", "micro_batch_size"):
@@ -83,6 +87,12 @@ class AlgoConfig:
             raise ConfigError(f"algo.group_size must be >= 2 for GRPO, got {self.group_size}")
         if self.lr <= 0 or self.value_lr <= 0:
             raise ConfigError("algo.lr and algo.value_lr must be > 0")
+
+
+def autocast(device: torch.device, mode: str) -> Any:
+    """The autocast context of ``algo.autocast`` on ``device`` (a no-op when off)."""
+    enabled = mode == "bf16" or (mode == "auto" and device.type == "cuda")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 @dataclass
@@ -302,8 +312,14 @@ class ActorWorker(Worker):
                     weight = len(idx) / len(mb_idx)
                     if not mb.mask.any():
                         continue
-                    out = self.policy.evaluate(
-                        mb.obs, {k: v.to(self.device) for k, v in mb.replay.items()}
+                    with autocast(self.device, a.autocast):
+                        out = self.policy.evaluate(
+                            mb.obs, {k: v.to(self.device) for k, v in mb.replay.items()}
+                        )
+                    out = EvalOutput(
+                        logprob=out.logprob.float(),
+                        entropy=out.entropy.float(),
+                        value=None if out.value is None else out.value.float(),
                     )
                     mask = _expand(mb.mask.to(out.logprob.device), out.logprob)
                     pg, pg_m = ppo_policy_loss(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlinf_vla.pipelines.actor import autocast
 from rlinf_vla.runtime import Channel, Worker
 from rlinf_vla.types import Observation
 
@@ -215,7 +216,13 @@ class RolloutWorker(Worker):
         policy_config: the policy's config fields.
     """
 
-    def __init__(self, policy_name: str, policy_config: dict[str, Any], seed: int = 0) -> None:
+    def __init__(
+        self,
+        policy_name: str,
+        policy_config: dict[str, Any],
+        seed: int = 0,
+        autocast: str = "off",
+    ) -> None:
         from rlinf_vla.policies import make_policy
 
         torch.manual_seed(seed + 7919 * (self.rank + 1))  # the action sampler's stream
@@ -223,6 +230,7 @@ class RolloutWorker(Worker):
             policy_name, **{**policy_config, "device": str(self.device)}
         ).eval()
         self.version = 0
+        self.autocast = autocast  # algo.autocast: the same precision as the actor's update
 
     def sync_from(self, collective_name: str, version: int) -> None:
         """Receive the actor's weights (broadcast from collective rank 0)."""
@@ -262,12 +270,13 @@ class RolloutWorker(Worker):
                     b.invalid.append(msg.invalid)
                     b.final_value.append(self._final_values(msg))
                 if t < num_chunks:
-                    out = self.policy.act(msg.obs, greedy=greedy)
+                    with autocast(self.device, self.autocast):
+                        out = self.policy.act(msg.obs, greedy=greedy)
                     channel.put(act_key(*src), out.actions.cpu())
                     b.obs.append(msg.obs)
                     b.replay.append({k: v.cpu() for k, v in out.replay.items()})
                     b.actions.append(out.actions.cpu())
-                    b.logprob.append(out.logprob.cpu())
+                    b.logprob.append(out.logprob.float().cpu())
                     b.value.append(_value_or_zeros(out.value, msg.obs))
                 else:
                     b.value.append(self._values(msg.obs))
@@ -276,7 +285,8 @@ class RolloutWorker(Worker):
         return len(sources)
 
     def _values(self, obs: Observation) -> Tensor:
-        return _value_or_zeros(self.policy.act(obs, greedy=True).value, obs)
+        with autocast(self.device, self.autocast):
+            return _value_or_zeros(self.policy.act(obs, greedy=True).value, obs)
 
     def _final_values(self, msg: EnvMessage) -> Tensor:
         """V of the final observation of envs truncated in the chunk (bootstrapping)."""

@@ -79,7 +79,7 @@ class EmbodiedRunner:
             RolloutWorker,
             "rollout",
             placement.of("rollout"),
-            args=(job.policy_name, policy, seed),
+            args=(job.policy_name, policy, seed, job.algo.autocast),
         )
         self.actor = WorkerGroup(
             cluster,

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from rlinf_vla import cli
 
@@ -189,3 +190,22 @@ def test_pi0_with_flow_sde_trains(tmp_path):
     # 4 envs x 4 chunks x 4 steps per chunk
     assert row["env_steps"] == 64
     assert row["train/samples"] == 16.0
+
+
+@pytest.mark.slow
+def test_bf16_autocast_trains_with_float32_weights(tmp_path):
+    args = ["cluster.devices_per_node=1", *SMALL, "algo.autocast=bf16", "algo.minibatch_size=16"]
+    assert (
+        cli.main(["train", *args, "runner.max_iterations=1", f"runner.output_dir={tmp_path}"]) == 0
+    )
+    [row] = _metrics(tmp_path)
+    assert row["train/skipped_updates"] == 0
+    # one epoch, one minibatch: the update starts from the rollout's weights, so the ratio
+    # is 1 up to bf16 rounding (16 samples, rollout batches of 4)
+    assert abs(row["train/approx_kl"]) < 1e-2
+    from safetensors.torch import load_file
+
+    weights = load_file(
+        next((tmp_path / "checkpoints" / "iter_1" / "policy").glob("*.safetensors"))
+    )
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float32}
