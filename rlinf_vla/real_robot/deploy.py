@@ -220,13 +220,19 @@ def run_episode(
     steps = 0
     state = robot.reset()
     next_tick = time.monotonic()
+
+    # The safety layer's clock: wall time on a real-time loop; simulated time (one dt per tick,
+    # queries take none) when a simulator is stepped as fast as possible.
+    def clock() -> float:
+        return time.monotonic() if job.realtime else steps * dt
+
     try:
         for _ in range(job.max_steps):
             state = robot.read()
             images = {k: state.images[k] for k in meta.image_keys}
             proprio = state.proprio()
             if not chunk and future is None and not estop.triggered:
-                sent = time.monotonic()
+                sent, sent_clock = time.monotonic(), clock()
                 future = executor.submit(
                     client.infer, images, proprio if meta.state_dim else None, job.instruction
                 )
@@ -234,8 +240,8 @@ def run_episode(
             if future is not None and (future.done() or not job.realtime):
                 try:
                     actions, _timing = future.result()
-                    received = time.monotonic()
-                    latency.append((received - sent) * 1000.0)
+                    latency.append((time.monotonic() - sent) * 1000.0)
+                    received = clock() if job.realtime else sent_clock
                     chunk = [(a, received + k * dt) for k, a in enumerate(actions[:per_query])]
                 except ServerError as e:
                     server_errors += 1
@@ -247,7 +253,7 @@ def run_episode(
                 metric = np.asarray(raw, dtype=np.float64).copy()
                 if metric.shape == (7,):
                     metric[:6] = metric[:6] * scale
-            cmd = safety(metric, state, time.monotonic(), scheduled)
+            cmd = safety(metric, state, clock(), scheduled)
             if not estop.triggered:
                 robot.command(cmd.target_pos, cmd.target_rot, cmd.gripper_closed)
             steps += 1
@@ -277,8 +283,10 @@ def run_episode(
                     hold=cmd.hold,
                     interventions=safety.last,
                 )
+            if "estop" in cmd.interventions:
+                break  # the stop is recorded as this tick's hold
             if estop.triggered:
-                break
+                continue  # triggered during this tick: record the stop at once, no waiting
             if job.realtime:
                 next_tick += dt
                 delay = next_tick - time.monotonic()

@@ -111,6 +111,7 @@ class PolicyServer:
         )
         self.stats = {"requests": 0, "errors": 0, "batches": 0, "rejected_auth": 0}
         self._queue: asyncio.Queue[_Pending] | None = None
+        self._waiting: set[asyncio.Future] = set()
         # One inference thread: torch modules are not re-entrant, and the event loop stays free.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-act")
         self.port: int | None = None
@@ -221,6 +222,8 @@ class PolicyServer:
                         req_id = msg.get("id") if isinstance(msg.get("id"), int | str) else None
                     request = parse_infer_request(msg, self.metadata)
                     future = asyncio.get_running_loop().create_future()
+                    self._waiting.add(future)
+                    future.add_done_callback(self._waiting.discard)
                     await self._queue.put(_Pending(request, future, received))
                     actions, timing = await future
                     timing["server_ms"] = (time.perf_counter() - received) * 1000.0
@@ -259,6 +262,9 @@ class PolicyServer:
                 await (stop.wait() if stop is not None else asyncio.Future())
             finally:
                 batcher.cancel()
+                for future in list(self._waiting):  # requests in flight get an answer
+                    if not future.done():
+                        future.set_exception(_InferenceError("the server is shutting down", ""))
 
     @property
     def url(self) -> str:
@@ -289,8 +295,9 @@ class PolicyServer:
             yield self.url
         finally:
             loop.call_soon_threadsafe(stop.set)
-            thread.join(10)
-            loop.close()
+            thread.join(30)
+            if not thread.is_alive():
+                loop.close()
 
 
 class _InferenceError(Exception):
