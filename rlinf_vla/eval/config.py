@@ -57,6 +57,9 @@ class EvalConfig:
         retries: how often a trial whose simulator crashed is run again before it is recorded
             as an error.
         device: torch device of the policy (``auto``: ``cuda`` when available, else ``cpu``).
+        policy_threads: torch CPU threads of the policy in the driver (``None``: the cores left
+            over by the env processes, at least 1; more threads than free cores make torch's
+            thread pool spin against the simulators, many times slower).
         progress: show a progress bar (trials done and success rate per suite).
     """
 
@@ -70,12 +73,15 @@ class EvalConfig:
     envs_per_worker: int = 1
     retries: int = 1
     device: str = "auto"
+    policy_threads: int | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
         for key in ("trials_per_task", "envs_per_worker", "video_fps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"eval.{key} must be >= 1, got {getattr(self, key)}")
+        if self.policy_threads is not None and self.policy_threads < 1:
+            raise ConfigError(f"eval.policy_threads must be >= 1, got {self.policy_threads}")
         if self.retries < 0:
             raise ConfigError(f"eval.retries must be >= 0, got {self.retries}")
         if self.seed < 0:
@@ -224,6 +230,27 @@ def policy_config_for(policy_name: str, policy: dict[str, Any]) -> Any:
         ) from None
 
 
+def checkpoint_settings(policy_name: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """With a checkpoint, its own config decides the architecture (action size, chunk size,
+    cameras...): keys still at the ``policy`` group's shipped defaults are dropped, so only the
+    values set on the command line override the checkpoint's."""
+    import yaml
+
+    from rlinf_vla.cli import CONFIG_DIR
+
+    file = CONFIG_DIR / "policy" / f"{policy_name}.yaml"
+    shipped = yaml.safe_load(file.read_text()) if file.exists() else {}
+    return {
+        k: v
+        for k, v in policy.items()
+        if k == "checkpoint" or k not in shipped or _norm(shipped[k]) != _norm(v)
+    }
+
+
+def _norm(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple | list) else value
+
+
 def check_fit(env_name: str, spec: dict[str, Any], pol: Any) -> None:
     """The policy's cameras, action size and proprio size must fit the env."""
     keys = tuple(getattr(pol, "image_keys", ()) or ())
@@ -301,6 +328,10 @@ def validate(cfg: Any) -> EvalJob:
         env_cfg = env_config(env_name, **{**env, "num_envs": 1})
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
+    if policy.get("checkpoint"):
+        policy = checkpoint_settings(policy_name, policy)
+    elif policy.get("seed") is None:
+        policy["seed"] = ev.seed  # random (preset) weights: the same ones on every run
     pol = policy_config_for(policy_name, policy)
     check_fit(env_name, env_spec(env_name, env_cfg), pol)
     if env_name == "maniskill":

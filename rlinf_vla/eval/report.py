@@ -36,6 +36,7 @@ FIELDS = (
     "success",
     "steps",
     "error",
+    "instruction",
     "video",
 )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class _SlotState:
     obs: Any = None
     last_task: tuple[str, str] | None = None
     env_key: tuple | None = None
+    instruction: str | None = None
 
 
 class _Queue:
@@ -57,16 +59,30 @@ class _Queue:
     def push_front(self, trial: Trial) -> None:
         self.items.appendleft(trial)
 
-    def take(self, slot: _SlotState) -> Trial:
-        best = 0
+    def take(self, slot: _SlotState, running: set[tuple[str, str]]) -> Trial:
+        """The trial for ``slot``: more of its last task; else the first trial of a task no
+        other slot is running (spreading tasks over slots), preferring the slot's env; else
+        the first trial."""
+        same_env = fresh = first_fresh = None
         for j, t in enumerate(self.items):
-            if slot.last_task is not None and (t.suite, t.task) == slot.last_task:
-                best = j
-                break
-            if slot.env_key is not None and t.env_key == slot.env_key and best == 0:
-                best = j
-        trial = self.items[best]
-        del self.items[best]
+            task = (t.suite, t.task)
+            if task == slot.last_task:
+                return self._pop(j)
+            if task not in running:
+                if first_fresh is None:
+                    first_fresh = j
+                if fresh is None and t.env_key == slot.env_key:
+                    fresh = j
+            if same_env is None and t.env_key == slot.env_key:
+                same_env = j
+        for j in (fresh, first_fresh, same_env):
+            if j is not None:
+                return self._pop(j)
+        return self._pop(0)
+
+    def _pop(self, j: int) -> Trial:
+        trial = self.items[j]
+        del self.items[j]
         return trial
 
 
@@ -127,6 +143,7 @@ def _record(trial: Trial, result: dict[str, Any], error: str | None = None) -> d
         "success": None if error else bool(result["success"]),
         "steps": None if error else result["steps"],
         "error": error,
+        "instruction": result.get("instruction"),
         "video": result.get("video"),
     }
 
@@ -217,9 +234,11 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
     from rlinf_vla.runtime import Cluster, WorkerGroup, wait_all
 
     ev = job.eval
+    total_slots = max(1, min(int(job.env.get("num_envs", 1)), len(todo)))
+    threads = ev.policy_threads or max(1, (os.cpu_count() or 1) - total_slots)
+    torch.set_num_threads(threads)
     torch.manual_seed(ev.seed)
     policy = build_policy(job)  # fails on a broken checkpoint before any env starts
-    total_slots = max(1, min(int(job.env.get("num_envs", 1)), len(todo)))
     num_workers = math.ceil(total_slots / ev.envs_per_worker)
     sizes = [ev.envs_per_worker] * (num_workers - 1)
     sizes.append(total_slots - sum(sizes))
@@ -236,7 +255,7 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
     env_config = {k: v for k, v in job.env.items() if k != "num_envs"}
     console.print(
         f"{total_slots} env(s) in {num_workers} worker(s); policy {job.policy_name} on "
-        f"{_policy_device(job)}"
+        f"{_policy_device(job)} ({threads} CPU thread(s))"
     )
     with Cluster(job.cluster) as cluster:
         devices = [i % cluster.num_devices for i in range(num_workers)]
@@ -279,7 +298,8 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
                     starts: dict[int, dict[int, Trial]] = {}
                     for slot in slots:
                         if slot.trial is None and len(queue):
-                            trial = queue.take(slot)
+                            running = {(s.trial.suite, s.trial.task) for s in slots if s.trial}
+                            trial = queue.take(slot, running)
                             slot.trial = trial
                             starts.setdefault(slot.worker, {})[slot.index] = trial
                     if starts:
@@ -304,6 +324,7 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
                                     save(crashed(trial, {"error": r["error"]}))
                                 else:
                                     slot.obs = r["obs"]
+                                    slot.instruction = r["obs"].instruction[0]
                     busy = [s for s in slots if s.trial is not None]
                     if not busy:
                         continue
@@ -329,7 +350,7 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
                             if r["invalid"]:
                                 save(crashed(trial, r))
                             else:
-                                save(_record(trial, r))
+                                save(_record(trial, {**r, "instruction": slot.instruction}))
         finally:
             try:
                 group.close().wait(timeout=120)

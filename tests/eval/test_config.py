@@ -1,0 +1,65 @@
+"""Pre-flight checks (nothing starts) and the trial plan: each init state exactly once."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlinf_vla.config import ConfigError
+from tests.eval.conftest import eval_job
+
+
+def test_unknown_suite_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match="libero_100.*libero_spatial, libero_object"):
+        eval_job("env.suite=libero_100")
+
+
+def test_missing_checkpoint(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"policy\.checkpoint=.*does not exist"):
+        eval_job(f"policy.checkpoint={tmp_path / 'nope'}")
+
+
+def test_cameras_must_fit_the_env() -> None:
+    with pytest.raises(ConfigError, match=r"camera\(s\) \['wrist'\].*its cameras: \['main'\]"):
+        eval_job("env=maniskill", "policy=pi0")
+
+
+def test_checkpoint_action_dim_must_fit_the_env(tmp_path) -> None:
+    """The action size is read from the checkpoint itself, before any env or model starts."""
+    from rlinf_vla.policies import make_policy
+
+    make_policy("openvla", preset="tiny", action_dim=6, seed=0).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"action_dim=6 \(from the checkpoint\).*: 7"):
+        eval_job("policy=openvla", f"policy.checkpoint={tmp_path}")
+
+
+def test_proprio_and_trials_checks() -> None:
+    with pytest.raises(ConfigError, match=r"proprio_dim=5.*state size of env 'libero': 8"):
+        eval_job("+policy.proprio_dim=5")
+    with pytest.raises(ConfigError, match="50 official init states"):
+        eval_job("eval.trials_per_task=51")
+    with pytest.raises(ConfigError, match=r"eval\.videos"):
+        eval_job("eval.videos=some")
+    with pytest.raises(ConfigError, match=r"env\.task_ids \[12\]"):
+        eval_job("env.task_ids=[0,12]")
+
+
+@pytest.mark.sim
+def test_plan_covers_each_init_state_once() -> None:
+    """2 tasks x 3 trials: init states 0, 1, 2 of each task, and the LIBERO env maps every
+    planned reset id back to exactly that (task, init state)."""
+    pytest.importorskip("libero.libero")
+    from rlinf_vla.envs.libero.env import reset_id_to_task_state, suite_tasks
+
+    job = eval_job("env.suite=libero_goal", "env.task_ids=[3,7]", "eval.trials_per_task=3")
+    tasks = suite_tasks("libero_goal")
+    got = [(t.task, t.init_state) for t in job.trials]
+    want = [(tasks[i].name, s) for i in (3, 7) for s in range(3)]
+    assert got == want
+    for t in job.trials:
+        pos, state = reset_id_to_task_state(t.reset_id, 2)
+        assert (tasks[(3, 7)[pos]].name, state) == (t.task, t.init_state)
+        assert t.suite == "libero_goal" and t.task_index in (3, 7)
+    full = eval_job("env.suite=libero_130")
+    assert len(full.trials) == 130 * 50
+    assert len({t.key for t in full.trials}) == 130 * 50
+    assert len({t.reset_id for t in full.trials}) == 130 * 50

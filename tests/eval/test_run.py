@@ -1,0 +1,163 @@
+"""End-to-end evaluations with tiny policies: resumability (toy), a LIBERO and a ManiSkill task
+set, and crashed simulators recorded as errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlinf_vla.eval import run
+from rlinf_vla.eval.report import TrialLog
+from tests.eval.conftest import eval_job
+
+# A toy scene where a tiny random policy sometimes succeeds, so outcomes and steps vary.
+TOY = ("env=toy", "policy=openvla", "+env.success_radius=0.3", "+env.step_size=0.2")
+
+
+def _lines(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "trials.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_interrupted_run_resumes_to_the_same_results(ray_cluster, tmp_path, monkeypatch) -> None:
+    args = (*TOY, "eval.trials_per_task=8", "env.num_envs=1")
+    ref = run(eval_job(*args, f"eval.output_dir={tmp_path / 'ref'}"))
+    assert ref["suites"]["toy"]["trials"] == 8
+    assert 0 < ref["suites"]["toy"]["successes"] < 8, "outcomes should vary"
+
+    # Interrupt the second run after its third trial was written, then tear a fourth line.
+    out = tmp_path / "resumed"
+    append = TrialLog.append
+    calls = []
+
+    def interrupted(self, record):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(record)
+        append(self, record)
+
+    monkeypatch.setattr(TrialLog, "append", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(eval_job(*args, f"eval.output_dir={out}"))
+    monkeypatch.setattr(TrialLog, "append", append)
+    partial = json.loads((out / "results.json").read_text())
+    assert len(partial["trials"]) == 3 and partial["planned"] == 8
+    assert "Incomplete: 3 of 8" in (out / "summary.md").read_text()
+    with open(out / "trials.jsonl", "a") as f:
+        f.write('{"suite": "toy", "task": "t')
+
+    resumed = run(eval_job(*args, f"eval.output_dir={out}"))
+    assert (out / "results.json").read_text() == (tmp_path / "ref" / "results.json").read_text()
+    assert resumed == ref
+    keys = [(r["task"], r["init_state"]) for r in _lines(out)]
+    assert len(keys) == 8 and len(set(keys)) == 8, "no trial ran twice"
+    # A finished folder runs nothing; other settings are refused.
+    again = run(eval_job(*args, f"eval.output_dir={out}"))
+    assert again == ref and len(_lines(out)) == 8
+    with pytest.raises(ValueError, match=r"env\.success_radius"):
+        other = [a.replace("radius=0.3", "radius=0.2") for a in args]
+        run(eval_job(*other, f"eval.output_dir={out}"))
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+def test_libero_two_tasks_end_to_end(ray_cluster, tmp_path) -> None:
+    """OpenVLA-OFT (tiny checkpoint) on 2 libero_goal tasks x 3 init states, 2 envs in
+    parallel, failure videos; every (task, init state) exactly once."""
+    pytest.importorskip("libero.libero")
+    from rlinf_vla.envs.libero.env import suite_tasks
+    from rlinf_vla.policies import make_policy
+
+    ckpt = tmp_path / "ckpt"
+    make_policy("openvla_oft", preset="tiny", seed=0).save_pretrained(ckpt)
+    out = tmp_path / "eval"
+    results = run(
+        eval_job(
+            "env=libero",
+            "env.suite=libero_goal",
+            "env.task_ids=[2,5]",
+            "env.num_envs=2",
+            "env.image_size=64",
+            "env.fast_render=true",
+            "env.settle_steps=2",
+            "+env.max_episode_steps=10",
+            "policy=openvla_oft",
+            f"policy.checkpoint={ckpt}",
+            "eval.trials_per_task=3",
+            "eval.videos=failures",
+            f"eval.output_dir={out}",
+        )
+    )
+    tasks = suite_tasks("libero_goal")
+    trials = results["trials"]
+    assert [(t["task"], t["init_state"]) for t in trials] == [
+        (tasks[i].name, s) for i in (2, 5) for s in range(3)
+    ]
+    for t in trials:
+        assert t["instruction"] == tasks[t["task_index"]].instruction
+        assert t["error"] is None and 1 <= t["steps"] <= 10
+        assert t["success"] or t["steps"] == 10
+        if not t["success"]:
+            assert (out / t["video"]).stat().st_size > 1000
+    assert set(results["suites"]) == {"libero_goal"} and len(results["tasks"]) == 2
+    assert results["suites"]["libero_goal"]["valid"] == 6
+    rows = (out / "results.csv").read_text().splitlines()
+    assert len(rows) == 7 and rows[0].startswith("suite,task,task_index,init_state")
+
+
+@pytest.mark.sim
+def test_crashed_env_is_retried_once_then_an_error(ray_cluster, tmp_path) -> None:
+    """An env that never answers in time (worker_timeout_s) is killed and restarted; after one
+    retry the trial is recorded as an error, outside the success rate."""
+    pytest.importorskip("libero.libero")
+    out = tmp_path / "eval"
+    results = run(
+        eval_job(
+            "env=libero",
+            "env.suite=libero_goal",
+            "env.task_ids=[0]",
+            "env.num_envs=1",
+            "+env.worker_timeout_s=0.01",
+            "eval.trials_per_task=2",
+            f"eval.output_dir={out}",
+        )
+    )
+    suite = results["suites"]["libero_goal"]
+    assert suite["errors"] == 2 and suite["valid"] == 0 and suite["success_rate"] is None
+    for t in results["trials"]:
+        assert t["success"] is None and t["steps"] is None
+        assert "no answer within 0.01 s" in t["error"] and "after 2 attempt(s)" in t["error"]
+    assert "## Errors" in (out / "summary.md").read_text()
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+def test_maniskill_two_tasks_end_to_end(ray_cluster, tmp_path) -> None:
+    pytest.importorskip("mani_skill")
+    results = run(
+        eval_job(
+            "env=maniskill",
+            "env.num_envs=2",
+            "env.image_size=64",
+            "env.max_episode_steps=4",
+            "env.sim_backend=cpu",
+            "policy=openvla",
+            "eval.tasks=[PickCube-v1,PushCube-v1]",
+            "eval.trials_per_task=2",
+            "eval.seed=100",
+            f"eval.output_dir={tmp_path}",
+        )
+    )
+    got = [(t["task"], t["init_state"], t["reset_id"]) for t in results["trials"]]
+    assert got == [
+        ("PickCube-v1", 100, 100),
+        ("PickCube-v1", 101, 101),
+        ("PushCube-v1", 100, 100),
+        ("PushCube-v1", 101, 101),
+    ]
+    instructions = {t["task"]: t["instruction"] for t in results["trials"]}
+    assert "red cube" in instructions["PickCube-v1"] and "push" in instructions["PushCube-v1"]
+    assert all(t["error"] is None and 1 <= t["steps"] <= 4 for t in results["trials"])
+    assert [t["task"] for t in results["tasks"]] == ["PickCube-v1", "PushCube-v1"]
