@@ -30,11 +30,14 @@ class ToyEnv(VectorEnv):
       them: ``"move to the blue square"``. The agent must move onto it.
     - **Randomisation (by reset id only).** The arena is split into 3x3 cells; the objects and the
       agent start in distinct random cells with a random offset of up to 0.06 from the cell
-      centre; colours, shapes and the target are random. The same reset id always gives the same
+      centre (``agent_start="center"``: the agent starts exactly at the arena centre and the
+      objects in the other cells); colours, shapes and the target are random. The same reset id always gives the same
       scene, on any device and with any seed (the seed only drives the reset-id cursor).
     - **Success.** The agent's centre is within ``success_radius`` (0.05) of the target's centre.
       It terminates the episode (sparse reward 1.0 at that step, 0 otherwise). Time limit: 30
-      steps by default.
+      steps by default. ``reward_mode="dense"`` adds ``progress_reward_scale * (d_before -
+      d_after) / step_size`` each step (``d``: distance to the target; potential-based
+      shaping, see :class:`ToyEnvConfig`).
     - **Observation.** ``images["main"]``: uint8 ``[B, S, S, 3]`` top-down view (``S =
       image_size``, 64 by default; y grows downwards); ``state``: float32 ``[B, 2]`` agent
       position in ``[0, 1]^2`` (``[B, 4]`` with the offset to the target in ``"privileged"``
@@ -100,10 +103,21 @@ class ToyEnv(VectorEnv):
         ids = reset_ids.to(self.device)
         u = hash_ints(ids[:, None], torch.arange(64, device=self.device)[None, :]).double()
         u = (u / 2**32).float()
-        cells = torch.argsort(u[:, : GRID * GRID], dim=1)[:, : m + 1]
+        if self.cfg.agent_start == "center":
+            # The agent takes the centre cell, the objects m of the other cells.
+            middle = GRID * GRID // 2
+            others = torch.tensor(
+                [c for c in range(GRID * GRID) if c != middle], device=self.device
+            )
+            objs = others[torch.argsort(u[:, : GRID * GRID - 1], dim=1)[:, :m]]
+            cells = torch.cat([objs, torch.full_like(objs[:, :1], middle)], dim=1)
+        else:
+            cells = torch.argsort(u[:, : GRID * GRID], dim=1)[:, : m + 1]
         centre = torch.stack(((cells % GRID).float(), (cells // GRID).float()), -1)
         centre = (centre + 0.5) / GRID
         jitter = (u[:, 16 : 16 + 2 * (m + 1)].view(-1, m + 1, 2) * 2 - 1) * _JITTER
+        if self.cfg.agent_start == "center":
+            jitter[:, m] = 0.0
         pos = centre + jitter
         colors = torch.argsort(u[:, 32 : 32 + len(COLORS)], dim=1)[:, :m]
         shapes = (u[:, 40 : 40 + m] * len(SHAPES)).long().clamp(max=len(SHAPES) - 1)
@@ -132,10 +146,14 @@ class ToyEnv(VectorEnv):
         cfg = self.cfg
         active = active.to(self.device)
         a = actions[:, :2].to(self.device).clamp(-1.0, 1.0)
+        before = torch.linalg.vector_norm(self._pos - self.target_pos, dim=1)
         moved = (self._pos + a * cfg.step_size).clamp(0.0, 1.0)
         self._pos = torch.where(active[:, None], moved, self._pos)
         dist = torch.linalg.vector_norm(self._pos - self.target_pos, dim=1)
         success = dist <= cfg.success_radius
+        reward = success.float()
+        if cfg.reward_mode == "dense":
+            reward = reward + cfg.progress_reward_scale * (before - dist) / cfg.step_size
         if bool(((need_obs.to(self.device) | success) & active).any()) or self._last_obs is None:
             self._last_obs = Observation(
                 images={"main": self._render()},
@@ -144,9 +162,7 @@ class ToyEnv(VectorEnv):
             )
         if cfg.step_time_s or cfg.step_time_per_env_s:
             time.sleep(cfg.step_time_s + cfg.step_time_per_env_s * int(active.sum()))
-        return StepOutput(
-            obs=self._last_obs, reward=success.float(), terminated=success, success=success
-        )
+        return StepOutput(obs=self._last_obs, reward=reward, terminated=success, success=success)
 
     def _offload(self) -> None:
         self._move_to(torch.device("cpu"))
