@@ -347,6 +347,9 @@ def validate(cfg: Any) -> EvalJob:
     )
     job.trials = plan_trials(env_name, env_cfg, ev)
     job.identity = identity(job)
+    from rlinf_vla.eval.report import check_identity
+
+    check_identity(job.output_dir, job.identity, write=False)
     return job
 
 

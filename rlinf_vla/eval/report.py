@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlinf_vla.config import ConfigError
 from rlinf_vla.eval.stats import aggregate
 
 TRIALS_FILE = "trials.jsonl"
@@ -88,11 +89,12 @@ class TrialLog:
         self.records[self.key(record)] = record
 
 
-def check_identity(folder: str | Path, identity: dict[str, Any]) -> None:
-    """Record the job's identity in a new folder, or check that a used folder has the same.
+def check_identity(folder: str | Path, identity: dict[str, Any], write: bool = True) -> None:
+    """Check that a used folder holds the same evaluation, or (``write``) record the job's
+    identity in a new folder.
 
     Raises:
-        ValueError: the folder holds results of an evaluation with other settings (the
+        ConfigError: the folder holds results of an evaluation with other settings (the
             differing keys are named).
     """
     path = Path(folder) / CONFIG_FILE
@@ -101,10 +103,12 @@ def check_identity(folder: str | Path, identity: dict[str, Any]) -> None:
         old = json.loads(path.read_text())
         if old != ident:
             diff = sorted(_diff(old, ident))
-            raise ValueError(
-                f"{folder} holds results of an evaluation with other settings "
+            raise ConfigError(
+                f"eval.output_dir: {folder} holds results of an evaluation with other settings "
                 f"(differing: {', '.join(diff)}); pick another eval.output_dir or restore them"
             )
+        return
+    if not write:
         return
     Path(folder).mkdir(parents=True, exist_ok=True)
     _atomic_write(path, json.dumps(ident, indent=2, sort_keys=True) + "\n")

@@ -9,7 +9,7 @@ from tests.eval.conftest import eval_job
 
 
 def test_unknown_suite_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match="libero_100.*libero_spatial, libero_object"):
+    with pytest.raises(ConfigError, match=r"libero_100.*libero_spatial, libero_object"):
         eval_job("env.suite=libero_100")
 
 

@@ -46,7 +46,8 @@ def test_reports(tmp_path) -> None:
     assert [t["init_state"] for t in data["trials"]] == [0, 1, 2]
     suite = data["suites"]["libero_goal"]
     assert suite["successes"] == 1 and suite["valid"] == 2 and suite["errors"] == 1
-    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
     assert [r["success"] for r in rows] == ["True", "False", ""]
     assert rows[2]["error"].startswith("env crashed")
     summary = (tmp_path / "summary.md").read_text()
