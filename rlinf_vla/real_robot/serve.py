@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +76,15 @@ def run(job: ServeJob) -> None:
     )
     if job.server.host not in ("127.0.0.1", "localhost", "::1") and not job.server.token:
         console.print("[yellow]warning:[/] serving beyond localhost without server.token")
-    try:
-        asyncio.run(server.serve())
-    except KeyboardInterrupt:
-        console.print("stopped")
+    with console.status("warming up (first act call)..."):
+        server.warmup()
+
+    async def serve_until_signal() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await server.serve(stop=stop)
+
+    asyncio.run(serve_until_signal())
+    console.print(f"stopped; served {server.stats}")

@@ -133,6 +133,22 @@ class PolicyServer:
             out = self.policy.act(obs, greedy=self.config.greedy)
         return out.actions.detach().float().cpu().numpy()
 
+    def warmup(self) -> float:
+        """One ``act`` on a blank observation of the advertised sizes, so the first robot
+        request does not pay for lazy initialisation; returns its time in ms."""
+        meta = self.metadata
+        size = meta.image_size or 224
+        state = None if meta.state_dim is None else np.zeros(meta.state_dim, np.float32)
+        request = InferRequest(
+            id=None,
+            images={k: np.zeros((size, size, 3), np.uint8) for k in meta.image_keys},
+            state=state,
+            instruction="warm up",
+        )
+        start = time.perf_counter()
+        self._act([request])
+        return (time.perf_counter() - start) * 1000.0
+
     async def _batcher(self) -> None:
         assert self._queue is not None
         loop = asyncio.get_running_loop()

@@ -50,7 +50,7 @@ def assert_serves(url: str, policy) -> None:
 
 
 def test_handshake_and_health(server, tiny_policy):
-    _srv, url = server
+    srv, url = server
     assert check_health(url)
     with PolicyClient(url, TOKEN) as c:
         m = c.metadata
@@ -60,6 +60,7 @@ def test_handshake_and_health(server, tiny_policy):
     assert (m.action_dim, m.chunk_size) == (7, cfg.chunk_size)
     assert m.image_size == cfg.image_sizes[0] and m.control_rate_hz == 10.0
     assert m.max_message_bytes == 64 * 1024
+    assert srv.warmup() > 0  # an act() on blank inputs of the advertised sizes
     assert_serves(url, tiny_policy)
 
 
