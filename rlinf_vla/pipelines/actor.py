@@ -44,6 +44,9 @@ class AlgoConfig:
         weight_decay: AdamW weight decay.
         lr_schedule: ``constant`` or ``linear`` decay to 0 over the run.
         warmup_iterations: linear warmup of the learning rate.
+        fsdp: with several actor workers, shard the policy, its gradients and the optimizer
+            state over them with FSDP2 (``False``: every worker holds a replica and gradients
+            are all-reduced).
         autocast: mixed precision of the policy's forward passes in the rollout and the
             update: ``auto`` (bf16 on CUDA devices, off on CPU), ``bf16`` (also on CPU) or
             ``off``. Weights, optimizer state and losses stay float32.
@@ -71,6 +74,7 @@ class AlgoConfig:
     lr_schedule: Literal["constant", "linear"] = "constant"
     warmup_iterations: int = 0
     autocast: Literal["auto", "bf16", "off"] = "auto"
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         for key in ("update_epochs", "minibatch_size", "micro_batch_size"):
@@ -199,10 +203,19 @@ class ActorWorker(Worker):
         from rlinf_vla.policies import make_policy
 
         torch.manual_seed(seed)
+        self._policy_name, self._policy_config = policy_name, policy_config
         self.algo = from_section(AlgoConfig, algo, "algo")
         self.policy = make_policy(
             policy_name, **{**policy_config, "device": str(self.device)}
         ).train()
+        self.fsdp = False
+        self.optimizer = self._build_optimizer()
+        self.generator = torch.Generator().manual_seed(seed + 1000 * self.rank)
+        self.version = 0
+        self.nan_streak = 0  # optimizer updates skipped in a row (non-finite loss/gradient)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW with the value head in its own parameter group (``algo.value_lr``)."""
         value_params = [p for n, p in self.policy.named_parameters() if "value_head" in n]
         value_ids = {id(p) for p in value_params}
         other = [p for p in self.policy.parameters() if id(p) not in value_ids and p.requires_grad]
@@ -211,19 +224,51 @@ class ActorWorker(Worker):
             groups.append(
                 {"params": value_params, "lr": self.algo.value_lr, "base_lr": self.algo.value_lr}
             )
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=self.algo.weight_decay)
-        self.generator = torch.Generator().manual_seed(seed + 1000 * self.rank)
-        self.version = 0
-        self.nan_streak = 0  # optimizer updates skipped in a row (non-finite loss/gradient)
+        return torch.optim.AdamW(groups, weight_decay=self.algo.weight_decay)
+
+    def shard(self) -> None:
+        """Shard the policy and the optimizer state over the actor ranks with FSDP2.
+
+        Needs the actor group's default process group (the runner forms it). Every block of a
+        ``ModuleList`` (transformer layers, ...) becomes its own FSDP unit, gathered just
+        before it runs; the rest of the model forms the root unit, gathered for ``evaluate``.
+        Gradients are reduce-scattered (averaged) by FSDP, so the manual all-reduce is off.
+        """
+        from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        taken: set[int] = set()
+        for module in self.policy.modules():
+            if isinstance(module, nn.ModuleList) and id(module) not in taken:
+                for block in module:
+                    inner = {id(m) for m in block.modules()}
+                    if any(p.requires_grad for p in block.parameters()):
+                        fully_shard(block, mesh=mesh)
+                        taken |= inner
+        fully_shard(self.policy, mesh=mesh)
+        register_fsdp_forward_method(self.policy, "evaluate")
+        self.fsdp = True
+        self.dp = None
+        self.optimizer = self._build_optimizer()
 
     def save(self, path: str) -> None:
-        """Policy in its on-disk format (rank 0), optimizer and RNG states (every rank)."""
+        """Policy in its on-disk format (rank 0), optimizer and RNG states (every rank).
+
+        With FSDP every rank takes part in gathering the full weights and optimizer state;
+        rank 0 writes them.
+        """
         from pathlib import Path
 
-        if self.rank == 0:
+        if self.fsdp:
+            full = self.state_dict()  # collective: every rank helps gather
+            if self.rank == 0:
+                self._plain_policy(full).save_pretrained(Path(path) / "policy")
+        elif self.rank == 0:
             self.policy.save_pretrained(Path(path) / "policy")
         state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._optimizer_state(),
             "torch_rng": torch.get_rng_state(),
             "generator": self.generator.get_state(),
             "version": self.version,
@@ -234,21 +279,80 @@ class ActorWorker(Worker):
     def load(self, path: str) -> None:
         from pathlib import Path
 
-        loaded = type(self.policy).from_pretrained(Path(path) / "policy")
-        self.policy.load_state_dict(loaded.state_dict())
         state = torch.load(Path(path) / f"actor_rank{self.rank}.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            full = {}
+            if self.rank == 0:
+                full = type(self._plain_policy()).from_pretrained(Path(path) / "policy")
+                full = full.state_dict()
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(self.policy, full, options=opts)
+            set_optimizer_state_dict(
+                self.policy,
+                self.optimizer,
+                state["optimizer"] if self.rank == 0 else {},
+                # parameters that never got a gradient (unused layers) have no Adam state
+                options=StateDictOptions(
+                    full_state_dict=True, broadcast_from_rank0=True, strict=False
+                ),
+            )
+        else:
+            loaded = type(self.policy).from_pretrained(Path(path) / "policy")
+            self.policy.load_state_dict(loaded.state_dict())
+            self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.generator.set_state(state["generator"])
         self.version = state["version"]
         self.nan_streak = state.get("nan_streak", 0)
 
     def state_dict(self) -> dict[str, Tensor]:
+        """The full weights on CPU. With FSDP every rank must call it; only rank 0 gets them
+        (the others get ``{}``)."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_model_state_dict(self.policy, options=opts)
         return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
 
+    def _optimizer_state(self) -> dict[str, Any]:
+        if not self.fsdp:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.policy, self.optimizer, options=opts)
+
+    def _plain_policy(self, weights: dict[str, Tensor] | None = None) -> Any:
+        """An unsharded CPU copy of the policy (rank 0 writes checkpoints from it)."""
+        if getattr(self, "_plain", None) is None:
+            from rlinf_vla.policies import make_policy
+
+            self._plain = make_policy(self._policy_name, **{**self._policy_config, "device": "cpu"})
+        if weights is not None:
+            self._plain.load_state_dict(weights)
+        return self._plain
+
     def sync_to(self, collective_name: str) -> int:
-        """Broadcast the weights to the rollout workers of ``collective_name`` (as rank 0)."""
-        self.collective(collective_name).broadcast_tensors(self.state_dict(), src=0)
+        """Broadcast the weights to the rollout workers of ``collective_name`` (as its rank 0).
+
+        With FSDP all actor ranks call it (they help gather the weights); rank 0 sends.
+        """
+        weights = self.state_dict()
+        if self.rank == 0:
+            self.collective(collective_name).broadcast_tensors(weights, src=0)
         return self.version
 
     def _set_lr(self, iteration: int, total: int) -> float:
@@ -359,6 +463,8 @@ class ActorWorker(Worker):
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     self.policy.parameters(), a.max_grad_norm
                 )
+                if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+                    grad_norm = grad_norm.full_tensor()
                 if not math.isfinite(float(grad_norm)):
                     self.optimizer.zero_grad(set_to_none=True)
                     sums["skipped_updates"] = sums.get("skipped_updates", 0.0) + 1

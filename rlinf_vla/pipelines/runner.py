@@ -89,9 +89,16 @@ class EmbodiedRunner:
             args=(job.policy_name, policy, _algo_dict(job), seed),
         )
         create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
-        if self.actor.world_size > 1:
+        # Actor ranks: FSDP2 shards over a default process group, or replicas all-reduce grads.
+        self.fsdp = job.algo.fsdp and self.actor.world_size > 1
+        if self.fsdp:
+            create_collective(DATA_PARALLEL, [(self.actor, None)], as_default=True)
+            self.actor.shard().wait()
+        elif self.actor.world_size > 1:
             create_collective(DATA_PARALLEL, [(self.actor, None)])
             self.actor.join_data_parallel(DATA_PARALLEL).wait()
+        # With FSDP every actor rank takes part in gathering the full weights.
+        self._gather_ranks = None if self.fsdp else [0]
         # Env stage (rank, s) -> rollout worker and actor rank, fixed for the whole run.
         stages = job.placement.stages
         self.sources = [(r, s) for r in range(self.env.world_size) for s in range(stages)]
@@ -193,7 +200,12 @@ class EmbodiedRunner:
         r = self.job.runner
         t0 = time.perf_counter()
         version = it
-        wait_all([self.actor.sync_to(WEIGHTS, ranks=[0]), self.rollout.sync_from(WEIGHTS, version)])
+        wait_all(
+            [
+                self.actor.sync_to(WEIGHTS, ranks=self._gather_ranks),
+                self.rollout.sync_from(WEIGHTS, version),
+            ]
+        )
         t1 = time.perf_counter()
         calls = [self.env.interact(self.channel, r.rollout_chunks)]
         actor_ranks = self.actor.world_size
@@ -253,7 +265,7 @@ class EmbodiedRunner:
             env_cfg["num_envs"] = min(env_cfg.get("num_envs", 1), r.eval_episodes)
             self._eval = (policy, make_env(self.job.env_name, **env_cfg))
         policy, env = self._eval
-        policy.load_state_dict(self.actor.state_dict(ranks=[0]).wait()[0])
+        policy.load_state_dict(self.actor.state_dict(ranks=self._gather_ranks).wait()[0])
         t0 = time.perf_counter()
         video_dir = self.output_dir / "videos" / f"iter_{iteration}" if r.eval_videos else None
         result = greedy_eval(policy, env, r.eval_episodes, video_dir=video_dir)
@@ -265,7 +277,7 @@ class EmbodiedRunner:
     def save(self, iteration: int) -> Path:
         path = self.output_dir / "checkpoints" / f"iter_{iteration}"
         path.mkdir(parents=True, exist_ok=True)
-        self.actor.save(str(path), ranks=[0]).wait()
+        self.actor.save(str(path)).wait()  # rank 0 writes the policy, every rank its state
         state = {
             "iteration": iteration,
             "env_cursors": self.env.get_state().wait(),

@@ -131,7 +131,14 @@ def get(name: str) -> Collective:
 
 
 def join(
-    name: str, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float
+    name: str,
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    as_default: bool = False,
 ) -> None:
     """Join the collective ``name`` from inside a worker process (called by the driver)."""
     import torch.distributed as dist
@@ -140,6 +147,19 @@ def join(
     store = dist.TCPStore(
         addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
+    if as_default:
+        if dist.is_initialized():
+            raise RuntimeError(
+                f"collective {name!r}: this process already has a default process group"
+            )
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        pg = dist.distributed_c10d._get_default_group()
+        _COLLECTIVES[name] = Collective(name, rank, world_size, backend, pg, store)
+        return
     if backend == "nccl":
         torch.cuda.set_device(0)
         pg = dist.ProcessGroupNCCL(store, rank, world_size)
@@ -155,10 +175,13 @@ def create_collective(
     members: Sequence[tuple[WorkerGroup, Sequence[int] | None]],
     backend: str = "auto",
     timeout_s: float = 300.0,
+    as_default: bool = False,
 ) -> None:
     """Form the collective ``name`` from ``(group, ranks)`` pairs (``None``: all ranks).
 
     ``backend="auto"`` picks NCCL when every member is on a GPU, gloo otherwise.
+    ``as_default=True`` also makes it each member's torch.distributed default process group
+    (what FSDP2 and DTensor use); a process can have only one.
 
     Raises:
         WorkerError: a member failed to join (e.g. the rendezvous timed out).
@@ -183,7 +206,11 @@ def create_collective(
             g,
             "join_collective",
             [r],
-            [g.actor(r).join_collective.remote(name, i, len(flat), addr, port, backend, timeout_s)],
+            [
+                g.actor(r).join_collective.remote(
+                    name, i, len(flat), addr, port, backend, timeout_s, as_default
+                )
+            ],
         )
         for i, (g, r) in enumerate(flat)
     ]
