@@ -146,6 +146,7 @@ def main() -> int:
         bound = w.num_envs * args.chunk_size / max(e, i)
         meta[w.name] = {"env_chunk_s": e, "infer_chunk_s": i, "config": w.env_config}
         results.append(Row(w.name, "sync loop", round(sync, 1), 1.0, round(sync / bound, 3)))
+        print(f"{w.name}: sync loop {sync:.1f} env steps/s, overlap bound {bound:.1f}", flush=True)
         for mode, overrides in modes.items():
             devices = d + 1 if mode == "disaggregated" else d
             with tempfile.TemporaryDirectory() as tmp:
@@ -153,6 +154,7 @@ def main() -> int:
             results.append(
                 Row(w.name, mode, round(rate, 1), round(rate / sync, 2), round(rate / bound, 3))
             )
+            print(f"{w.name}: {mode} {rate:.1f} env steps/s", flush=True)
         results.append(Row(w.name, "overlap bound", round(bound, 1), round(bound / sync, 2), 1.0))
 
     print(f"\n{'workload':<20} {'mode':<15} {'env steps/s':>11} {'x sync':>7} {'of bound':>9}")
