@@ -185,6 +185,14 @@ def run_episode(
         raise ValueError(
             f"the policy's action_dim is {meta.action_dim}; the Franka convention needs 7"
         )
+    proprio_dim = 8  # RobotState.proprio()
+    if meta.state_dim is not None and (
+        meta.state_dim < proprio_dim or (meta.state_dim_exact and meta.state_dim != proprio_dim)
+    ):
+        raise ValueError(
+            f"the policy reads a state of {meta.state_dim} values; the robot sends {proprio_dim} "
+            "(TCP position, axis-angle, two finger positions)"
+        )
     rate = job.control_rate_hz or meta.control_rate_hz
     dt = 1.0 / rate
     estop = estop or EStop()
@@ -313,6 +321,7 @@ def run_episode(
 def run(job: DeployJob) -> list[EpisodeResult]:
     """Connect, run ``job.episodes`` episodes, print a summary per episode."""
     from rich.console import Console
+    from websockets.exceptions import ConnectionClosed
 
     from rlinf_vla.real_robot.client import PolicyClient
 
@@ -344,6 +353,11 @@ def run(job: DeployJob) -> list[EpisodeResult]:
                     f"interventions {{{', '.join(f'{k}: {v}' for k, v in res.interventions.items() if v)}}}"
                     f"{', E-STOP' if res.estopped else ''} -> {res.folder}"
                 )
+    except (OSError, TimeoutError, ConnectionClosed) as e:
+        raise RuntimeError(
+            f"no answer from the policy server at {job.server} ({type(e).__name__}: {e}); the robot was "
+            "stopped and the episode so far recorded"
+        ) from e
     finally:
         robot.stop()
         robot.close()

@@ -222,3 +222,16 @@ def test_serve_validation():
         serve_validate(compose(cmd.config_name, ["policy.chunk_size=0"], cmd.config_dir))
     with pytest.raises(ConfigError, match=r"server\.host"):
         serve_validate(compose(cmd.config_name, ["+server.host_name=x"], cmd.config_dir))
+
+
+@pytest.mark.sim
+def test_cli_deploy_without_a_server_fails_clearly(tmp_path):
+    with pytest.raises(RuntimeError, match="no answer from the policy server at ws://127.0.0.1:9"):
+        main(
+            [
+                "deploy",
+                "server=ws://127.0.0.1:9",
+                "robot.image_size=32",
+                f"record.output_dir={tmp_path}",
+            ]
+        )
