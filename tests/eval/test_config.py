@@ -34,7 +34,7 @@ def test_checkpoint_action_dim_must_fit_the_env(tmp_path) -> None:
 
 def test_proprio_and_trials_checks() -> None:
     with pytest.raises(ConfigError, match=r"proprio_dim=5.*state size of env 'libero': 8"):
-        eval_job("+policy.proprio_dim=5")
+        eval_job("policy=openvla_oft", "+policy.proprio_dim=5")
     with pytest.raises(ConfigError, match="50 official init states"):
         eval_job("eval.trials_per_task=51")
     with pytest.raises(ConfigError, match=r"eval\.videos"):
