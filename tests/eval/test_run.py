@@ -161,3 +161,21 @@ def test_maniskill_two_tasks_end_to_end(ray_cluster, tmp_path) -> None:
     assert "red cube" in instructions["PickCube-v1"] and "push" in instructions["PushCube-v1"]
     assert all(t["error"] is None and 1 <= t["steps"] <= 4 for t in results["trials"])
     assert [t["task"] for t in results["tasks"]] == ["PickCube-v1", "PushCube-v1"]
+
+
+@pytest.mark.slow
+def test_several_envs_per_worker(ray_cluster, tmp_path) -> None:
+    """3 envs as 2 workers (2 + 1 slots, the 2 stepped in threads): every trial exactly once."""
+    results = run(
+        eval_job(
+            *TOY,
+            "env.num_envs=3",
+            "eval.envs_per_worker=2",
+            "eval.trials_per_task=7",
+            "eval.seed=40",
+            f"eval.output_dir={tmp_path}",
+        )
+    )
+    assert [t["init_state"] for t in results["trials"]] == list(range(40, 47))
+    assert all(t["error"] is None and 1 <= t["steps"] <= 16 for t in results["trials"])
+    assert len(_lines(tmp_path)) == 7
