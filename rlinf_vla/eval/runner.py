@@ -129,10 +129,6 @@ class _Progress:
             self._bar.stop()
 
 
-def _trial_dict(trial: Trial) -> dict[str, Any]:
-    return dataclasses.asdict(trial)
-
-
 def _record(trial: Trial, result: dict[str, Any], error: str | None = None) -> dict[str, Any]:
     return {
         "suite": trial.suite,
@@ -227,11 +223,11 @@ def run(job: EvalJob) -> dict[str, Any]:
 
 
 def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> int:
+    """Run the trials ``todo`` on a local or remote Ray cluster; returns how many finished."""
     import torch
 
-    from rlinf_vla.envs.base import cat_obs
     from rlinf_vla.eval.worker import EvalEnvWorker
-    from rlinf_vla.runtime import Cluster, WorkerGroup, wait_all
+    from rlinf_vla.runtime import Cluster, WorkerGroup
 
     ev = job.eval
     total_slots = max(1, min(int(job.env.get("num_envs", 1)), len(todo)))
@@ -249,22 +245,17 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
     for record in log.records.values():
         if record["suite"] in planned:
             progress.add(record)
-    queue = _Queue(todo)
-    attempts: dict[tuple, int] = {}
-    finished = 0
-    env_config = {k: v for k, v in job.env.items() if k != "num_envs"}
     console.print(
         f"{total_slots} env(s) in {num_workers} worker(s); policy {job.policy_name} on "
         f"{_policy_device(job)} ({threads} CPU thread(s))"
     )
     with Cluster(job.cluster) as cluster:
-        devices = [i % cluster.num_devices for i in range(num_workers)]
         group = WorkerGroup(
             cluster,
             EvalEnvWorker,
             name="eval_env",
-            devices=devices,
-            args=(job.env_name, env_config, sizes),
+            devices=[i % cluster.num_devices for i in range(num_workers)],
+            args=(job.env_name, {k: v for k, v in job.env.items() if k != "num_envs"}, sizes),
             kwargs={
                 "videos": ev.videos,
                 "output_dir": str(Path(job.output_dir).resolve()),
@@ -272,89 +263,120 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
             },
             timeout=None,
         )
-        slots = [_SlotState(w, i) for w in range(num_workers) for i in range(sizes[w])]
-
-        def crashed(trial: Trial, result: dict[str, Any]) -> dict[str, Any] | None:
-            """Requeue a crashed trial, or its error record once its retries are spent."""
-            n = attempts[trial.key] = attempts.get(trial.key, 0) + 1
-            if n <= ev.retries:
-                queue.push_front(trial)
-                return None
-            reason = result.get("error") or "the simulator crashed"
-            return _record(trial, result, error=f"{reason} (after {n} attempt(s))")
-
-        def save(record: dict[str, Any] | None) -> None:
-            nonlocal finished
-            if record is None:
-                return
-            log.append(record)
-            progress.add(record)
-            finished += 1
-
+        loop = _EvalLoop(group, sizes, policy, ev.greedy, ev.retries, _Queue(todo), log, progress)
         try:
             with progress:
-                while len(queue) or any(s.trial is not None for s in slots):
-                    # 1. fill the free slots
-                    starts: dict[int, dict[int, Trial]] = {}
-                    for slot in slots:
-                        if slot.trial is None and len(queue):
-                            running = {(s.trial.suite, s.trial.task) for s in slots if s.trial}
-                            trial = queue.take(slot, running)
-                            slot.trial = trial
-                            starts.setdefault(slot.worker, {})[slot.index] = trial
-                    if starts:
-                        order = list(starts)
-                        replies = wait_all(
-                            [
-                                group.start(
-                                    {i: _trial_dict(t) for i, t in starts[w].items()},
-                                    ranks=[w],
-                                )
-                                for w in order
-                            ]
-                        )
-                        for w, (reply,) in zip(order, replies, strict=True):
-                            for i, r in reply.items():
-                                slot = next(s for s in slots if s.worker == w and s.index == i)
-                                trial = starts[w][i]
-                                slot.last_task = (trial.suite, trial.task)
-                                slot.env_key = trial.env_key
-                                if "error" in r:
-                                    slot.trial = None
-                                    save(crashed(trial, {"error": r["error"]}))
-                                else:
-                                    slot.obs = r["obs"]
-                                    slot.instruction = r["obs"].instruction[0]
-                    busy = [s for s in slots if s.trial is not None]
-                    if not busy:
-                        continue
-                    # 2. one policy call on the batch of every busy slot
-                    with torch.inference_mode():
-                        actions = policy.act(cat_obs([s.obs for s in busy]), greedy=ev.greedy)
-                    chunks = actions.actions.detach().float().cpu()  # [N, K, A]
-                    # 3. every slot executes its chunk
-                    per_worker: dict[int, dict[int, torch.Tensor]] = {}
-                    for j, s in enumerate(busy):
-                        per_worker.setdefault(s.worker, {})[s.index] = chunks[j]
-                    order = list(per_worker)
-                    replies = wait_all([group.step(per_worker[w], ranks=[w]) for w in order])
-                    for w, (reply,) in zip(order, replies, strict=True):
-                        for i, r in reply.items():
-                            slot = next(s for s in slots if s.worker == w and s.index == i)
-                            trial = slot.trial
-                            assert trial is not None
-                            if not r["done"]:
-                                slot.obs = r["obs"]
-                                continue
-                            slot.trial, slot.obs = None, None
-                            if r["invalid"]:
-                                save(crashed(trial, r))
-                            else:
-                                save(_record(trial, {**r, "instruction": slot.instruction}))
+                loop.run()
         finally:
             try:
                 group.close().wait(timeout=120)
             except Exception as e:  # closing must not hide the original error
                 console.print(f"[yellow]closing the env workers failed: {e}")
             group.shutdown()
-    return finished
+    return loop.finished
+
+
+class _EvalLoop:
+    """The scheduling loop: fill free slots, one batched policy call, step every busy slot."""
+
+    def __init__(
+        self,
+        group: Any,
+        sizes: list[int],
+        policy: Any,
+        greedy: bool,
+        retries: int,
+        queue: _Queue,
+        log: TrialLog,
+        progress: _Progress,
+    ) -> None:
+        self.group, self.policy, self.greedy, self.retries = group, policy, greedy, retries
+        self.queue, self.log, self.progress = queue, log, progress
+        self.slots = {(w, i): _SlotState(w, i) for w, n in enumerate(sizes) for i in range(n)}
+        self.attempts: dict[tuple, int] = {}
+        self.finished = 0
+
+    def run(self) -> None:
+        while len(self.queue) or self._busy():
+            self._fill_free_slots()
+            busy = self._busy()
+            if busy:
+                self._step(busy, self._act(busy))
+
+    def _busy(self) -> list[_SlotState]:
+        return [s for s in self.slots.values() if s.trial is not None]
+
+    def _fill_free_slots(self) -> None:
+        """Give every free slot the next trial and reset its env to it."""
+        from rlinf_vla.runtime import wait_all
+
+        starts: dict[int, dict[int, Trial]] = {}
+        for slot in self.slots.values():
+            if slot.trial is None and len(self.queue):
+                running = {(s.trial.suite, s.trial.task) for s in self._busy()}
+                slot.trial = self.queue.take(slot, running)
+                slot.last_task, slot.env_key = (
+                    (slot.trial.suite, slot.trial.task),
+                    slot.trial.env_key,
+                )
+                starts.setdefault(slot.worker, {})[slot.index] = slot.trial
+        if not starts:
+            return
+        order = list(starts)
+        calls = [
+            self.group.start({i: dataclasses.asdict(t) for i, t in starts[w].items()}, ranks=[w])
+            for w in order
+        ]
+        for w, (reply,) in zip(order, wait_all(calls), strict=True):
+            for i, r in reply.items():
+                slot = self.slots[(w, i)]
+                if "error" in r:
+                    trial, slot.trial = slot.trial, None
+                    self._crashed(trial, {"error": r["error"]})
+                else:
+                    slot.obs, slot.instruction = r["obs"], r["obs"].instruction[0]
+
+    def _act(self, busy: list[_SlotState]) -> Any:
+        """Action chunks ``float32 [N, K, A]`` for the busy slots, from one policy call."""
+        import torch
+
+        from rlinf_vla.envs.base import cat_obs
+
+        with torch.inference_mode():
+            out = self.policy.act(cat_obs([s.obs for s in busy]), greedy=self.greedy)
+        return out.actions.detach().float().cpu()
+
+    def _step(self, busy: list[_SlotState], chunks: Any) -> None:
+        """Every busy slot executes its chunk; ended episodes are recorded (or retried)."""
+        from rlinf_vla.runtime import wait_all
+
+        per_worker: dict[int, dict[int, Any]] = {}
+        for j, s in enumerate(busy):
+            per_worker.setdefault(s.worker, {})[s.index] = chunks[j]
+        order = list(per_worker)
+        calls = [self.group.step(per_worker[w], ranks=[w]) for w in order]
+        for w, (reply,) in zip(order, wait_all(calls), strict=True):
+            for i, r in reply.items():
+                slot = self.slots[(w, i)]
+                if not r["done"]:
+                    slot.obs = r["obs"]
+                    continue
+                trial, slot.trial, slot.obs = slot.trial, None, None
+                if r["invalid"]:
+                    self._crashed(trial, r)
+                else:
+                    self._save(_record(trial, {**r, "instruction": slot.instruction}))
+
+    def _crashed(self, trial: Trial, result: dict[str, Any]) -> None:
+        """Requeue a crashed trial, or record it as an error once its retries are spent."""
+        n = self.attempts[trial.key] = self.attempts.get(trial.key, 0) + 1
+        if n <= self.retries:
+            self.queue.push_front(trial)
+            return
+        reason = result.get("error") or "the simulator crashed"
+        self._save(_record(trial, result, error=f"{reason} (after {n} attempt(s))"))
+
+    def _save(self, record: dict[str, Any]) -> None:
+        self.log.append(record)
+        self.progress.add(record)
+        self.finished += 1
