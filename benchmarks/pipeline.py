@@ -130,7 +130,8 @@ def main() -> int:
     modes = {
         "collocated": ["placement=collocated"],
         "disaggregated": ["placement=disaggregated"],
-        "hybrid S=1": ["placement=hybrid", "placement.stages=1"],
+        # one trajectory per iteration: the actor on one device
+        "hybrid S=1": ["placement=hybrid", "placement.stages=1", "placement.components.actor=0"],
         "hybrid S=2": ["placement=hybrid", "placement.stages=2"],
         "hybrid S=4": ["placement=hybrid", "placement.stages=4"],
     }

@@ -88,6 +88,7 @@ APT_PKGS=(
     libvulkan1 mesa-vulkan-drivers vulkan-tools # Vulkan (SAPIEN / ManiSkill3), vulkaninfo
     libegl1 libegl-mesa0 libgl1 libgl1-mesa-dri # EGL + GL, software rendering (MUJOCO_GL=egl)
     libosmesa6                                  # OSMesa (MUJOCO_GL=osmesa)
+    libusb-1.0-0                                # pyrealsense2 (RealSense cameras, `deploy`)
 )
 
 pkg_installed() { [[ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null)" == installed ]]; }

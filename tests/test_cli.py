@@ -66,11 +66,13 @@ def test_every_config_group_choice_composes_and_validates():
         groups = cli.config_groups(command.config_name, command.config_dir)
         for group, choices in groups.items():
             for choice in choices:
-                overrides = [f"{group}={choice}", "cluster.devices_per_node=2"]
-                if choice == "disaggregated":  # env, rollout and actor on their own devices
-                    overrides[1] = "cluster.devices_per_node=3"
-                if group == "cluster" and choice == "ray":  # no local devices to size
-                    overrides.pop()
+                overrides = [f"{group}={choice}"]
+                if "cluster" in groups and not (group == "cluster" and choice == "ray"):
+                    # env, rollout and actor on their own devices need 3
+                    devices = 3 if choice == "disaggregated" else 2
+                    overrides.append(f"cluster.devices_per_node={devices}")
+                if group == "robot" and choice == "franka":  # RealSense serials are required
+                    overrides += ["robot.cameras.main=1", "robot.cameras.wrist=2"]
                 if group == "policy" and "env" in groups and choice != "openvla":
                     overrides.append("env=libero")  # these read a wrist camera too
                 if group == "algo" and choice == "grpo" and "env" in groups:

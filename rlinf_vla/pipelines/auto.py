@@ -16,9 +16,10 @@ evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor de
 - disaggregated (disjoint ``E + R + A = N``; env and inference alternate):
   ``T * (e / E + i / R + o) + u / A``
 - hybrid with ``S`` stages (disjoint ``E + R = N``; env stage ``s`` steps while the rollout
-  computes stage ``s - 1``, so the two overlap after the pipeline fills; actor on all ``N``):
-  ``T * (max(a, b) + S * o) + min(a, b) / S + u / N`` with ``a = e / E``, ``b = i / R``;
-  with ``S = 1`` there is no overlap: ``T * (a + b + o) + u / N``.
+  computes stage ``s - 1``, so the two overlap after the pipeline fills; actor on ``A`` of the
+  ``N`` devices, all of them when the ``E * S`` trajectories share evenly, else the most that
+  do): ``T * (max(a, b) + S * o) + min(a, b) / S + u / A`` with ``a = e / E``, ``b = i / R``;
+  with ``S = 1`` there is no overlap: ``T * (a + b + o) + u / A``.
 
 Only plans whose env batches split into whole GRPO groups are considered. The plan with the
 lowest estimate wins (ties go to the simpler mode); the table of estimates is printed.
@@ -95,23 +96,26 @@ def candidate_plans(
     for env_devices in range(1, n):
         rollout_devices = n - env_devices
         a, b = e / env_devices, i / rollout_devices
-        components = {
-            "actor": "all",
-            "env": _span(0, env_devices),
-            "rollout": _span(env_devices, rollout_devices),
-        }
         stages = 1
         while stages <= max_stages:
-            if num_groups % (env_devices * stages) == 0:
+            parts = env_devices * stages  # trajectories per iteration
+            if num_groups % parts == 0:
+                # the actor takes as many devices as share the trajectories evenly
+                actors = max(d for d in range(1, n + 1) if parts % d == 0)
                 if stages == 1:
                     rollout = t * (a + b + o)
                 else:
                     rollout = t * (max(a, b) + stages * o) + min(a, b) / stages
-                plans.append(Plan("hybrid", components, stages, rollout, u / n))
+                components = {
+                    "actor": "all" if actors == n else _span(0, actors),
+                    "env": _span(0, env_devices),
+                    "rollout": _span(env_devices, rollout_devices),
+                }
+                plans.append(Plan("hybrid", components, stages, rollout, u / actors))
             stages *= 2
         for actor_devices in range(1, rollout_devices):
             r = rollout_devices - actor_devices
-            if num_groups % env_devices:
+            if num_groups % env_devices or env_devices % actor_devices:
                 continue
             plans.append(
                 Plan(

@@ -213,12 +213,13 @@ def validate(cfg: Any) -> TrainJob:
         choose(candidate_plans(Costs(1.0, 1.0, 1.0), devices, groups, 1, job.placement.max_stages))
     elif devices is not None:
         job.resolved = resolve_placement(job.placement, devices)
-        check_env_split(job, len(job.resolved.of("env")))
+        check_env_split(job, len(job.resolved.of("env")), len(job.resolved.of("actor")))
     return job
 
 
-def check_env_split(job: TrainJob, env_workers: int) -> None:
-    """The envs must split into ``env_workers * stages`` batches of whole GRPO groups."""
+def check_env_split(job: TrainJob, env_workers: int, actor_workers: int = 1) -> None:
+    """The envs must split into ``env_workers * stages`` batches of whole GRPO groups, and
+    those batches (one trajectory each per iteration) evenly over the actor workers."""
     from rlinf_vla.envs import env_config
 
     cfg = env_config(job.env_name, **job.env)
@@ -228,4 +229,10 @@ def check_env_split(job: TrainJob, env_workers: int) -> None:
         raise ConfigError(
             f"env.num_envs={cfg.num_envs} (groups of env.group_size={cfg.group_size}) cannot be split "
             f"evenly over {env_workers} env worker(s) x placement.stages={job.placement.stages}"
+        )
+    if parts % actor_workers:
+        raise ConfigError(
+            f"{env_workers} env worker(s) x placement.stages={job.placement.stages} = {parts} "
+            f"trajectories per iteration cannot be shared evenly by {actor_workers} actor "
+            "workers: raise placement.stages or put placement.components.actor on fewer devices"
         )

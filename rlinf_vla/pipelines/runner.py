@@ -61,7 +61,7 @@ class EmbodiedRunner:
     def __init__(self, job: TrainJob, cluster: Cluster) -> None:
         self.job, self.cluster = job, cluster
         placement = resolve_placement(job.placement, cluster.num_devices)
-        check_env_split(job, len(placement.of("env")))
+        check_env_split(job, len(placement.of("env")), len(placement.of("actor")))
         self.output_dir = self._output_dir()
         seed = job.runner.seed
         policy = dict(job.policy, seed=seed)

@@ -23,6 +23,8 @@ def test_estimates_match_the_formulas_by_hand():
     # hybrid, env on 2 devices (a = 0.15), rollout on 1 (b = 0.1)
     h1 = plans[("hybrid", "0-1", "2", 1)]
     assert h1.rollout_s == pytest.approx(10 * (0.15 + 0.1 + 0.01))
+    # 2 trajectories per iteration cannot be shared by 3 actors: the actor takes 2 devices
+    assert h1.components["actor"] == "0-1" and h1.train_s == pytest.approx(2.0 / 2)
     h2 = plans[("hybrid", "0-1", "2", 2)]
     assert h2.rollout_s == pytest.approx(10 * (0.15 + 2 * 0.01) + 0.1 / 2)
     # 12 groups over 2 env devices x 4 stages do not split: no such plan

@@ -125,6 +125,10 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
             "beyond the 2 available device",
         ),
         (["policy.action_dim=6"], "policy.action_dim=6 does not match"),
+        (
+            ["placement=hybrid", "placement.stages=1", "cluster.devices_per_node=2"],
+            "cannot be shared evenly by 2 actor workers",
+        ),
         (["env=toy", "env.nope=1"], "nope"),
         (["algo.micro_batch_size=5"], "must divide algo.minibatch_size"),
         (["runner.resume=/does/not/exist"], "is not a run folder"),
@@ -152,7 +156,12 @@ def test_invalid_train_configs_fail_before_start(capsys, monkeypatch, overrides,
 
 MODES = {
     "collocated": ["placement=collocated", "cluster.devices_per_node=1"],
-    "hybrid": ["placement=hybrid", "placement.stages=1", "cluster.devices_per_node=2"],
+    "hybrid": [
+        "placement=hybrid",
+        "placement.stages=1",
+        "placement.components.actor=0",  # one env batch: one trajectory, one actor
+        "cluster.devices_per_node=2",
+    ],
     "disaggregated": ["placement=disaggregated", "cluster.devices_per_node=3"],
 }
 
