@@ -14,6 +14,7 @@ from typing import Any, Literal
 from rlinf_vla.config import ConfigError, from_section
 from rlinf_vla.pipelines.actor import AlgoConfig
 from rlinf_vla.pipelines.tracking import LoggingConfig
+from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, resolve_placement
 
@@ -148,7 +149,6 @@ def validate(cfg: Any) -> TrainJob:
     from omegaconf import OmegaConf
 
     from rlinf_vla.envs import env_config
-    from rlinf_vla.policies import policy_config
 
     known = {"cluster", "env", "policy", "algo", "placement", "runner"}
     unknown = sorted(set(cfg) - known)
@@ -160,10 +160,9 @@ def validate(cfg: Any) -> TrainJob:
         env_cfg = env_config(env_name, **env)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
-    try:
-        pol_cfg = policy_config(policy_name, **policy)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"policy: {e.args[0] if e.args else e}") from None
+    if policy.get("checkpoint"):  # its own config decides what the YAML left at defaults
+        policy = checkpoint_settings(policy_name, policy)
+    pol_cfg = policy_config_for(policy_name, policy)
     job = TrainJob(
         cluster=from_section(ClusterConfig, cfg["cluster"], "cluster"),
         env_name=env_name,

@@ -245,3 +245,17 @@ def test_fsdp_matches_replicated_data_parallel_and_resumes(tmp_path):
     args = [*common, "algo.fsdp=true", "runner.max_iterations=3", f"runner.resume={fsdp}"]
     assert cli.main(["train", *args]) == 0
     assert [r["iteration"] for r in _metrics(fsdp)] == [1, 2, 3]
+
+
+def test_a_checkpoints_own_settings_win_over_the_yaml_defaults(tmp_path):
+    from rlinf_vla.pipelines import validate
+    from rlinf_vla.policies import make_policy
+    from rlinf_vla.policies.resolve import policy_config_for
+
+    make_policy("openvla", preset="tiny", chunk_size=4).save_pretrained(tmp_path / "ckpt")
+    base = ["env=toy", f"policy.checkpoint={tmp_path / 'ckpt'}", "cluster.devices_per_node=1"]
+    job = validate(cli.compose("train", base))
+    # the group YAML says chunk_size: 2; the checkpoint was trained with 4
+    assert policy_config_for(job.policy_name, job.policy).chunk_size == 4
+    job = validate(cli.compose("train", [*base, "policy.chunk_size=3"]))  # set by hand: wins
+    assert policy_config_for(job.policy_name, job.policy).chunk_size == 3

@@ -1,0 +1,70 @@
+"""A policy section as it will be built, before anything is built.
+
+``train`` and ``eval`` check the policy against the env (cameras, action size) before any
+worker starts. With ``policy.checkpoint`` the checkpoint's own config files decide the
+architecture; these functions read them (no weights).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlinf_vla.config import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def policy_config_for(policy_name: str, policy: dict[str, Any]) -> Any:
+    """The policy's config as it will be built: from ``policy.checkpoint``'s config files
+    (architecture, action size, cameras) updated with the section's other keys, else from its
+    preset. Reads files only; loads no weights.
+
+    Raises:
+        ConfigError: unknown policy or key, or a missing / unreadable checkpoint.
+    """
+    from rlinf_vla.policies import POLICIES, policy_config
+
+    values = dict(policy)
+    checkpoint = values.pop("checkpoint", None)
+    if policy_name not in POLICIES:
+        raise ConfigError(f"policy: unknown policy {policy_name!r}; known: {sorted(POLICIES)}")
+    if not checkpoint:
+        try:
+            return policy_config(policy_name, **values)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"policy: {e.args[0] if e.args else e}") from None
+    path = Path(checkpoint).expanduser()
+    if not path.exists():
+        raise ConfigError(f"policy.checkpoint={checkpoint!r} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"policy.checkpoint={checkpoint!r} is not a checkpoint folder")
+    values.pop("preset", None)  # the architecture comes from the checkpoint
+    cls = POLICIES[policy_name].cls
+    defaults = {k: v for k, v in POLICIES[policy_name].defaults.items() if k != "preset"}
+    try:
+        return cls.config_from_dir(path, **{**defaults, **values})
+    except (OSError, KeyError, TypeError, ValueError, NotImplementedError) as e:
+        raise ConfigError(
+            f"policy.checkpoint={checkpoint!r} cannot be read as a {policy_name} checkpoint: "
+            f"{e.args[0] if e.args else e}"
+        ) from None
+
+
+def checkpoint_settings(policy_name: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """With a checkpoint, its own config decides the architecture (action size, chunk size,
+    cameras...): keys still at the ``policy`` group's shipped defaults are dropped, so only the
+    values set on the command line override the checkpoint's."""
+    import yaml
+
+    file = CONFIG_DIR / "policy" / f"{policy_name}.yaml"
+    shipped = yaml.safe_load(file.read_text()) if file.exists() else {}
+    return {
+        k: v
+        for k, v in policy.items()
+        if k == "checkpoint" or k not in shipped or _norm(shipped[k]) != _norm(v)
+    }
+
+
+def _norm(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple | list) else value
