@@ -200,3 +200,36 @@ def test_annotate_draws_text() -> None:
     assert out.shape == (48 + 320 + 16, 320, 3)
     assert out[:48].any()  # instruction text
     assert (out[48:52, :, 1] > 200).any()  # green success border
+
+
+def test_center_start_and_single_object() -> None:
+    env = make_env("toy", num_envs=16, num_objects=1, agent_start="center")
+    obs = env.reset(torch.arange(16))
+    assert torch.equal(obs.state, torch.full((16, 2), 0.5))
+    # the only object (the target) lies in one of the 8 outer cells, never the centre one
+    cell = (env.target_pos * 3).floor()
+    assert not ((cell == 1).all(dim=1)).any()
+    assert len({tuple(c) for c in cell.tolist()}) > 3  # targets really vary with the reset id
+
+
+def test_dense_reward_is_progress_plus_success() -> None:
+    sparse = make_env("toy", num_envs=4, max_episode_steps=30)
+    dense = make_env("toy", num_envs=4, max_episode_steps=30, reward_mode="dense")
+    ids = torch.arange(4) + 100
+    o = sparse.reset(ids)
+    dense.reset(ids)
+    d0 = torch.linalg.vector_norm(o.state - sparse.target_pos, dim=1)
+    a = torch.zeros(4, 1, 7)
+    a[:, 0, 0] = 1.0  # one full step in +x
+    rs, rd = sparse.chunk_step(a), dense.chunk_step(a)
+    d1 = torch.linalg.vector_norm(rd.obs.state - dense.target_pos, dim=1)
+    assert torch.allclose(rd.reward[:, 0], rs.reward[:, 0] + 0.1 * (d0 - d1) / 0.06, atol=1e-5)
+
+
+def test_bad_new_options_fail() -> None:
+    with pytest.raises(ValueError, match="reward_mode"):
+        make_env("toy", reward_mode="shaped")
+    with pytest.raises(ValueError, match="agent_start"):
+        make_env("toy", agent_start="corner")
+    with pytest.raises(ValueError, match="num_objects"):
+        make_env("toy", num_objects=0)
