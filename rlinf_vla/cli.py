@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from rlinf_vla.config import ConfigError
+from rlinf_vla.config import ConfigError, RunAborted
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -238,7 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(OmegaConf.to_yaml(cfg, resolve=True), end="")
         return 0
-    run(job)
+    from rlinf_vla.runtime import WorkerError
+
+    try:
+        run(job)
+    except (RunAborted, WorkerError) as e:
+        # A worker's traceback or the reason for stopping, without the driver's own stack.
+        print(f"rlinf-vla {command.name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

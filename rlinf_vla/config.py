@@ -21,6 +21,10 @@ class ConfigError(ValueError):
     """An invalid configuration; the message names the offending keys."""
 
 
+class RunAborted(RuntimeError):
+    """A run stopped on purpose (e.g. too many non-finite updates); the message says why."""
+
+
 def from_section(cls: type[T], section: Mapping[str, Any] | None, path: str = "") -> T:
     """Build the dataclass ``cls`` from a mapping (a dict or an OmegaConf ``DictConfig``).
 

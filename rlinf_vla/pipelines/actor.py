@@ -306,6 +306,13 @@ class ActorWorker(Worker):
             loaded = type(self.policy).from_pretrained(Path(path) / "policy")
             self.policy.load_state_dict(loaded.state_dict())
             self.optimizer.load_state_dict(state["optimizer"])
+        # The optimizer state carries the learning rates it was saved with; the config of the
+        # resumed run decides them (so a resume can change algo.lr / value_lr / weight_decay).
+        for group, base_lr in zip(
+            self.optimizer.param_groups, (self.algo.lr, self.algo.value_lr), strict=False
+        ):
+            group["base_lr"] = group["lr"] = base_lr
+            group["weight_decay"] = self.algo.weight_decay
         torch.set_rng_state(state["torch_rng"])
         self.generator.set_state(state["generator"])
         self.version = state["version"]

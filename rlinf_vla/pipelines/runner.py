@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rlinf_vla.config import RunAborted
 from rlinf_vla.pipelines.actor import ActorWorker
 from rlinf_vla.pipelines.config import TrainJob, check_env_split
 from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
@@ -165,7 +166,7 @@ class EmbodiedRunner:
             console.print(
                 f"[bold red]training stopped in iteration {it + 1}:[/] {type(e).__name__}"
             )
-            console.print(self._resume_hint())
+            console.print(self._resume_hint(), soft_wrap=True, markup=False, highlight=False)
             raise
         finally:
             logger.close()
@@ -310,7 +311,7 @@ class EmbodiedRunner:
         self.channel.close()
 
 
-class TrainingAborted(RuntimeError):
+class TrainingAborted(RunAborted):
     """The run cannot go on (e.g. too many non-finite updates in a row)."""
 
 

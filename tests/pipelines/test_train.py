@@ -259,3 +259,22 @@ def test_a_checkpoints_own_settings_win_over_the_yaml_defaults(tmp_path):
     assert policy_config_for(job.policy_name, job.policy).chunk_size == 4
     job = validate(cli.compose("train", [*base, "policy.chunk_size=3"]))  # set by hand: wins
     assert policy_config_for(job.policy_name, job.policy).chunk_size == 3
+
+
+@pytest.mark.slow
+def test_non_finite_updates_abort_the_run_naming_the_checkpoint(tmp_path, capsys):
+    common = ["cluster.devices_per_node=1", *SMALL, "runner.save_interval=1"]
+    out = f"runner.output_dir={tmp_path}"
+    assert cli.main(["train", *common, "runner.max_iterations=1", out]) == 0
+    # An absurd learning rate turns the weights to inf after the first step; every later
+    # update is skipped, and the run stops after 2 in a row instead of training on garbage.
+    blow_up = ["algo.lr=1e30", "algo.value_lr=1e30", "runner.max_nan_updates=2"]
+    blow_up += ["algo.minibatch_size=4", "algo.micro_batch_size=4"]  # 4 updates per iteration
+    resume = f"runner.resume={tmp_path}"
+    assert cli.main(["train", *common, *blow_up, "runner.max_iterations=3", resume]) == 1
+    err = capsys.readouterr().err
+    assert "TrainingAborted" in err and "runner.max_nan_updates=2" in err
+    assert f"last checkpoint: {tmp_path / 'checkpoints' / 'iter_1'}" in err
+    assert f"runner.resume={tmp_path}" in err
+    rows = _metrics(tmp_path)
+    assert rows[-1]["iteration"] == 2 and rows[-1]["train/skipped_updates"] >= 2
