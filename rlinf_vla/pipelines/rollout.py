@@ -159,17 +159,22 @@ class EnvWorker(Worker):
         stats: dict[str, list[float]] = {"return": [], "success": [], "invalid": []}
         # Every rollout starts fresh episodes from the envs' reset-id cursors, so the state
         # of the envs between rollouts is just the cursors (see get_state / set_state).
+        # Each chunk step of a stage is a request/response: send the observation, receive the
+        # actions. The put of one stage and the get of the next go in one channel call.
+        pending: tuple[str, EnvMessage] | None = None
         for s, env in enumerate(self.envs):
             self.obs[s] = env.reset()
             self.episode_return[s].zero_()
-            channel.put(obs_key(self.rank, s), EnvMessage(obs=self.obs[s]))
+            if pending is not None:
+                channel.put(*pending)
+            pending = (obs_key(self.rank, s), EnvMessage(obs=self.obs[s]))
         for _ in range(num_chunks):
             for s, env in enumerate(self.envs):
-                actions = channel.get(act_key(self.rank, s))
+                actions = channel.exchange(*pending, act_key(self.rank, s))
                 result = env.chunk_step(actions)
                 self.obs[s] = result.obs
                 self._record(s, result, stats)
-                channel.put(
+                pending = (
                     obs_key(self.rank, s),
                     EnvMessage(
                         obs=result.obs,
@@ -180,6 +185,7 @@ class EnvWorker(Worker):
                         invalid=result.info["invalid"],
                     ),
                 )
+        channel.put(*pending)
         return stats
 
     def _record(self, stage: int, result: Any, stats: dict[str, list[float]]) -> None:
@@ -259,9 +265,14 @@ class RolloutWorker(Worker):
         ``destinations[i]``; returns the number of trajectories.
         """
         builders = {src: _TrajectoryBuilder(src) for src in sources}
+        pending: tuple[str, Tensor] | None = None  # actions to send with the next get
         for t in range(num_chunks + 1):
             for src in sources:
-                msg: EnvMessage = channel.get(obs_key(*src))
+                if pending is None:
+                    msg: EnvMessage = channel.get(obs_key(*src))
+                else:
+                    msg = channel.exchange(*pending, obs_key(*src))
+                    pending = None
                 b = builders[src]
                 if t > 0:
                     b.reward.append(msg.reward)
@@ -272,7 +283,7 @@ class RolloutWorker(Worker):
                 if t < num_chunks:
                     with autocast(self.device, self.autocast):
                         out = self.policy.act(msg.obs, greedy=greedy)
-                    channel.put(act_key(*src), out.actions.cpu())
+                    pending = (act_key(*src), out.actions.cpu())
                     b.obs.append(msg.obs)
                     b.replay.append({k: v.cpu() for k, v in out.replay.items()})
                     b.actions.append(out.actions.cpu())
@@ -280,6 +291,8 @@ class RolloutWorker(Worker):
                     b.value.append(_value_or_zeros(out.value, msg.obs))
                 else:
                     b.value.append(self._values(msg.obs))
+        if pending is not None:
+            channel.put(*pending)
         for src, key in zip(sources, destinations, strict=True):
             channel.put(key, builders[src].build(self.version))
         return len(sources)

@@ -81,6 +81,14 @@ class _ChannelActor:
             self.cond.notify_all()
             return out
 
+    def exchange(
+        self, call: tuple[tuple[str, int, int, Any], tuple[str, int, float | None]]
+    ) -> list[Any] | None:
+        """``put(packet)`` then ``get(request)`` in one call (one round trip instead of two)."""
+        packet, request = call
+        self.put(packet)
+        return self.get(request)
+
     def wait_applied(self, request: tuple[int, int, float | None]) -> bool:
         """Wait until ``producer``'s puts up to sequence number ``seq - 1`` were applied."""
         producer, seq, timeout = request
@@ -113,6 +121,7 @@ class Channel:
     def _reset_producer(self) -> None:
         # Ray builds a method wrapper on every attribute access of an actor handle; keep them.
         self._remote_put, self._remote_get = self._actor.put, self._actor.get
+        self._remote_exchange = self._actor.exchange
         self._remote_put_noack = self._actor.put.options(num_returns=0)
         self._producer = uuid.uuid4().int >> 65  # fits in 63 bits
         self._seq = 0
@@ -165,17 +174,21 @@ class Channel:
         return cls(name, actor, ray.get(actor.get_maxsize.remote()))
 
     # ------------------------------------------------------------------ put
+    def _payload(self, item: Any) -> tuple[str, Any]:
+        """Small items travel in the call; big ones through the object store (module docs)."""
+        import ray
+
+        if _array_bytes(item) > self.inline_max_bytes:
+            return ("r", [ray.put(item)])
+        return ("v", item)
+
     def _submit(self, key: str, item: Any, ack: bool) -> tuple[Any, Any]:
         """Send ``item``; returns the ack refs of the previous and of this put (or ``None``).
 
         Without ``ack`` the call creates no return object (``num_returns=0``), which saves a
         good part of a put's cost; :meth:`flush` still knows when it was applied.
         """
-        import ray
-
-        payload = (
-            ("r", [ray.put(item)]) if _array_bytes(item) > self.inline_max_bytes else ("v", item)
-        )
+        payload = self._payload(item)
         with self._lock:
             packet = (key, self._producer, self._seq, payload)
             ref = self._remote_put.remote(packet) if ack else self._remote_put_noack.remote(packet)
@@ -208,6 +221,31 @@ class Channel:
         """Append ``item`` and wait until the channel accepted it."""
         _, ref = self._submit(key, item, ack=True)
         await ref
+
+    def exchange(self, put_key: str, item: Any, get_key: str, timeout: float | None = None) -> Any:
+        """``put(put_key, item)`` then ``get(get_key)``, in one call to the channel.
+
+        The request/response pattern of a pipeline (send an observation, receive the actions)
+        at the cost of one round trip instead of two. The put keeps its place in this handle's
+        order; on a bounded channel it waits for room first. ``timeout`` applies to the get;
+        the item is put either way.
+
+        Raises:
+            TimeoutError: nothing arrived under ``get_key`` within ``timeout`` seconds.
+        """
+        import ray
+
+        payload = self._payload(item)
+        with self._lock:
+            packet = (put_key, self._producer, self._seq, payload)
+            ref = self._remote_exchange.remote((packet, (get_key, 1, timeout)))
+            self._seq += 1
+        payloads = _check_timeout(self, get_key, ray.get(ref), timeout)
+        with self._lock:
+            if self._seq == packet[2] + 1:  # every put of this handle so far is applied
+                self._last_put = None
+        refs = [value[0] for kind, value in payloads if kind == "r"]
+        return _merge(payloads, ray.get(refs) if refs else [])[0]
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every item put through this handle was accepted.
