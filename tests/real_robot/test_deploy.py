@@ -226,7 +226,9 @@ def test_serve_validation():
 
 @pytest.mark.sim
 def test_cli_deploy_without_a_server_fails_clearly(tmp_path):
-    with pytest.raises(RuntimeError, match=r"no answer from the policy server at ws://127\.0\.0\.1:9"):
+    with pytest.raises(
+        RuntimeError, match=r"no answer from the policy server at ws://127\.0\.0\.1:9"
+    ):
         main(
             [
                 "deploy",
