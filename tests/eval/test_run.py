@@ -13,7 +13,7 @@ from rlinf_vla.eval.report import TrialLog
 from tests.eval.conftest import eval_job
 
 # A toy scene where a tiny random policy sometimes succeeds, so outcomes and steps vary.
-TOY = ("env=toy", "policy=openvla", "+env.success_radius=0.3", "+env.step_size=0.2")
+TOY = ("env=toy", "policy=openvla", "env.success_radius=0.3", "env.step_size=0.2")
 
 
 def _lines(folder: Path) -> list[dict]:
