@@ -73,6 +73,13 @@ COMMANDS: dict[str, Command] = {
             "rlinf_vla.bench",
         ),
         Command(
+            "math-grpo",
+            "GRPO / DAPO / REINFORCE++ on math problems with verifier rewards (an LLM on the same runtime)",
+            "math_grpo",
+            "rlinf_vla.reasoning",
+            config_root="math_grpo",
+        ),
+        Command(
             "serve",
             "serve a policy over websockets (msgpack + numpy) for robot clients",
             "serve",

@@ -13,7 +13,6 @@ pipeline stages each env worker has; the loop never changes.
 from __future__ import annotations
 
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from rlinf_vla.config import RunAborted
 from rlinf_vla.pipelines.actor import ActorWorker
 from rlinf_vla.pipelines.config import TrainJob, check_env_split
 from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
-from rlinf_vla.pipelines.tracking import MetricsLogger
+from rlinf_vla.pipelines.tracking import MetricsLogger, last_checkpoint, run_folder
 from rlinf_vla.runtime import (
     Channel,
     Cluster,
@@ -111,11 +110,7 @@ class EmbodiedRunner:
 
     def _output_dir(self) -> Path:
         r = self.job.runner
-        if r.resume:
-            return Path(r.resume)
-        if r.output_dir:
-            return Path(r.output_dir)
-        return Path("runs") / f"{r.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        return run_folder(r.name, r.output_dir, r.resume)
 
     def run(self) -> Path:
         """Train from ``start_iteration`` to ``runner.max_iterations``; returns the run folder.
@@ -188,7 +183,7 @@ class EmbodiedRunner:
             )
 
     def _resume_hint(self) -> str:
-        last = self.last_checkpoint or _last_checkpoint(self.output_dir)
+        last = self.last_checkpoint or last_checkpoint(self.output_dir)
         if last is None:
             return f"no checkpoint was saved yet (run folder: {self.output_dir})"
         return (
@@ -289,7 +284,7 @@ class EmbodiedRunner:
         return path
 
     def _restore(self, run_dir: Path) -> int:
-        path = _last_checkpoint(run_dir)
+        path = last_checkpoint(run_dir)
         if path is None:
             raise FileNotFoundError(
                 f"runner.resume: no complete checkpoint in {run_dir / 'checkpoints'}"
@@ -313,16 +308,6 @@ class EmbodiedRunner:
 
 class TrainingAborted(RunAborted):
     """The run cannot go on (e.g. too many non-finite updates in a row)."""
-
-
-def _last_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete ``checkpoints/iter_N`` folder of a run, or ``None``."""
-    done = sorted(
-        (int(p.name.split("_")[1]), p)
-        for p in (run_dir / "checkpoints").glob("iter_*")
-        if (p / "COMPLETE").exists()
-    )
-    return done[-1][1] if done else None
 
 
 def _status(metrics: dict[str, Any]) -> str:

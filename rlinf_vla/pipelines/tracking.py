@@ -56,6 +56,28 @@ def _wandb_mode(requested: str) -> str:
     return "offline"
 
 
+def run_folder(name: str, output_dir: str | None, resume: str | None) -> Path:
+    """A run's folder: the resumed one, ``output_dir``, or ``runs/<name>-<timestamp>``."""
+    from datetime import datetime
+
+    if resume:
+        return Path(resume)
+    if output_dir:
+        return Path(output_dir)
+    return Path("runs") / f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def last_checkpoint(run_dir: Path, prefix: str = "iter") -> Path | None:
+    """The newest complete ``<run_dir>/checkpoints/<prefix>_N`` folder (one holding a
+    ``COMPLETE`` marker, written last), or ``None``."""
+    done = sorted(
+        (int(p.name.rsplit("_", 1)[1]), p)
+        for p in (Path(run_dir) / "checkpoints").glob(f"{prefix}_*")
+        if (p / "COMPLETE").exists()
+    )
+    return done[-1][1] if done else None
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The rows of ``<run_dir>/metrics.jsonl`` (one dict per iteration, in order)."""
     path = Path(run_dir) / "metrics.jsonl"

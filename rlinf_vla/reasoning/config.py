@@ -1,0 +1,259 @@
+"""The ``rlinf-vla math-grpo`` job: its sections, their typed configs and the cross-checks.
+
+Sections: ``model`` (:class:`~rlinf_vla.reasoning.model.ModelConfig`), ``data``
+(:class:`~rlinf_vla.reasoning.data.DataConfig`), ``algo`` (:class:`MathAlgoConfig`),
+``placement`` (:class:`MathPlacementConfig`), ``runner`` (:class:`MathRunnerConfig`) and
+``cluster``. Validation is pure: nothing is loaded or started.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlinf_vla.algos import ALGORITHMS, KL_ESTIMATORS
+from rlinf_vla.config import ConfigError, from_section
+from rlinf_vla.pipelines.tracking import LoggingConfig
+from rlinf_vla.reasoning.data import DataConfig
+from rlinf_vla.reasoning.model import ModelConfig
+from rlinf_vla.runtime.cluster import ClusterConfig
+from rlinf_vla.runtime.placement import (
+    Placement,
+    PlacementConfig,
+    parse_devices,
+    resolve_placement,
+)
+
+COMPONENTS = ("rollout", "actor", "reward")
+
+
+@dataclass
+class MathAlgoConfig:
+    """The ``algo`` section.
+
+    Attributes:
+        name: ``grpo``, ``dapo`` or ``reinforce_pp`` (presets in :mod:`rlinf_vla.algos`).
+        group_size: responses sampled per prompt (a GRPO group).
+        prompts_per_step: prompts per training step (DAPO: groups kept after filtering).
+        max_new_tokens: generation limit per response.
+        temperature, top_p, top_k: sampling settings of the rollout (``top_k=0``: off).
+        stop_strings: a response also ends once it contains one of these.
+        lr: AdamW learning rate; ``weight_decay``, ``betas`` its other settings.
+        warmup_steps: linear learning-rate warm-up from 0 over this many steps.
+        max_grad_norm: gradient clipping (``0``: off).
+        update_epochs: passes over each batch; more than 1 makes the update off-policy and
+            needs the rollout-time log-probs (one extra forward pass per batch).
+        minibatch_size: responses per optimizer step (``0``: the whole batch, one step).
+        micro_batch_size: responses per forward/backward pass (gradient accumulation).
+        kl_coef: weight of the KL to the frozen initial policy (``0``: no reference model).
+            GRPO/DAPO add it as a loss term; REINFORCE++ folds it into the reward.
+        kl_estimator: ``k1``, ``k2`` or ``k3``.
+        format_weight: reward for a ``\\boxed{}`` answer, added to the 0/1 correctness.
+        overlong_buffer: DAPO's soft overlong penalty: the ramp covers this fraction of
+            ``max_new_tokens`` (``None``: the preset's, ``0``: off).
+        overlong_penalty_factor: the penalty at the limit.
+        clip_high: the upper PPO clip ε_high (``None``: the preset's).
+        max_sample_rounds: DAPO only: sampling rounds per step to fill ``prompts_per_step``
+            groups whose rewards are not all equal.
+        skip_zero_advantage: responses whose advantage is exactly 0 (GRPO groups where every
+            response scored the same) contribute no gradient; skip their forward and backward
+            passes. The loss keeps its normalisation, so the update is unchanged. Only applies
+            without a KL term.
+        fallback_last_number: an answer without ``\\boxed{}`` or an "answer is" phrase is read
+            from the last number of the response.
+        gradient_checkpointing: recompute activations in the backward pass.
+    """
+
+    name: Literal["grpo", "dapo", "reinforce_pp"] = "grpo"
+    group_size: int = 8
+    prompts_per_step: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_strings: list[str] = field(default_factory=list)
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    update_epochs: int = 1
+    minibatch_size: int = 0
+    micro_batch_size: int = 8
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    format_weight: float = 0.1
+    overlong_buffer: float | None = None
+    overlong_penalty_factor: float = 1.0
+    clip_high: float | None = None
+    max_sample_rounds: int = 3
+    skip_zero_advantage: bool = True
+    fallback_last_number: bool = True
+
+    def __post_init__(self) -> None:
+        ALGORITHMS[self.name]
+        KL_ESTIMATORS[self.kl_estimator]
+        positive = ("prompts_per_step", "max_new_tokens", "update_epochs", "micro_batch_size")
+        for key in (*positive, "max_sample_rounds"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"algo.{key} must be >= 1, got {getattr(self, key)}")
+        if self.group_size < 1 or (self.name != "reinforce_pp" and self.group_size < 2):
+            raise ConfigError(
+                f"algo.group_size must be >= 2 for {self.name} (it compares the responses to "
+                f"one prompt), got {self.group_size}"
+            )
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError("algo: need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if self.lr <= 0 or self.kl_coef < 0 or self.max_grad_norm < 0 or self.minibatch_size < 0:
+            raise ConfigError("algo: need lr > 0 and kl_coef, max_grad_norm, minibatch_size >= 0")
+        if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= 1:
+            raise ConfigError(f"algo.overlong_buffer must be in [0, 1], got {self.overlong_buffer}")
+        if len(self.betas) != 2:
+            raise ConfigError(f"algo.betas must be two numbers, got {self.betas}")
+
+    @property
+    def preset(self) -> Any:
+        return ALGORITHMS[self.name]
+
+    @property
+    def batch_size(self) -> int:
+        """Responses per step."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def overlong_tokens(self) -> int:
+        """The length of DAPO's overlong ramp in tokens (0: no penalty)."""
+        frac = self.preset.overlong_buffer if self.overlong_buffer is None else self.overlong_buffer
+        return round((frac or 0.0) * self.max_new_tokens)
+
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per batch: the rollout-time log-probs equal the current ones."""
+        return self.update_epochs == 1 and self.minibatch_size in (0, self.batch_size)
+
+
+@dataclass
+class MathPlacementConfig(PlacementConfig):
+    """The ``placement`` section: devices of the ``rollout``, ``actor`` and ``reward`` workers.
+
+    ``collocated``: rollout and actor on the same devices, taking turns (on GPUs the idle
+    model is moved to CPU memory between phases). ``disaggregated``: each on its own devices.
+    The reward workers hold no model; they may share devices with either in both modes.
+    """
+
+    mode: Literal["collocated", "disaggregated"] = "collocated"
+
+    def __post_init__(self) -> None:
+        missing = [c for c in COMPONENTS if c not in self.components]
+        if missing:
+            raise ConfigError(
+                f"placement.components is missing {missing} (rollout, actor and reward are placed)"
+            )
+        extra = sorted(set(self.components) - set(COMPONENTS))
+        if extra:
+            raise ConfigError(f"placement.components: unknown component(s) {extra}")
+
+    def resolve(self, num_devices: int) -> Placement:
+        """The devices of each component (the mode's rules apply to rollout and actor)."""
+        models = PlacementConfig(
+            self.mode, {k: v for k, v in self.components.items() if k != "reward"}
+        )
+        placed = resolve_placement(models, num_devices)
+        reward = parse_devices(
+            self.components["reward"], num_devices, "placement.components.reward"
+        )
+        return Placement(placed.mode, {**placed.devices, "reward": reward}, num_devices)
+
+
+@dataclass
+class MathRunnerConfig:
+    """The ``runner`` section.
+
+    Attributes:
+        name: the run's name (default folder ``runs/<name>-<timestamp>``).
+        max_steps: training steps (sample, score, update).
+        seed: seed of sampling, the prompt order and the model init (random-init models).
+        output_dir: the run folder (``None``: ``runs/<name>-<timestamp>``).
+        resume: a run folder to continue from its last checkpoint.
+        save_interval: checkpoint every N steps (and at the end).
+        eval_interval: greedy accuracy on the held-out split every N steps, and before the
+            first step (``0``: never).
+        eval_max_new_tokens: generation limit of the evaluation (``None``: algo.max_new_tokens).
+        eval_batch_size: held-out prompts per generation batch.
+        max_nan_updates: abort after this many skipped (non-finite) updates in a row.
+        logging: TensorBoard / wandb besides ``metrics.jsonl``.
+    """
+
+    name: str = "math-grpo"
+    max_steps: int = 100
+    seed: int = 0
+    output_dir: str | None = None
+    resume: str | None = None
+    save_interval: int = 10
+    eval_interval: int = 10
+    eval_max_new_tokens: int | None = None
+    eval_batch_size: int = 32
+    max_nan_updates: int = 5
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "save_interval", "eval_batch_size", "max_nan_updates"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"runner.{key} must be >= 1, got {getattr(self, key)}")
+        if self.eval_interval < 0:
+            raise ConfigError(f"runner.eval_interval must be >= 0, got {self.eval_interval}")
+        if self.resume is not None and not os.path.isdir(self.resume):
+            raise ConfigError(f"runner.resume: {self.resume!r} is not a run folder")
+
+
+@dataclass
+class MathGrpoJob:
+    """A validated ``rlinf-vla math-grpo`` job."""
+
+    cluster: ClusterConfig
+    model: ModelConfig
+    data: DataConfig
+    algo: MathAlgoConfig
+    placement: MathPlacementConfig
+    runner: MathRunnerConfig
+    resolved: Placement | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def validate(cfg: Any) -> MathGrpoJob:
+    """Typed configs and cross-checks for a composed ``math_grpo`` config; starts nothing."""
+    from omegaconf import OmegaConf
+
+    from rlinf_vla.pipelines.config import local_device_count
+
+    known = {"cluster", "model", "data", "algo", "placement", "runner"}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    job = MathGrpoJob(
+        cluster=from_section(ClusterConfig, cfg["cluster"], "cluster"),
+        model=from_section(ModelConfig, cfg["model"], "model"),
+        data=from_section(DataConfig, cfg["data"], "data"),
+        algo=from_section(MathAlgoConfig, cfg["algo"], "algo"),
+        placement=from_section(MathPlacementConfig, cfg["placement"], "placement"),
+        runner=from_section(MathRunnerConfig, cfg["runner"], "runner"),
+        raw=OmegaConf.to_container(cfg, resolve=True),
+    )
+    job.model.source()  # the weights exist
+    a = job.algo
+    if a.minibatch_size and a.batch_size % a.minibatch_size:
+        raise ConfigError(
+            f"algo.minibatch_size={a.minibatch_size} must divide the batch of "
+            f"algo.prompts_per_step x algo.group_size = {a.batch_size} responses"
+        )
+    devices = local_device_count(job.cluster)
+    if devices is not None:
+        job.resolved = job.placement.resolve(devices)
+        rollout = len(job.resolved.of("rollout"))
+        if a.prompts_per_step < rollout:
+            raise ConfigError(
+                f"algo.prompts_per_step={a.prompts_per_step} is fewer than the {rollout} rollout "
+                "workers of placement.components.rollout: each needs at least one prompt"
+            )
+    return job

@@ -1,0 +1,509 @@
+"""The ``math-grpo`` loop: sample groups, verify, compute advantages, update, sync weights.
+
+One step::
+
+    prompts ──rollout workers──> n responses each ──reward workers──> verifier scores
+        -> overlong penalty, advantages (rlinf_vla.algos: grpo / reinforce_pp)
+        -> DAPO: drop groups whose scores are all equal, sample more (up to max_sample_rounds)
+        -> actor workers: GRPO/DAPO token-level PPO loss, optional KL, gradient accumulation
+        -> weights broadcast to the rollout workers
+
+Responses whose advantage is exactly 0 (every response of the group scored the same) add
+nothing to the gradient; the actor skips their forward and backward passes but keeps them in
+the loss normaliser, so the update equals the one over the whole batch.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlinf_vla.algos import compute_advantages, dynamic_sampling, overlong_penalty
+from rlinf_vla.config import ConfigError, RunAborted, to_dict
+from rlinf_vla.pipelines.tracking import MetricsLogger, last_checkpoint, run_folder
+from rlinf_vla.reasoning.config import MathGrpoJob
+from rlinf_vla.reasoning.data import Problem, PromptSampler, load_problems
+from rlinf_vla.reasoning.workers import ActorWorker, RewardWorker, RolloutWorker, Sequence
+from rlinf_vla.runtime import Cluster, WorkerGroup, create_collective, wait_all
+
+WEIGHTS = "math-weights"
+DATA_PARALLEL = "math-data-parallel"
+
+
+class TrainingAborted(RunAborted):
+    """Too many non-finite updates in a row."""
+
+
+def _split(items: list[Any], parts: int) -> list[list[Any]]:
+    """``items`` in ``parts`` contiguous, nearly equal slices (some may be empty)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+class MathGrpoRunner:
+    """Launches the rollout, reward and actor groups of a :class:`MathGrpoJob` and trains."""
+
+    def __init__(
+        self, job: MathGrpoJob, cluster: Cluster, train: list[Problem], held_out: list[Problem]
+    ) -> None:
+        self.job, self.held_out = job, held_out
+        r, a = job.runner, job.algo
+        placement = job.placement.resolve(cluster.num_devices)
+        offload = job.placement.mode == "collocated"
+        model = to_dict(job.model)
+        self.output_dir = run_folder(r.name, r.output_dir, r.resume)
+        self.actor = WorkerGroup(
+            cluster,
+            ActorWorker,
+            "actor",
+            placement.of("actor"),
+            args=(model, to_dict(a), r.seed, offload),
+        )
+        self.rollout = WorkerGroup(
+            cluster,
+            RolloutWorker,
+            "rollout",
+            placement.of("rollout"),
+            args=(model, r.seed, offload),
+        )
+        self.reward = WorkerGroup(
+            cluster,
+            RewardWorker,
+            "reward",
+            placement.of("reward"),
+            args=(a.format_weight, a.fallback_last_number),
+        )
+        create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
+        if self.actor.world_size > 1:
+            create_collective(DATA_PARALLEL, [(self.actor, None)])
+            self.actor.join_data_parallel(DATA_PARALLEL).wait()
+        self.pad_id = self.rollout.pad_id(ranks=[0]).wait()[0]
+        self.sampler = PromptSampler(train, r.seed)
+        self.shuffle = random.Random(r.seed + 1)
+        self.start_step = 0
+        self.last_checkpoint: Path | None = None
+        if r.resume:
+            self.start_step = self._restore(Path(r.resume))
+        self.version = self.start_step
+        self._sync()
+
+    # ----------------------------------------------------------------- pieces
+    def _sync(self) -> float:
+        t = time.perf_counter()
+        wait_all(
+            [
+                self.actor.sync_to(WEIGHTS, self.version, ranks=[0]),
+                self.rollout.sync_from(WEIGHTS, self.version),
+            ]
+        )
+        return time.perf_counter() - t
+
+    def _data(self) -> dict[str, Any]:
+        d = self.job.data
+        return {
+            "system_prompt": d.system_prompt,
+            "prompt_suffix": d.prompt_suffix,
+            "max_prompt_tokens": d.max_prompt_tokens,
+        }
+
+    def _sampling(self, greedy: bool = False) -> dict[str, Any]:
+        a, r = self.job.algo, self.job.runner
+        return {
+            "max_new_tokens": (r.eval_max_new_tokens or a.max_new_tokens)
+            if greedy
+            else a.max_new_tokens,
+            "temperature": 0.0 if greedy else a.temperature,
+            "top_p": a.top_p,
+            "top_k": a.top_k,
+            "stop_strings": a.stop_strings,
+        }
+
+    def _generate(self, problems: list[Problem], n: int, greedy: bool = False) -> dict[str, Any]:
+        """Responses of the rollout workers, each taking a contiguous share of the prompts."""
+        shares = _split(problems, self.rollout.world_size)
+        calls = [
+            (
+                rank,
+                self.rollout.generate(
+                    [p.question for p in share],
+                    n,
+                    self._data(),
+                    self._sampling(greedy),
+                    ranks=[rank],
+                ),
+            )
+            for rank, share in enumerate(shares)
+            if share
+        ]
+        results = [c.wait()[0] for _, c in calls]
+        merged: dict[str, Any] = {k: [] for k in ("prompts", "responses", "texts", "stopped")}
+        for res in results:
+            for k in merged:
+                merged[k].extend(res[k])
+        merged["truncated_prompts"] = sum(res["truncated_prompts"] for res in results)
+        merged["seconds"] = max(res["seconds"] for res in results)
+        return merged
+
+    def _score(
+        self, texts: list[str], references: list[str]
+    ) -> list[tuple[float, bool, bool, bool]]:
+        parts = _split(list(zip(texts, references, strict=True)), self.reward.world_size)
+        calls = [
+            self.reward.score([t for t, _ in part], [r for _, r in part], ranks=[rank])
+            for rank, part in enumerate(parts)
+            if part
+        ]
+        return [row for c in calls for row in c.wait()[0]]
+
+    # ----------------------------------------------------------------- one step
+    def sample_batch(self) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """Groups of responses with their scores; DAPO refills filtered groups."""
+        a = self.job.algo
+        preset = a.preset
+        groups: list[dict[str, Any]] = []
+        stats = {
+            "gen_s": 0.0,
+            "reward_s": 0.0,
+            "sampled_groups": 0,
+            "filtered_groups": 0,
+            "truncated_prompts": 0,
+            "all": [],
+        }
+        rounds = a.max_sample_rounds if preset.dynamic_sampling else 1
+        for _ in range(rounds):
+            need = a.prompts_per_step - len(groups)
+            if need <= 0:
+                break
+            problems = self.sampler.sample(need)
+            gen = self._generate(problems, a.group_size)
+            stats["gen_s"] += gen["seconds"]
+            stats["truncated_prompts"] += gen["truncated_prompts"]
+            t = time.perf_counter()
+            texts = [t_ for group in gen["texts"] for t_ in group]
+            refs = [p.answer for p in problems for _ in range(a.group_size)]
+            scored = self._score(texts, refs)
+            stats["reward_s"] += time.perf_counter() - t
+            lengths = torch.tensor([len(r) for g in gen["responses"] for r in g])
+            reward = torch.tensor([s[0] for s in scored], dtype=torch.float32)
+            if a.overlong_tokens:
+                reward = reward + overlong_penalty(
+                    lengths,
+                    max_length=a.max_new_tokens,
+                    buffer_length=a.overlong_tokens,
+                    penalty_factor=a.overlong_penalty_factor,
+                )
+            keep = torch.ones(len(problems), dtype=torch.bool)
+            if preset.dynamic_sampling:
+                mask, _ = dynamic_sampling(reward, a.group_size)
+                keep = mask.view(-1, a.group_size)[:, 0]
+            stats["sampled_groups"] += len(problems)
+            stats["filtered_groups"] += int((~keep).sum())
+            G = a.group_size
+            for i, p in enumerate(problems):
+                rows = range(i * G, (i + 1) * G)
+                group = {
+                    "problem": p,
+                    "prompt": gen["prompts"][i],
+                    "responses": gen["responses"][i],
+                    "stopped": gen["stopped"][i],
+                    "score": reward[i * G : (i + 1) * G],
+                    "scored": [scored[j] for j in rows],
+                }
+                stats["all"].append(group)
+                if keep[i]:
+                    groups.append(group)
+        return groups, stats
+
+    def advantages(self, groups: list[dict[str, Any]]) -> list[list[list[float]]]:
+        """Per-token advantages ``[group][response][token]``."""
+        a = self.job.algo
+        if not groups:
+            return []
+        scores = torch.cat([g["score"] for g in groups])
+        lengths = [len(r) for g in groups for r in g["responses"]]
+        if a.preset.advantage == "grpo":
+            adv, _ = compute_advantages(
+                "grpo", scores=scores, group_size=a.group_size, normalize_std=a.preset.normalize_std
+            )
+            flat = [[float(adv[i])] * n for i, n in enumerate(lengths)]
+        else:  # reinforce_pp: the score on each response's last token, returns whitened
+            L, B = max(lengths), len(lengths)
+            mask = torch.zeros(L, B, dtype=torch.bool)
+            rewards = torch.zeros(L, B)
+            for b, n in enumerate(lengths):
+                mask[:n, b] = True
+                rewards[n - 1, b] = scores[b]
+            kl = None
+            if a.kl_coef > 0:
+                seqs = [Sequence(g["prompt"], r, []) for g in groups for r in g["responses"]]
+                shards = _split(seqs, self.actor.world_size)
+                calls = [
+                    self.actor.kl_to_reference(s, self.pad_id, ranks=[k])
+                    for k, s in enumerate(shards)
+                    if s
+                ]
+                per_seq = [row for c in calls for row in c.wait()[0]]
+                kl = torch.zeros(L, B)
+                for b, row in enumerate(per_seq):
+                    kl[: len(row), b] = torch.tensor(row)
+            adv, _ = compute_advantages(
+                "reinforce_pp", rewards=rewards, mask=mask, gamma=1.0, kl=kl, kl_coef=a.kl_coef
+            )
+            flat = [adv[:n, b].tolist() for b, n in enumerate(lengths)]
+        out, k = [], 0
+        for g in groups:
+            out.append(flat[k : k + len(g["responses"])])
+            k += len(g["responses"])
+        return out
+
+    def update(self, groups: list[dict[str, Any]], step: int) -> dict[str, float]:
+        a = self.job.algo
+        seqs = [
+            Sequence(g["prompt"], resp, adv)
+            for g, advs in zip(groups, self.advantages(groups), strict=True)
+            for resp, adv in zip(g["responses"], advs, strict=True)
+        ]
+        self.shuffle.shuffle(seqs)
+        n_mb = a.batch_size // a.minibatch_size if a.minibatch_size else 1
+        minibatches = [mb for mb in _split(seqs, min(n_mb, len(seqs))) if mb]
+        denominators = [
+            float(sum(len(s.response) for s in mb))
+            if a.preset.agg == "token-mean"
+            else float(len(mb))
+            for mb in minibatches
+        ]
+        skip = a.skip_zero_advantage and not (a.kl_coef > 0 and a.name != "reinforce_pp")
+        active = [not skip or any(not s.zero_advantage for s in mb) for mb in minibatches]
+        if not any(active):  # no gradient anywhere: no update, the weights stay as they are
+            return {
+                "train/updates": 0.0,
+                "train/skipped_updates": 0.0,
+                "train/skipped_zero_advantage": 1.0,
+            }
+        world = self.actor.world_size
+        # Each rank takes every world-th response of a minibatch (by length, for balance).
+        shards = [
+            [sorted(mb, key=lambda s: len(s.response))[r::world] for mb in minibatches]
+            for r in range(world)
+        ]
+        calls = [
+            self.actor.train(shards[r], denominators, active, self.pad_id, step, ranks=[r])
+            for r in range(world)
+        ]
+        per_rank = [c.wait()[0] for c in calls]
+        out = {}
+        for k in per_rank[0]:
+            vals = [m[k] for m in per_rank if k in m]
+            summed = k in ("train/skipped_zero_advantage",)
+            out[k] = sum(vals) if summed else sum(vals) / len(vals)
+        out["train/skipped_zero_advantage"] /= max(1, len(seqs) * a.update_epochs)
+        return out
+
+    def step(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        groups, stats = self.sample_batch()
+        metrics = _rollout_metrics(stats, self.job.algo.max_new_tokens)
+        metrics["time/sync_s"] = 0.0
+        metrics.update(self.update(groups, step) if groups else {"train/updates": 0.0})
+        if metrics["train/updates"]:
+            self.version += 1
+            metrics["time/sync_s"] = self._sync()
+        metrics["time/generation_s"] = stats["gen_s"]
+        metrics["time/reward_s"] = stats["reward_s"]
+        elapsed = time.perf_counter() - t0
+        metrics["time/step_s"] = elapsed
+        metrics["throughput/tokens_per_s"] = metrics["response/tokens"] / elapsed
+        metrics["throughput/generated_tokens_per_s"] = metrics["response/tokens"] / max(
+            stats["gen_s"], 1e-9
+        )
+        metrics["train/groups"] = float(len(groups))
+        return metrics
+
+    # ----------------------------------------------------------------- evaluation
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out problems."""
+        t = time.perf_counter()
+        bs = self.job.runner.eval_batch_size * self.rollout.world_size
+        texts, stopped, lengths = [], [], []
+        for i in range(0, len(self.held_out), bs):
+            gen = self._generate(self.held_out[i : i + bs], 1, greedy=True)
+            texts += [g[0] for g in gen["texts"]]
+            stopped += [g[0] for g in gen["stopped"]]
+            lengths += [len(g[0]) for g in gen["responses"]]
+        scored = self._score(texts, [p.answer for p in self.held_out])
+        n = len(scored)
+        return {
+            "eval/accuracy": sum(s[1] for s in scored) / n,
+            "eval/boxed_rate": sum(s[2] for s in scored) / n,
+            "eval/unparseable_rate": sum(not s[3] for s in scored) / n,
+            "eval/response_length": sum(lengths) / n,
+            "eval/cut_at_limit_rate": sum(not s for s in stopped) / n,
+            "time/eval_s": time.perf_counter() - t,
+        }
+
+    # ----------------------------------------------------------------- loop
+    def run(self) -> Path:
+        import yaml
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        r = self.job.runner
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.job.raw, sort_keys=False))
+        logger = MetricsLogger(
+            self.output_dir,
+            r.logging,
+            run_name=self.output_dir.name,
+            resume_iteration=self.start_step,
+            full_config=self.job.raw,
+        )
+        console = Console(stderr=True)
+        columns = [
+            TextColumn("[bold]step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+        ]
+        step = self.start_step
+        try:
+            with Progress(*columns, console=console) as progress:
+                task = progress.add_task("math-grpo", total=r.max_steps, completed=step, status="")
+                if r.eval_interval and step == 0:
+                    progress.update(task, status="greedy evaluation of the initial model ...")
+                    first = {"iteration": 0, "samples": 0, **self.evaluate()}
+                    logger.log(first)
+                    console.print(
+                        f"held-out accuracy before training: {first['eval/accuracy']:.3f}"
+                    )
+                for step in range(self.start_step, r.max_steps):
+                    metrics = {"iteration": step + 1, **self.step(step)}
+                    metrics["samples"] = (step + 1) * self.job.algo.batch_size
+                    if r.eval_interval and (
+                        (step + 1) % r.eval_interval == 0 or step + 1 == r.max_steps
+                    ):
+                        progress.update(task, status="greedy evaluation ...")
+                        metrics.update(self.evaluate())
+                    logger.log(metrics)
+                    progress.update(task, completed=step + 1, status=_status(metrics))
+                    self._check_finite(metrics, progress.console)
+                    if (step + 1) % r.save_interval == 0 or step + 1 == r.max_steps:
+                        self.last_checkpoint = self.save(step + 1)
+        except BaseException as e:
+            console.print(f"[bold red]training stopped in step {step + 1}:[/] {type(e).__name__}")
+            last = self.last_checkpoint or last_checkpoint(self.output_dir, "step")
+            hint = (
+                f"last checkpoint: {last}\nresume with: rlinf-vla math-grpo ... runner.resume={self.output_dir}"
+                if last
+                else f"no checkpoint was saved yet (run folder: {self.output_dir})"
+            )
+            console.print(hint, soft_wrap=True, markup=False, highlight=False)
+            raise
+        finally:
+            logger.close()
+        return self.output_dir
+
+    def _check_finite(self, metrics: dict[str, Any], console: Any) -> None:
+        if metrics.get("train/skipped_updates"):
+            console.print(
+                f"[yellow]warning:[/] step {metrics['iteration']}: "
+                f"{metrics['train/skipped_updates']:.0f} update(s) skipped for a non-finite gradient"
+            )
+        streak = metrics.get("train/nan_streak", 0)
+        if streak >= self.job.runner.max_nan_updates:
+            raise TrainingAborted(
+                f"{streak:.0f} optimizer updates in a row had a non-finite gradient "
+                f"(runner.max_nan_updates={self.job.runner.max_nan_updates}); lower algo.lr or "
+                "resume from an earlier checkpoint"
+            )
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self, step: int) -> Path:
+        path = self.output_dir / "checkpoints" / f"step_{step}"
+        path.mkdir(parents=True, exist_ok=True)
+        self.actor.save(str(path)).wait()
+        state = {
+            "step": step,
+            "sampler": (self.sampler.order, self.sampler.epoch, self.sampler.rng.getstate()),
+            "shuffle": self.shuffle.getstate(),
+            "rollout_rng": self.rollout.rng_state().wait(),
+        }
+        torch.save(state, path / "runner.pt")
+        (path / "COMPLETE").write_text(str(step))
+        return path
+
+    def _restore(self, run_dir: Path) -> int:
+        path = last_checkpoint(run_dir, "step")
+        if path is None:
+            raise FileNotFoundError(
+                f"runner.resume: no complete checkpoint in {run_dir / 'checkpoints'}"
+            )
+        self.actor.load(str(path)).wait()
+        state = torch.load(path / "runner.pt", weights_only=False)
+        order, epoch, rng = state["sampler"]
+        self.sampler.order, self.sampler.epoch = list(order), epoch
+        self.sampler.rng.setstate(rng)
+        self.shuffle.setstate(state["shuffle"])
+        saved = state["rollout_rng"]
+        if len(saved) == self.rollout.world_size:
+            wait_all([self.rollout.set_rng_state(s, ranks=[i]) for i, s in enumerate(saved)])
+        return int(state["step"])
+
+    def shutdown(self) -> None:
+        for group in (self.rollout, self.reward, self.actor):
+            group.shutdown()
+
+
+def _rollout_metrics(stats: dict[str, Any], max_new_tokens: int) -> dict[str, float]:
+    """Reward, accuracy and length statistics of every sampled response (kept or filtered)."""
+    rows = [(s, r) for g in stats["all"] for s, r in zip(g["scored"], g["responses"], strict=True)]
+    stopped = [x for g in stats["all"] for x in g["stopped"]]
+    scores = torch.cat([g["score"] for g in stats["all"]])
+    n = len(rows)
+    lengths = [len(r) for _, r in rows]
+    return {
+        "reward/mean": float(scores.mean()),
+        "reward/accuracy": sum(s[1] for s, _ in rows) / n,
+        "reward/boxed_rate": sum(s[2] for s, _ in rows) / n,
+        "reward/unparseable": float(sum(not s[3] for s, _ in rows)),
+        "response/length_mean": sum(lengths) / n,
+        "response/length_max": float(max(lengths)),
+        "response/cut_at_limit_rate": sum(not s for s in stopped) / n,
+        "response/tokens": float(sum(lengths)),
+        "rollout/truncated_prompts": float(stats["truncated_prompts"]),
+        "dapo/filtered_group_fraction": stats["filtered_groups"] / max(1, stats["sampled_groups"]),
+    }
+
+
+def _status(metrics: dict[str, Any]) -> str:
+    text = (
+        f"reward {metrics['reward/mean']:.2f}  acc {metrics['reward/accuracy']:.2f}  "
+        f"{metrics['throughput/tokens_per_s']:.0f} tok/s"
+    )
+    if "eval/accuracy" in metrics:
+        text += f"  held-out {metrics['eval/accuracy']:.3f}"
+    return text
+
+
+def run(job: MathGrpoJob) -> Path:
+    """``rlinf-vla math-grpo``: load the data, start the cluster, train, print the run folder."""
+    try:
+        train, held_out = load_problems(job.data)
+    except ValueError as e:
+        raise ConfigError(f"data: {e}") from None
+    with Cluster(job.cluster) as cluster:
+        runner = MathGrpoRunner(job, cluster, train, held_out)
+        try:
+            out = runner.run()
+        finally:
+            runner.shutdown()
+    print(f"run folder: {out}  (metrics.jsonl, config.yaml, checkpoints/)")
+    return out

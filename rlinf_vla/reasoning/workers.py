@@ -1,0 +1,441 @@
+"""The workers of ``math-grpo``: rollout (sampling), reward (verification) and actor (update).
+
+They are plain :class:`~rlinf_vla.runtime.Worker` subclasses on the same runtime as the
+embodied trainer; only what they compute differs. Weights go from actor rank 0 to the
+rollout workers through a collective broadcast; gradients are averaged over actor ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlinf_vla.algos import kl_divergence, kl_loss, metrics_to_floats, ppo_policy_loss
+from rlinf_vla.config import from_section
+from rlinf_vla.reasoning.config import MathAlgoConfig
+from rlinf_vla.reasoning.generation import encode_prompts, sample_responses
+from rlinf_vla.reasoning.model import (
+    ModelConfig,
+    load_model,
+    load_tokenizer,
+    make_token_batch,
+    response_logprobs,
+)
+from rlinf_vla.reasoning.reward import score_response
+from rlinf_vla.runtime import Worker, offload_module, onload_module
+
+
+def _setup_threads(cfg: ModelConfig) -> None:
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+
+
+def _trainable_state(model: torch.nn.Module, full: bool) -> dict[str, Tensor]:
+    """All weights, or only the trainable ones (LoRA adapters), detached on CPU."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if full or k in names}
+
+
+# --------------------------------------------------------------------------- rollout
+class RolloutWorker(Worker):
+    """Samples responses with the latest weights (filled by the first :meth:`sync_from`)."""
+
+    def __init__(self, model: dict[str, Any], seed: int, offload: bool = False) -> None:
+        self.cfg = from_section(ModelConfig, model, "model")
+        _setup_threads(self.cfg)
+        self.tokenizer = load_tokenizer(self.cfg)
+        self.model = load_model(self.cfg, weights=False).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed * 7919 + self.rank)
+        self.eos_ids = {self.tokenizer.eos_token_id}
+        extra = getattr(self.model.generation_config, "eos_token_id", None)
+        self.eos_ids.update([extra] if isinstance(extra, int) else (extra or []))
+        self.eos_ids.discard(None)
+        self.offload_between_steps = offload and self.device.type == "cuda"
+        self.version = -1
+
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    def sync_from(self, collective_name: str, version: int) -> None:
+        """Receive the actor's weights (all of them, or the LoRA adapters)."""
+        state = self.collective(collective_name).broadcast_tensors(None, src=0)
+        if self.offload_between_steps:
+            onload_module(self.model, self.device)
+        _, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise RuntimeError(f"weights the rollout model lacks: {unexpected[:5]}")
+        self.version = version
+        if self.offload_between_steps:
+            offload_module(self.model)
+
+    def generate(
+        self,
+        questions: list[str],
+        n: int,
+        data: dict[str, Any],
+        sampling: dict[str, Any],
+    ) -> dict[str, Any]:
+        """``n`` responses per question.
+
+        Args:
+            data: ``system_prompt``, ``prompt_suffix``, ``max_prompt_tokens``.
+            sampling: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+                ``stop_strings``.
+
+        Returns:
+            ``prompts`` (token ids per question), ``responses`` (``[P][n]`` token-id lists),
+            ``texts`` (``[P][n]`` decoded), ``stopped`` (``[P][n]`` ended before the limit),
+            ``truncated_prompts``, ``seconds``.
+        """
+        t0 = time.perf_counter()
+        if self.offload_between_steps:
+            onload_module(self.model, self.device)
+        prompts, truncated = encode_prompts(
+            self.tokenizer,
+            questions,
+            data["system_prompt"],
+            data["prompt_suffix"],
+            data["max_prompt_tokens"],
+        )
+        out = sample_responses(
+            self.model,
+            prompts,
+            n,
+            sampling["max_new_tokens"],
+            self.eos_ids,
+            self.tokenizer.pad_token_id,
+            temperature=sampling["temperature"],
+            top_p=sampling["top_p"],
+            top_k=sampling["top_k"],
+            stop_strings=tuple(sampling["stop_strings"]),
+            tokenizer=self.tokenizer,
+            generator=self.generator,
+        )
+        if self.offload_between_steps:
+            offload_module(self.model)
+        return {
+            "prompts": prompts,
+            "responses": [[r.tokens for r in group] for group in out],
+            "texts": [
+                [self.tokenizer.decode(r.tokens, skip_special_tokens=True) for r in group]
+                for group in out
+            ],
+            "stopped": [[r.finish == "stop" for r in group] for group in out],
+            "truncated_prompts": truncated,
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def rng_state(self) -> Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: Tensor) -> None:
+        self.generator.set_state(state)
+
+
+# --------------------------------------------------------------------------- reward
+class RewardWorker(Worker):
+    """Scores responses against reference answers with ``math-verify`` (CPU only)."""
+
+    def __init__(self, format_weight: float, fallback_last_number: bool) -> None:
+        self.format_weight = format_weight
+        self.fallback = fallback_last_number
+
+    def score(
+        self, texts: list[str], references: list[str]
+    ) -> list[tuple[float, bool, bool, bool]]:
+        """``(reward, correct, boxed, parsed)`` per response."""
+        out = []
+        for text, ref in zip(texts, references, strict=True):
+            r = score_response(text, ref, self.format_weight, self.fallback)
+            out.append((r.reward, r.correct, r.formatted, r.parsed))
+        return out
+
+
+# --------------------------------------------------------------------------- actor
+@dataclass
+class Sequence:
+    """One response to train on: prompt and response token ids, and per-token advantages."""
+
+    prompt: list[int]
+    response: list[int]
+    advantages: list[float]
+
+    @property
+    def zero_advantage(self) -> bool:
+        return not any(self.advantages)
+
+
+class ActorWorker(Worker):
+    """Holds the trained model, its optimizer and (with a KL term) the frozen reference."""
+
+    def __init__(
+        self, model: dict[str, Any], algo: dict[str, Any], seed: int, offload: bool = False
+    ) -> None:
+        torch.manual_seed(seed)
+        self.cfg = from_section(ModelConfig, model, "model")
+        self.algo = from_section(MathAlgoConfig, algo, "algo")
+        _setup_threads(self.cfg)
+        self.model = load_model(self.cfg).to(self.device)
+        if self.cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+            self.model.config.use_cache = False
+        self.model.train()
+        self.reference = None
+        if self.algo.kl_coef > 0 and self.cfg.lora_rank == 0:
+            self.reference = load_model(self.cfg).to(self.device).eval().requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=self.algo.lr,
+            betas=tuple(self.algo.betas),
+            weight_decay=self.algo.weight_decay,
+        )
+        self.dp = None
+        self.offload_between_steps = offload and self.device.type == "cuda"
+        self.synced_once = False
+        self.nan_streak = 0
+
+    # ----------------------------------------------------------------- weights
+    def join_data_parallel(self, collective_name: str) -> None:
+        self.dp = self.collective(collective_name)
+
+    def sync_to(self, collective_name: str, version: int) -> int:
+        """Broadcast the weights (LoRA: the adapters, after a first full sync) to the rollout."""
+        full = not self.synced_once or self.cfg.lora_rank == 0
+        self.collective(collective_name).broadcast_tensors(
+            _trainable_state(self.model, full), src=0
+        )
+        self.synced_once = True
+        return version
+
+    # ----------------------------------------------------------------- log-probs
+    def _logprobs(self, model: torch.nn.Module, seqs: list[Sequence], pad_id: int) -> Tensor:
+        batch = make_token_batch([s.prompt for s in seqs], [s.response for s in seqs], pad_id)
+        return response_logprobs(model, batch, self.cfg.logprob_chunk_tokens, self._temperature)
+
+    @property
+    def _temperature(self) -> float:
+        return self.algo.temperature if self.algo.temperature > 0 else 1.0
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, seqs: list[Sequence], pad_id: int, reference: bool) -> list[Tensor]:
+        position = {id(s): i for i, s in enumerate(seqs)}
+        out: list[Tensor] = [torch.empty(0)] * len(seqs)
+        for micro in _micro_batches(seqs, self.algo.micro_batch_size):
+            if reference:
+                if self.reference is not None:
+                    lp = self._logprobs(self.reference, micro, pad_id)
+                else:  # LoRA: the reference is the base model without its adapters
+                    with self.model.disable_adapter():
+                        lp = self._logprobs(self.model, micro, pad_id)
+            else:
+                lp = self._logprobs(self.model, micro, pad_id)
+            for i, s in enumerate(micro):
+                out[position[id(s)]] = lp[i, : len(s.response)].cpu()
+        return out
+
+    def kl_to_reference(self, seqs: list[Sequence], pad_id: int) -> list[list[float]]:
+        """Per-token KL estimates (``algo.kl_estimator``) of each response between the current
+        policy and the frozen reference (REINFORCE++ folds them into the reward)."""
+        if self.offload_between_steps:
+            onload_module(self.model, self.device)
+        current = self._no_grad_logprobs(seqs, pad_id, reference=False)
+        ref = self._no_grad_logprobs(seqs, pad_id, reference=True)
+        return [
+            kl_divergence(c, r, self.algo.kl_estimator).tolist()
+            for c, r in zip(current, ref, strict=True)
+        ]
+
+    # ----------------------------------------------------------------- update
+    def _set_lr(self, step: int) -> float:
+        warm = self.algo.warmup_steps
+        lr = self.algo.lr * (min(1.0, (step + 1) / warm) if warm else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _average_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        if self.dp is None:
+            return
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]
+        )
+        self.dp.all_reduce(flat)  # the loss is already normalised by the global batch
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def train(
+        self,
+        minibatches: list[list[Sequence]],
+        denominators: list[float],
+        active: list[bool],
+        pad_id: int,
+        step: int,
+    ) -> dict[str, float]:
+        """One optimizer step per minibatch, ``algo.update_epochs`` times.
+
+        Args:
+            minibatches: this rank's share of each minibatch.
+            denominators: per minibatch, the aggregation's normaliser over all ranks (valid
+                tokens for ``token-mean``, responses otherwise), so that micro-batches and
+                ranks add up to exactly the loss of the whole minibatch.
+            active: per minibatch, whether any rank has a response with a non-zero gradient
+                (with ``skip_zero_advantage``); an inactive minibatch makes no optimizer step.
+            pad_id: the tokenizer's padding id.
+            step: the training step (for the learning-rate warm-up).
+        """
+        a, preset = self.algo, self.algo.preset
+        if self.offload_between_steps:
+            onload_module(self.model, self.device)
+        lr = self._set_lr(step)
+        timings = {"logprob_s": 0.0, "train_s": 0.0}
+        t0 = time.perf_counter()
+        need_kl = a.kl_coef > 0 and a.name != "reinforce_pp"
+        flat = [s for mb in minibatches for s in mb]
+        old = None if a.on_policy else self._no_grad_logprobs(flat, pad_id, reference=False)
+        ref = self._no_grad_logprobs(flat, pad_id, reference=True) if need_kl else None
+        timings["logprob_s"] = time.perf_counter() - t0
+        index = {id(s): i for i, s in enumerate(flat)}
+        skip = a.skip_zero_advantage and not need_kl
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        sums: dict[str, float] = {}
+        weight_total = 0.0
+        grad_norms, skipped, updates, skipped_seqs = [], 0, 0, 0
+        t1 = time.perf_counter()
+        for _ in range(a.update_epochs):
+            for mb, denom, live in zip(minibatches, denominators, active, strict=True):
+                todo = [s for s in mb if not (skip and s.zero_advantage)]
+                skipped_seqs += len(mb) - len(todo)
+                if skip and not live:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in _micro_batches(todo, a.micro_batch_size):
+                    batch = make_token_batch(
+                        [s.prompt for s in micro], [s.response for s in micro], pad_id
+                    )
+                    mask = batch.response_mask.to(self.device)
+                    logprob = response_logprobs(
+                        self.model, batch, self.cfg.logprob_chunk_tokens, self._temperature
+                    )
+                    adv = _pad([s.advantages for s in micro], mask.shape).to(self.device)
+                    old_lp = (
+                        logprob.detach()
+                        if old is None
+                        else _pad([old[index[id(s)]] for s in micro], mask.shape).to(self.device)
+                    )
+                    loss, m = ppo_policy_loss(
+                        logprob=logprob,
+                        old_logprob=old_lp,
+                        advantages=adv,
+                        mask=mask,
+                        clip_low=preset.clip_low,
+                        clip_high=preset.clip_high if a.clip_high is None else a.clip_high,
+                        dual_clip=preset.dual_clip,
+                        agg=preset.agg,
+                    )
+                    tokens = float(mask.sum())
+                    local = tokens if preset.agg == "token-mean" else float(len(micro))
+                    scale = local / denom
+                    total = loss * scale
+                    metrics = metrics_to_floats(m)
+                    if ref is not None:
+                        ref_lp = _pad([ref[index[id(s)]] for s in micro], mask.shape)
+                        kl, km = kl_loss(
+                            logprob=logprob,
+                            ref_logprob=ref_lp.to(self.device),
+                            mask=mask,
+                            estimator=a.kl_estimator,
+                            agg=preset.agg,
+                        )
+                        total = total + a.kl_coef * kl * scale
+                        metrics.update(metrics_to_floats(km))
+                    total.backward()
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + v * tokens
+                    weight_total += tokens
+                self._average_gradients(params)
+                norm = torch.nn.utils.clip_grad_norm_(
+                    params, a.max_grad_norm if a.max_grad_norm > 0 else float("inf")
+                )
+                if math.isfinite(float(norm)):
+                    self.optimizer.step()
+                    self.nan_streak = 0
+                    updates += 1
+                    grad_norms.append(float(norm))
+                else:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.nan_streak += 1
+                    skipped += 1
+        timings["train_s"] = time.perf_counter() - t1
+        if self.offload_between_steps:
+            offload_module(self.model)
+        out = {f"train/{k}": v / weight_total for k, v in sums.items()} if weight_total else {}
+        out.update(
+            {
+                "train/lr": lr,
+                "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+                "train/updates": float(updates),
+                "train/skipped_updates": float(skipped),
+                "train/nan_streak": float(self.nan_streak),
+                "train/skipped_zero_advantage": float(skipped_seqs),
+                "time/logprob_s": timings["logprob_s"],
+                "time/train_s": timings["train_s"],
+            }
+        )
+        return out
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self, path: str) -> None:
+        """Rank 0: the model as a Hugging Face folder (``<path>/model``, usable as
+        ``model.path``; LoRA: the adapter); every rank: its optimizer and RNG state."""
+        folder = Path(path)
+        if self.rank == 0:
+            self.model.save_pretrained(folder / "model")
+            load_tokenizer(self.cfg).save_pretrained(folder / "model")
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
+            folder / f"actor_{self.rank}.pt",
+        )
+
+    def load(self, path: str) -> None:
+        """Restore what :meth:`save` wrote."""
+        folder = Path(path)
+        if self.cfg.lora_rank > 0:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(
+                self.model, load_file(folder / "model" / "adapter_model.safetensors")
+            )
+        else:
+            from transformers import AutoModelForCausalLM
+
+            saved = AutoModelForCausalLM.from_pretrained(folder / "model")
+            self.model.load_state_dict(saved.state_dict())
+        state = torch.load(folder / f"actor_{self.rank}.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+
+
+def _micro_batches(seqs: list[Sequence], size: int) -> list[list[Sequence]]:
+    """Micro-batches of ``size`` responses, grouped by length (less padding)."""
+    ordered = sorted(seqs, key=lambda s: len(s.prompt) + len(s.response))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+def _pad(rows: list[Any], shape: torch.Size) -> Tensor:
+    """Right-pad per-response token values (lists or tensors) into a ``[B, L]`` float tensor."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        r = torch.as_tensor(r, dtype=torch.float32)
+        out[i, : r.numel()] = r
+    return out

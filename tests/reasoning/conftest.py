@@ -1,0 +1,52 @@
+"""A tiny causal LM and a character-level tokenizer, built and saved as a Hugging Face folder."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import pytest
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def build_tiny_model(folder: Path, chat_template: bool = True, seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden 32) with a character tokenizer, saved to ``folder``."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>"]
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=vocab["<pad>"],
+        eos_token_id=vocab["<eos>"],
+        bos_token_id=vocab["<eos>"],
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_lm"))
