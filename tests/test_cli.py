@@ -80,5 +80,7 @@ def test_every_config_group_choice_composes_and_validates():
                 if group == "algo" and choice == "grpo" and "env" in groups:
                     overrides.append("env.num_envs=8")  # whole groups of algo.group_size=4
                 if group == "data" and choice == "file":  # a dataset file is required
-                    overrides.append(f"data.path={Path(__file__).parent / 'reasoning' / 'data' / 'tiny.jsonl'}")
+                    overrides.append(
+                        f"data.path={Path(__file__).parent / 'reasoning' / 'data' / 'tiny.jsonl'}"
+                    )
                 validate(cli.compose(command.config_name, overrides, command.config_dir))

@@ -68,12 +68,12 @@ class MathAlgoConfig:
     name: Literal["grpo", "dapo", "reinforce_pp"] = "grpo"
     group_size: int = 8
     prompts_per_step: int = 8
-    max_new_tokens: int = 128
+    max_new_tokens: int = 96
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     stop_strings: list[str] = field(default_factory=list)
-    lr: float = 1e-5
+    lr: float = 2e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     warmup_steps: int = 0
@@ -83,7 +83,7 @@ class MathAlgoConfig:
     micro_batch_size: int = 8
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    format_weight: float = 0.1
+    format_weight: float = 0.2
     overlong_buffer: float | None = None
     overlong_penalty_factor: float = 1.0
     clip_high: float | None = None
@@ -186,12 +186,12 @@ class MathRunnerConfig:
     """
 
     name: str = "math-grpo"
-    max_steps: int = 100
+    max_steps: int = 30
     seed: int = 0
     output_dir: str | None = None
     resume: str | None = None
-    save_interval: int = 10
-    eval_interval: int = 10
+    save_interval: int = 5
+    eval_interval: int = 5
     eval_max_new_tokens: int | None = None
     eval_batch_size: int = 32
     max_nan_updates: int = 5

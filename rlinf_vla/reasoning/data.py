@@ -27,13 +27,13 @@ def _default_tasks() -> dict[str, dict[str, Any]]:
         "basic_arithmetic": {
             "weight": 0.7,
             "min_terms": 2,
-            "max_terms": 3,
+            "max_terms": 2,
             "max_digits": 2,
-            "operators": ["+", "-", "*"],
+            "operators": ["+", "-"],
             "allow_parentheses": False,
             "allow_negation": False,
         },
-        "leg_counting": {"weight": 0.3, "min_animals": 1, "max_animals": 3, "max_instances": 5},
+        "leg_counting": {"weight": 0.3, "min_animals": 1, "max_animals": 2, "max_instances": 3},
     }
 
 
@@ -65,7 +65,7 @@ class DataConfig:
     answer_field: str = "answer"
     tasks: dict[str, dict[str, Any]] = field(default_factory=_default_tasks)
     train_size: int = 4000
-    eval_size: int = 200
+    eval_size: int = 100
     seed: int = 0
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     prompt_suffix: str = ""

@@ -317,6 +317,8 @@ class MathGrpoRunner:
         if metrics["train/updates"]:
             self.version += 1
             metrics["time/sync_s"] = self._sync()
+        for key in ("time/train_s", "time/logprob_s", "train/skipped_updates"):
+            metrics.setdefault(key, 0.0)
         metrics["time/generation_s"] = stats["gen_s"]
         metrics["time/reward_s"] = stats["reward_s"]
         elapsed = time.perf_counter() - t0

@@ -22,7 +22,7 @@ from rlinf_vla.reasoning.model import (
     response_logprobs,
 )
 from rlinf_vla.reasoning.trainer import MathGrpoRunner
-from rlinf_vla.reasoning.workers import ActorWorker, Sequence
+from rlinf_vla.reasoning.workers import ActorWorker, Sequence, _trainable_state
 from rlinf_vla.runtime.cluster import Device
 from rlinf_vla.runtime.worker import WorkerContext
 
@@ -149,12 +149,42 @@ def test_grpo_groups_get_hand_computed_advantages() -> None:
     assert adv[1] == [[0.0]] * 4  # every response scored the same: no signal
 
 
+def test_reinforce_pp_whitens_the_returns_of_all_tokens() -> None:
+    algo = MathAlgoConfig(name="reinforce_pp", group_size=2)
+    fake = SimpleNamespace(job=SimpleNamespace(algo=algo))
+    adv = MathGrpoRunner.advantages(
+        fake, [{"score": torch.tensor([1.0, 0.0]), "responses": [[5, 6], [7]]}]
+    )
+    # returns per token: [1, 1] and [0]; mean 2/3, unbiased std sqrt(1/3)
+    std = (1 / 3) ** 0.5
+    assert adv[0][0] == pytest.approx([(1 / 3) / std] * 2, abs=1e-5)
+    assert adv[0][1] == pytest.approx([(-2 / 3) / std], abs=1e-5)
+
+
 # --------------------------------------------------------------------------- actor update
-def _local_actor(folder: Path, **algo) -> ActorWorker:
+def _local_actor(folder: Path, model: dict | None = None, **algo) -> ActorWorker:
     actor = ActorWorker.__new__(ActorWorker)
     actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
-    actor.__init__({"path": str(folder)}, {"lr": 1e-2, "group_size": 2, **algo}, seed=0)
+    model = {"path": str(folder), **(model or {})}
+    actor.__init__(model, {"lr": 1e-2, "group_size": 2, **algo}, seed=0)
     return actor
+
+
+def test_lora_trains_only_the_adapters_with_a_kl_to_the_base_model(tiny_model_dir: Path) -> None:
+    _, tok = _model(tiny_model_dir)
+    actor = _local_actor(tiny_model_dir, {"lora_rank": 4}, kl_coef=0.1)
+    assert actor.reference is None  # the reference is the base model with adapters disabled
+    before = {k: v.clone() for k, v in actor.model.state_dict().items()}
+    p = tok("5-2=")["input_ids"]
+    seqs = [Sequence(p, tok("3")["input_ids"], [1.0]), Sequence(p, tok("8")["input_ids"], [-1.0])]
+    for step in range(2):
+        m = actor.train([seqs], [2.0], [True], tok.pad_token_id, step=step)
+    assert m["train/kl"] > 0  # the first step moved the policy away from the base model
+    after = actor.model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed)
+    synced = _trainable_state(actor.model, full=False)
+    assert set(synced) == {k for k in after if "lora_" in k}
 
 
 def test_skipping_zero_advantage_responses_leaves_the_update_unchanged(
@@ -269,4 +299,4 @@ def test_invalid_configs_fail_before_anything_starts(tiny_model_dir: Path, tmp_p
         job("algo=ppo")
     with pytest.raises(ConfigError, match=r"neither a model folder nor a \.gguf file"):
         job(f"model.path={tmp_path / 'nothing'}")
-    assert job("algo=dapo").algo.overlong_tokens == round(0.2 * 128)
+    assert job("algo=dapo").algo.overlong_tokens == round(0.2 * 96)
