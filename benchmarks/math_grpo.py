@@ -64,6 +64,7 @@ def run_ours(args: argparse.Namespace, model: str, out_dir: Path) -> dict:
         f"algo.prompts_per_step={args.prompts}",
         f"algo.max_new_tokens={args.max_new_tokens}",
         f"algo.lr={args.lr}",
+        "algo.temperature=1.0",
         "algo.format_weight=0.2",
         f"runner.max_steps={args.steps}",
         "runner.eval_interval=0",

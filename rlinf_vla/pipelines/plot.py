@@ -1,8 +1,9 @@
 """``rlinf-vla plot <run dir>``: learning curves of a training run as one PNG.
 
-Reads ``<run>/metrics.jsonl`` and draws one panel per metric against environment steps
-(success rate and return from training episodes, the greedy evaluation when the run has one,
-the PPO losses, KL and clip fraction, and the throughput).
+Reads ``<run>/metrics.jsonl`` and draws one panel per metric against environment steps (a
+``train`` run: success rate and return from training episodes, the greedy evaluation when the
+run has one, the PPO losses, KL and clip fraction, and the throughput) or against sampled
+responses (a ``math-grpo`` run: accuracy, held-out accuracy, reward, response length).
 """
 
 from __future__ import annotations
@@ -23,15 +24,28 @@ PANELS: list[tuple[str, list[str]]] = [
     ("approx. KL / clip fraction", ["train/approx_kl", "train/clip_fraction"]),
     ("gradient norm", ["train/grad_norm"]),
     ("env steps / s", ["throughput/env_steps_per_s"]),
+    ("accuracy", ["reward/accuracy", "eval/accuracy"]),
+    ("reward", ["reward/mean"]),
+    ("response length (tokens)", ["response/length_mean", "eval/response_length"]),
+    ("generated tokens / s", ["throughput/tokens_per_s"]),
 ]
+
+
+def _x_key(rows: list[dict[str, Any]]) -> str:
+    """What the curves are drawn against: env steps, sampled responses, or iterations."""
+    for key in ("env_steps", "samples"):
+        if any(key in row for row in rows):
+            return key
+    return "iteration"
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
+    x_key = _x_key(rows)
     for row in rows:
         value = row.get(key)
         if isinstance(value, (int, float)) and math.isfinite(value):
-            xs.append(float(row.get("env_steps", row["iteration"])))
+            xs.append(float(row.get(x_key, row["iteration"])))
             ys.append(float(value))
     return xs, ys
 
@@ -58,6 +72,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         for title, keys in PANELS
         if any(_series(rows, k)[0] for k in keys)
     ]
+    x_key = _x_key(rows)
     cols = 2
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(11, 3.2 * nrows), squeeze=False)
@@ -66,7 +81,9 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
             if xs:
                 ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=key)
         ax.set_title(title)
-        ax.set_xlabel("env steps")
+        ax.set_xlabel(
+            {"env_steps": "env steps", "samples": "sampled responses"}.get(x_key, "iteration")
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(panels) :]:

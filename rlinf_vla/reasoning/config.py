@@ -69,7 +69,7 @@ class MathAlgoConfig:
     group_size: int = 8
     prompts_per_step: int = 8
     max_new_tokens: int = 96
-    temperature: float = 1.0
+    temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0
     stop_strings: list[str] = field(default_factory=list)
@@ -83,7 +83,7 @@ class MathAlgoConfig:
     micro_batch_size: int = 8
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    format_weight: float = 0.2
+    format_weight: float = 0.0
     overlong_buffer: float | None = None
     overlong_penalty_factor: float = 1.0
     clip_high: float | None = None
