@@ -16,6 +16,7 @@ the loss normaliser, so the update equals the one over the whole batch.
 from __future__ import annotations
 
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -440,6 +441,15 @@ class MathGrpoRunner:
         }
         torch.save(state, path / "runner.pt")
         (path / "COMPLETE").write_text(str(step))
+        keep = self.job.runner.keep_checkpoints
+        if keep:
+            done = sorted(
+                (int(p.name.split("_")[1]), p)
+                for p in path.parent.glob("step_*")
+                if (p / "COMPLETE").exists()
+            )
+            for _, old in done[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
         return path
 
     def _restore(self, run_dir: Path) -> int:

@@ -396,15 +396,15 @@ class ActorWorker(Worker):
     # ----------------------------------------------------------------- checkpoints
     def save(self, path: str) -> None:
         """Rank 0: the model as a Hugging Face folder (``<path>/model``, usable as
-        ``model.path``; LoRA: the adapter); every rank: its optimizer and RNG state."""
+        ``model.path``; LoRA: the adapter) and the optimizer state (identical on every rank:
+        the ranks apply the same averaged gradients); every rank: its RNG state."""
         folder = Path(path)
+        state: dict[str, Any] = {"rng": torch.get_rng_state()}
         if self.rank == 0:
             self.model.save_pretrained(folder / "model")
             load_tokenizer(self.cfg).save_pretrained(folder / "model")
-        torch.save(
-            {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
-            folder / f"actor_{self.rank}.pt",
-        )
+            state["optimizer"] = self.optimizer.state_dict()
+        torch.save(state, folder / f"actor_{self.rank}.pt")
 
     def load(self, path: str) -> None:
         """Restore what :meth:`save` wrote."""
@@ -421,9 +421,11 @@ class ActorWorker(Worker):
 
             saved = AutoModelForCausalLM.from_pretrained(folder / "model")
             self.model.load_state_dict(saved.state_dict())
-        state = torch.load(folder / f"actor_{self.rank}.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
+        optimizer = torch.load(folder / "actor_0.pt", weights_only=False)["optimizer"]
+        self.optimizer.load_state_dict(optimizer)
+        own = folder / f"actor_{self.rank}.pt"
+        if own.exists():
+            torch.set_rng_state(torch.load(own, weights_only=False)["rng"])
 
 
 def _micro_batches(seqs: list[Sequence], size: int) -> list[list[Sequence]]:

@@ -270,10 +270,12 @@ def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) 
     for key in ("time/generation_s", "time/train_s", "throughput/tokens_per_s", "eval/accuracy"):
         assert key in rows[2], key
     assert (run / "checkpoints" / "step_2" / "COMPLETE").exists()
+    assert (run / "checkpoints" / "step_1").exists()  # runner.keep_checkpoints=2
     saved = run / "checkpoints" / "step_2" / "model"
     assert (saved / "model.safetensors").exists() and (saved / "tokenizer.json").exists()
     assert cli.main(["math-grpo", *common, "runner.max_steps=3", f"runner.resume={run}"]) == 0
     assert [r["iteration"] for r in read_metrics(run)] == [0, 1, 2, 3]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
 
 
 def test_invalid_configs_fail_before_anything_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
