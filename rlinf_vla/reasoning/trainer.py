@@ -498,7 +498,7 @@ def _rollout_metrics(stats: dict[str, Any], max_new_tokens: int) -> dict[str, fl
 def _status(metrics: dict[str, Any]) -> str:
     text = (
         f"reward {metrics['reward/mean']:.2f}  acc {metrics['reward/accuracy']:.2f}  "
-        f"{metrics['throughput/tokens_per_s']:.0f} tok/s"
+        f"len {metrics['response/length_mean']:.0f}  {metrics['throughput/tokens_per_s']:.0f} tok/s"
     )
     if "eval/accuracy" in metrics:
         text += f"  held-out {metrics['eval/accuracy']:.3f}"

@@ -119,6 +119,21 @@ def test_file_data_missing_fields_are_named(tmp_path: Path) -> None:
     assert problems[0].question == "1+1" and problems[0].answer == "2"
 
 
+def test_parquet_and_json_files_read_like_jsonl(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"prompt": "2+2", "answer": "4", "extra": 1},
+        {"prompt": "3*3", "answer": "9", "extra": 2},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    for name in ("d.parquet", "d.json"):
+        got = read_problems(tmp_path / name, "prompt", "answer")
+        assert [(p.question, p.answer) for p in got] == [("2+2", "4"), ("3*3", "9")]
+
+
 def test_split_has_no_shared_question_and_the_sampler_covers_an_epoch(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text(
