@@ -17,10 +17,33 @@ random-init parameters can learn in a CI-sized budget:
 - ``algo.gamma=0.8``: with per-step progress rewards, a short horizon keeps the advantage
   variance low; many small optimizer steps per rollout (8 epochs of minibatches of 32).
 
-The tiny OpenVLA is not tested here yet: with its 28 px, 4-patch vision towers at random
-initialisation its action logits hardly depend on the image (the spread of the logits between
-scenes is about 5% of their spread between bins), and neither PPO nor supervised cloning of the
-oracle teaches it to find the target within a CI budget. π0 reads the state directly.
+The tiny OpenVLA has no learning test: the image-to-action mapping is not learned in a CI
+budget, by PPO, by GRPO or by supervised cloning of the oracle. Measured with seed 0 on the
+easiest toy setting (``num_objects=1``, ``agent_start=center``, so the action depends only on
+where the one shape is drawn; 2-D actions, dense reward, ``success_radius=0.1``, 16 steps) and
+the policy at chunk 4, ``n_action_bins=8``, token log-probs; greedy success on these 64 scenes:
+
+- PPO, 16 patches (``policy.image_sizes=[56,56]``, ``env.image_size=56``), 32 envs, 8 epochs at
+  lr 1e-3: 0.05 -> 0.03 after 4 iterations;
+- PPO, 1 patch (14 px env and policy, the patch embedding sees the whole image): 0.09 -> 0.05
+  (32 envs, 8 epochs, lr 1e-3, 12 iterations), 0.09 -> 0.05 (128 envs, 2 epochs, 16
+  iterations), 0.09 -> 0.03 (64 envs, 4 epochs, lr 3e-3, 16 iterations); sampled success stays
+  at 0-0.08 and the per-token entropy only falls from 2.06 to 1.87-1.93;
+- PPO, 64 patches (112 px), 64 envs, 4 epochs of minibatches of 32 at lr 1e-3: 0.0 -> 0.14
+  after 20 iterations, 0.09 after 40 (about 6 minutes; sampled 0-0.06, entropy 2.03 -> 1.63);
+- GRPO, 16 patches, ``group_size=8``, 64 envs, 4 chunks of 4 steps, 4 epochs at lr 1e-3:
+  0.05 -> 0.16 after 16 iterations (sampled 0-0.09);
+- cloning the oracle with ``policy.loss`` (AdamW, 32-64 scenes a step): 1 patch, 150 steps at lr
+  3e-3: 0.14; 64 patches (112 px), 300-400 steps at lr 3e-4, 3e-3 or 1e-2: 0.14-0.16; 64
+  patches at lr 1e-3: 0.17, 0.23, 0.23, 0.58 after 250, 500, 750, 1000 steps (nearly 3 minutes).
+
+The PPO runs end at 0.03-0.09; GRPO and the short cloning runs stop at 0.14-0.16, what one
+image-independent direction scores (it reaches one of the 8 possible target cells). At random
+initialisation the spread of the action logits between scenes is about 5% of their
+spread between bins at 14, 28 and 56 px: the scenes differ only in where a shape of about 1.5%
+of the pixels is drawn, and the tiny language model's near-uniform attention pools the patch
+tokens with the prompt's (about 77 tokens with the character-level offline tokenizer). π0 reads
+the state directly.
 """
 
 from __future__ import annotations
