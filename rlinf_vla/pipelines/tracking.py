@@ -67,15 +67,21 @@ def run_folder(name: str, output_dir: str | None, resume: str | None) -> Path:
     return Path("runs") / f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def last_checkpoint(run_dir: Path, prefix: str = "iter") -> Path | None:
-    """The newest complete ``<run_dir>/checkpoints/<prefix>_N`` folder (one holding a
-    ``COMPLETE`` marker, written last), or ``None``."""
+def complete_checkpoints(run_dir: Path, prefix: str = "iter") -> list[Path]:
+    """The complete ``<run_dir>/checkpoints/<prefix>_N`` folders (each holding a ``COMPLETE``
+    marker, written last), oldest first."""
     done = sorted(
         (int(p.name.rsplit("_", 1)[1]), p)
         for p in (Path(run_dir) / "checkpoints").glob(f"{prefix}_*")
         if (p / "COMPLETE").exists()
     )
-    return done[-1][1] if done else None
+    return [p for _, p in done]
+
+
+def last_checkpoint(run_dir: Path, prefix: str = "iter") -> Path | None:
+    """The newest complete checkpoint folder of a run (see :func:`complete_checkpoints`)."""
+    done = complete_checkpoints(run_dir, prefix)
+    return done[-1] if done else None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

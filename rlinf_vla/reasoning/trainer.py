@@ -25,7 +25,12 @@ import torch
 
 from rlinf_vla.algos import compute_advantages, dynamic_sampling, overlong_penalty
 from rlinf_vla.config import ConfigError, RunAborted, to_dict
-from rlinf_vla.pipelines.tracking import MetricsLogger, last_checkpoint, run_folder
+from rlinf_vla.pipelines.tracking import (
+    MetricsLogger,
+    complete_checkpoints,
+    last_checkpoint,
+    run_folder,
+)
 from rlinf_vla.reasoning.config import MathGrpoJob
 from rlinf_vla.reasoning.data import Problem, PromptSampler, load_problems
 from rlinf_vla.reasoning.workers import ActorWorker, RewardWorker, RolloutWorker, Sequence
@@ -443,12 +448,7 @@ class MathGrpoRunner:
         (path / "COMPLETE").write_text(str(step))
         keep = self.job.runner.keep_checkpoints
         if keep:
-            done = sorted(
-                (int(p.name.split("_")[1]), p)
-                for p in path.parent.glob("step_*")
-                if (p / "COMPLETE").exists()
-            )
-            for _, old in done[:-keep]:
+            for old in complete_checkpoints(self.output_dir, "step")[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
