@@ -117,12 +117,13 @@ def main() -> int:
     parser.add_argument("--devices", type=int, default=2, help="devices of the Ray modes")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=2)
+    parser.add_argument("--toy-envs", type=int, default=64, help="envs of the toy workload")
     parser.add_argument("--output", default="benchmarks/results/pipeline.json")
     args = parser.parse_args()
 
     workloads = []
     if "toy" in args.workloads:
-        workloads.append(Workload("toy (balanced)", "toy", {}, 8, 16))
+        workloads.append(Workload("toy (balanced)", "toy", {}, args.toy_envs, 16))
     if "maniskill" in args.workloads:
         maniskill = {"task": "PickCube-v1", "sim_backend": "cpu", "wrist": False}
         workloads.append(Workload("maniskill PickCube", "maniskill", maniskill, 4, 8))

@@ -4,22 +4,29 @@ Profiling runs a few chunk steps of the env batch and of the policy's ``act`` in
 and one forward/backward pass over those samples, all on one device. That gives three costs:
 
 - ``e``: one chunk step of all ``B`` envs, seconds;
-- ``i``: the policy's actions for all ``B`` observations, seconds;
+- ``i``: the policy's actions for all ``B`` observations, seconds, and ``f``, the part of it
+  every call pays whatever its batch (``act`` is timed on ``B`` and on ``B / 2``
+  observations; a call on ``b`` envs costs ``f + (i - f) b / B``);
 - ``u``: one update over an iteration's ``B * T`` samples (``update_epochs`` passes), seconds.
 
-The cost model of one iteration of ``T`` chunk steps on ``N`` devices, with work splitting
+The cost model of one iteration of ``T`` chunk steps on ``N`` devices, with the envs splitting
 evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor devices) and
-``o`` the cost of one channel round trip per stage and chunk:
+``o`` the cost of one channel round trip per stage and chunk. The env batch is cut into
+``P = E * S`` stage batches; a rollout worker serves ``n = ceil(P / R)`` of them per chunk
+step, one call each, so it is busy ``b = n * (f + (i - f) / P)`` per chunk step (``i / R``
+when ``f = 0``):
 
 - collocated (everything on all ``N``; env and inference take turns):
-  ``T * (e + i) / N + u / N``
+  ``T * (e / N + f + (i - f) / N) + u / N``
 - disaggregated (disjoint ``E + R + A = N``; env and inference alternate):
-  ``T * (e / E + i / R + o) + u / A``
+  ``T * (e / E + b + o) + u / A``
 - hybrid with ``S`` stages (disjoint ``E + R = N``; env stage ``s`` steps while the rollout
   computes stage ``s - 1``, so the two overlap after the pipeline fills; actor on ``A`` of the
   ``N`` devices, all of them when the ``E * S`` trajectories share evenly, else the most that
-  do): ``T * (max(a, b) + S * o) + min(a, b) / S + u / A`` with ``a = e / E``, ``b = i / R``;
+  do): ``T * (max(a, b) + S * o) + min(a, b) / S + u / A`` with ``a = e / E``;
   with ``S = 1`` there is no overlap: ``T * (a + b + o) + u / A``.
+
+The fixed cost ``f`` is what makes many small stages lose: each stage is a call of its own.
 
 Only plans whose env batches split into whole GRPO groups are considered. The plan with the
 lowest estimate wins (ties go to the simpler mode); the table of estimates is printed.
@@ -46,6 +53,14 @@ class Costs:
     infer_chunk_s: float
     train_s: float
     overhead_s: float = CHANNEL_ROUND_TRIP_S
+    infer_fixed_s: float = 0.0  # of ``infer_chunk_s``, paid by every call whatever its batch
+
+    def rollout_busy_s(self, batches: int, workers: int) -> float:
+        """Seconds a rollout worker computes per chunk step when the env batch is cut into
+        ``batches`` stage batches shared by ``workers`` rollout workers (module docstring)."""
+        f = min(self.infer_fixed_s, self.infer_chunk_s)
+        calls = -(-batches // workers)
+        return calls * (f + (self.infer_chunk_s - f) / batches)
 
 
 @dataclass(frozen=True)
@@ -80,7 +95,7 @@ def candidate_plans(
 ) -> list[Plan]:
     """Every placement that fits ``num_devices`` and splits ``num_groups`` env groups evenly,
     with its estimated rollout and train time for ``chunks`` chunk steps."""
-    e, i, u, o = costs.env_chunk_s, costs.infer_chunk_s, costs.train_s, costs.overhead_s
+    e, u, o = costs.env_chunk_s, costs.train_s, costs.overhead_s
     n, t = num_devices, chunks
     plans: list[Plan] = []
     if num_groups % n == 0:
@@ -89,16 +104,17 @@ def candidate_plans(
                 "collocated",
                 {"actor": "all", "env": "all", "rollout": "all"},
                 1,
-                t * (e + i) / n,
+                t * (e / n + costs.rollout_busy_s(n, n)),
                 u / n,
             )
         )
     for env_devices in range(1, n):
         rollout_devices = n - env_devices
-        a, b = e / env_devices, i / rollout_devices
+        a = e / env_devices
         stages = 1
         while stages <= max_stages:
             parts = env_devices * stages  # trajectories per iteration
+            b = costs.rollout_busy_s(parts, rollout_devices)
             if num_groups % parts == 0:
                 # the actor takes as many devices as share the trajectories evenly
                 actors = max(d for d in range(1, n + 1) if parts % d == 0)
@@ -126,7 +142,7 @@ def candidate_plans(
                         "rollout": _span(env_devices, r),
                     },
                     1,
-                    t * (e / env_devices + i / r + o),
+                    t * (e / env_devices + costs.rollout_busy_s(env_devices, r) + o),
                     u / actor_devices,
                 )
             )
@@ -156,6 +172,11 @@ def profile(job: Any, chunks: int = 3) -> Costs:
     seed = job.runner.seed
     policy = make_policy(job.policy_name, **dict(job.policy, seed=seed))
     env = make_env(job.env_name, **dict(job.env, seed=job.env.get("seed", seed)))
+    # A worker on a CPU device computes with one thread (the runtime starts it with
+    # OMP_NUM_THREADS=1); the driver may have more, which would flatter inference and update.
+    threads = torch.get_num_threads()
+    if policy.device.type == "cpu":
+        torch.set_num_threads(1)
     try:
         obs = env.reset()
         for _ in range(2):  # the first calls pay one-off kernel and allocator set-up
@@ -163,7 +184,8 @@ def profile(job: Any, chunks: int = 3) -> Costs:
                 out = policy.act(obs)
             obs = env.chunk_step(out.actions).obs
         _update_cost(policy, obs, out.replay)
-        env_s = infer_s = 0.0
+        half = torch.arange(max(1, env.num_envs // 2))
+        env_s = infer_s = half_s = 0.0
         for _ in range(chunks):
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -171,14 +193,27 @@ def profile(job: Any, chunks: int = 3) -> Costs:
             t1 = time.perf_counter()
             next_obs = env.chunk_step(out.actions).obs
             t2 = time.perf_counter()
+            with torch.no_grad():
+                policy.act(obs.select(half))
+            half_s += time.perf_counter() - t2
             infer_s += t1 - t0
             env_s += t2 - t1
             last_obs, obs = obs, next_obs
         per_sample = _update_cost(policy, last_obs, out.replay) / env.num_envs
     finally:
+        torch.set_num_threads(threads)
         env.close()
     samples = env.num_envs * job.runner.rollout_chunks * job.algo.update_epochs
-    return Costs(env_s / chunks, infer_s / chunks, per_sample * samples)
+    i, i_half = infer_s / chunks, half_s / chunks
+    # i(b) = f + (i - f) b / B through the two measurements (b = B and b = len(half))
+    share = len(half) / env.num_envs
+    fixed = (i_half - share * i) / (1 - share) if share < 1 else 0.0
+    return Costs(
+        env_s / chunks,
+        i,
+        per_sample * samples,
+        infer_fixed_s=min(max(fixed, 0.0), i),
+    )
 
 
 def _update_cost(policy: Any, obs: Any, replay: dict[str, torch.Tensor]) -> float:
@@ -223,7 +258,8 @@ def resolve_auto(job: Any, num_devices: int, log: Any = print) -> Any:
     env_steps = env_cfg.num_envs * job.runner.rollout_chunks * job.policy.get("chunk_size", 1)
     log(
         f"measured on one device: env chunk step {costs.env_chunk_s * 1e3:.1f} ms, "
-        f"inference {costs.infer_chunk_s * 1e3:.1f} ms ({env_cfg.num_envs} envs), "
+        f"inference {costs.infer_chunk_s * 1e3:.1f} ms ({env_cfg.num_envs} envs, of which "
+        f"{costs.infer_fixed_s * 1e3:.1f} ms per call whatever its batch), "
         f"update {costs.train_s:.2f} s"
     )
     log(plan_table(plans, chosen, env_steps))

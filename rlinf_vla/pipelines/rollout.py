@@ -298,8 +298,10 @@ class RolloutWorker(Worker):
         return len(sources)
 
     def _values(self, obs: Observation) -> Tensor:
+        if getattr(self.policy, "value_head", None) is None:  # no critic (GRPO): nothing to run
+            return torch.zeros(obs.batch_size)
         with autocast(self.device, self.autocast):
-            return _value_or_zeros(self.policy.act(obs, greedy=True).value, obs)
+            return _value_or_zeros(self.policy.value(obs), obs)
 
     def _final_values(self, msg: EnvMessage) -> Tensor:
         """V of the final observation of envs truncated in the chunk (bootstrapping)."""

@@ -231,6 +231,18 @@ class Policy(nn.Module, ABC):
     def loss(self, obs: Observation, actions: Tensor) -> Tensor:
         """The family's supervised loss (a scalar) for demonstration ``actions [B, K, A]``."""
 
+    @torch.no_grad()
+    def value(self, obs: Observation) -> Tensor | None:
+        """The critic's estimate ``V(obs)`` ``[B]``, or ``None`` without a value head.
+
+        Used to bootstrap truncated episodes and the state a rollout stops in. The default runs
+        :meth:`act`; families whose value head reads the observation prefix override it with
+        the prefix pass alone (no action decoding).
+        """
+        if getattr(self, "value_head", None) is None:
+            return None
+        return self.act(obs, greedy=True).value
+
     # -- checkpoints ---------------------------------------------------------------------------
     @abstractmethod
     def save_pretrained(self, path: str | Path) -> None:

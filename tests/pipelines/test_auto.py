@@ -38,6 +38,23 @@ def test_estimates_match_the_formulas_by_hand():
     assert dis.train_s == pytest.approx(2.0)
 
 
+def test_a_fixed_cost_per_call_is_paid_by_every_stage():
+    # i = 0.2 s for the whole batch, of which f = 0.1 s per call whatever its batch
+    costs = Costs(0.2, 0.2, 1.0, overhead_s=0.0, infer_fixed_s=0.1)
+    plans = _by_key(candidate_plans(costs, num_devices=2, num_groups=8, chunks=10, max_stages=4))
+    # collocated: each device steps half the envs (0.1) and makes one call on them
+    # (0.1 + 0.1 / 2)
+    assert plans[("collocated", "all", "all", 1)].rollout_s == pytest.approx(10 * 0.25)
+    # hybrid S=2: the rollout device makes 2 calls on half the batch each,
+    # 2 * (0.1 + 0.1 / 2) = 0.3 per chunk step against the env's 0.2
+    h2 = plans[("hybrid", "0", "1", 2)]
+    assert h2.rollout_s == pytest.approx(10 * 0.3 + 0.2 / 2)
+    # S=4: 4 * (0.1 + 0.1 / 4) = 0.5 per chunk step: more stages cost more
+    h4 = plans[("hybrid", "0", "1", 4)]
+    assert h4.rollout_s == pytest.approx(10 * 0.5 + 0.2 / 4)
+    assert choose(list(plans.values())).mode == "collocated"
+
+
 def test_choice_prefers_overlap_when_env_and_inference_are_balanced():
     # With a fixed per-message overhead and no data parallel gain for the actor (one device
     # each), the best plan overlaps env and inference in stages.

@@ -83,6 +83,16 @@ def test_act_shapes_and_evaluate_reproduces_logprob(family, granularity):
     policy.config = policy.config.replace(logprob_granularity="action")
 
 
+def test_value_matches_act(family):
+    # ``value`` (bootstrapping) may skip action decoding, but must give act's value.
+    name, policy = family
+    obs = obs_for(name)
+    expected = policy.act(obs, greedy=True).value
+    assert (policy.value(obs) - expected).abs().max().item() <= 1e-5
+    no_critic = build(name, value_head=False)
+    assert no_critic.value(obs) is None
+
+
 def test_actions_in_env_units(family):
     name, policy = family
     low, high = -2.0, 3.0  # q01/q99 of the statistics

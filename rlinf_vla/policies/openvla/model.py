@@ -489,6 +489,13 @@ class OpenVLAPolicy(Policy):
     def evaluate(self, obs: Observation, replay: dict[str, Tensor]) -> EvalOutput:
         return self._score(self._prefix(obs), replay["action_tokens"])
 
+    @torch.no_grad()
+    def value(self, obs: Observation) -> Tensor | None:
+        """V from the prompt's last hidden state: one prefix pass, no action decoding."""
+        if self.value_head is None:
+            return None
+        return self._value(self._lm(*self._prefix(obs)).last_hidden_state[:, -1])
+
     def loss(self, obs: Observation, actions: Tensor) -> Tensor:
         """Cross-entropy of the demonstration's action tokens over the full vocabulary (the
         OpenVLA fine-tuning loss), teacher-forced."""

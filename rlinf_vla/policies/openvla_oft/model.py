@@ -187,6 +187,13 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         return mean, std
 
     @torch.no_grad()
+    def value(self, obs: Observation) -> Tensor | None:
+        """V from the first action position's hidden state (one parallel-decoding pass)."""
+        if self.value_head is None:
+            return None
+        return self._value(self._action_hidden(obs)[:, 0])
+
+    @torch.no_grad()
     def act(self, obs: Observation, greedy: bool = False) -> ActOutput:
         hidden = self._action_hidden(obs)
         value = self._value(hidden[:, 0])
