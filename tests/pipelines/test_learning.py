@@ -44,6 +44,11 @@ spread between bins at 14, 28 and 56 px: the scenes differ only in where a shape
 of the pixels is drawn, and the tiny language model's near-uniform attention pools the patch
 tokens with the prompt's (about 77 tokens with the character-level offline tokenizer). π0 reads
 the state directly.
+
+Where it stalls (docs/training.md, "Learning tests"): regressing the oracle's action from the
+projected patch features learns in a few hundred steps, from the tiny Llama's last hidden state
+it does not move in 1000; a shorter prompt does not help. A randomly initialised language model
+does not carry the image token to the action positions; the test needs a pretrained model.
 """
 
 from __future__ import annotations
