@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from rlinf_vla.config import RunAborted
 from rlinf_vla.pipelines.actor import ActorWorker
 from rlinf_vla.pipelines.config import TrainJob, check_env_split
+from rlinf_vla.pipelines.loop import RunLoop, Say
 from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
 from rlinf_vla.pipelines.tracking import MetricsLogger, last_checkpoint, run_folder
 from rlinf_vla.runtime import (
@@ -103,7 +103,6 @@ class EmbodiedRunner:
         stages = job.placement.stages
         self.sources = [(r, s) for r in range(self.env.world_size) for s in range(stages)]
         self.start_iteration = 0
-        self.last_checkpoint: Path | None = None
         self._eval: tuple[Any, Any] | None = None  # the evaluation's (policy, env), made lazily
         if job.runner.resume:
             self.start_iteration = self._restore(Path(job.runner.resume))
@@ -120,76 +119,26 @@ class EmbodiedRunner:
             WorkerError: a worker crashed (its name and traceback are in the message).
             Either way the console names the last checkpoint to resume from.
         """
-        import yaml
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
         r = self.job.runner
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.job.raw, sort_keys=False))
-        logger = MetricsLogger(
+        loop = RunLoop(
             self.output_dir,
+            self.job.raw,
             r.logging,
-            run_name=self.output_dir.name,
-            resume_iteration=self.start_iteration,
-            full_config=self.job.raw,
+            command="train",
+            unit="iter",
+            total=r.max_iterations,
+            save_interval=r.save_interval,
+            max_nan_updates=r.max_nan_updates,
         )
-        console = Console(stderr=True)
-        columns = [
-            TextColumn("[bold]iter {task.completed}/{task.total}"),
-            BarColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(),
-        ]
-        it = self.start_iteration
-        try:
-            with Progress(*columns, console=console) as progress:
-                task = progress.add_task(
-                    "train", total=r.max_iterations, completed=self.start_iteration, status=""
-                )
-                for it in range(self.start_iteration, r.max_iterations):
-                    metrics = self.iteration(it)
-                    if r.eval_interval and (it + 1) % r.eval_interval == 0:
-                        progress.update(task, status="greedy evaluation ...")
-                        metrics.update(self.evaluate(it + 1, logger))
-                    logger.log(metrics)
-                    progress.update(task, completed=it + 1, status=_status(metrics))
-                    self._check_finite(metrics, progress.console)
-                    if (it + 1) % r.save_interval == 0 or it + 1 == r.max_iterations:
-                        self.last_checkpoint = self.save(it + 1)
-        except BaseException as e:
-            console.print(
-                f"[bold red]training stopped in iteration {it + 1}:[/] {type(e).__name__}"
-            )
-            console.print(self._resume_hint(), soft_wrap=True, markup=False, highlight=False)
-            raise
-        finally:
-            logger.close()
-        return self.output_dir
 
-    def _check_finite(self, metrics: dict[str, Any], console: Any) -> None:
-        skipped = metrics.get("train/skipped_updates", 0)
-        if skipped:
-            console.print(
-                f"[yellow]warning:[/] iteration {metrics['iteration']}: {skipped:.0f} update(s) "
-                "skipped for a non-finite loss or gradient"
-            )
-        streak = metrics.get("train/nan_streak", 0)
-        if streak >= self.job.runner.max_nan_updates:
-            raise TrainingAborted(
-                f"{streak:.0f} optimizer updates in a row had a non-finite loss or gradient "
-                f"(runner.max_nan_updates={self.job.runner.max_nan_updates}); lower algo.lr, "
-                "check the rewards, or resume from an earlier checkpoint"
-            )
+        def iteration(it: int, logger: MetricsLogger, say: Say) -> dict[str, Any]:
+            metrics = self.iteration(it)
+            if r.eval_interval and (it + 1) % r.eval_interval == 0:
+                say("greedy evaluation ...")
+                metrics.update(self.evaluate(it + 1, logger))
+            return metrics
 
-    def _resume_hint(self) -> str:
-        last = self.last_checkpoint or last_checkpoint(self.output_dir)
-        if last is None:
-            return f"no checkpoint was saved yet (run folder: {self.output_dir})"
-        return (
-            f"last checkpoint: {last}\nresume with: rlinf-vla train ... "
-            f"runner.resume={self.output_dir}"
-        )
+        return loop.run(self.start_iteration, iteration, self.save, _status)
 
     def iteration(self, it: int) -> dict[str, Any]:
         """One rollout and one update; returns the iteration's metrics."""
@@ -304,10 +253,6 @@ class EmbodiedRunner:
         for group in (self.env, self.rollout, self.actor):
             group.shutdown()
         self.channel.close()
-
-
-class TrainingAborted(RunAborted):
-    """The run cannot go on (e.g. too many non-finite updates in a row)."""
 
 
 def _status(metrics: dict[str, Any]) -> str:

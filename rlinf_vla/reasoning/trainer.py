@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from rlinf_vla.algos import compute_advantages, dynamic_sampling, overlong_penalty
-from rlinf_vla.config import ConfigError, RunAborted, to_dict
+from rlinf_vla.config import ConfigError, to_dict
+from rlinf_vla.pipelines.loop import RunLoop, Say
 from rlinf_vla.pipelines.tracking import (
     MetricsLogger,
     complete_checkpoints,
@@ -38,10 +39,6 @@ from rlinf_vla.runtime import Cluster, WorkerGroup, create_collective, wait_all
 
 WEIGHTS = "math-weights"
 DATA_PARALLEL = "math-data-parallel"
-
-
-class TrainingAborted(RunAborted):
-    """Too many non-finite updates in a row."""
 
 
 def _split(items: list[Any], parts: int) -> list[list[Any]]:
@@ -96,7 +93,6 @@ class MathGrpoRunner:
         self.sampler = PromptSampler(train, r.seed)
         self.shuffle = random.Random(r.seed + 1)
         self.start_step = 0
-        self.last_checkpoint: Path | None = None
         if r.resume:
             self.start_step = self._restore(Path(r.resume))
         self.version = self.start_step
@@ -360,78 +356,37 @@ class MathGrpoRunner:
 
     # ----------------------------------------------------------------- loop
     def run(self) -> Path:
-        import yaml
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
+        """Train from ``start_step`` to ``runner.max_steps``; returns the run folder (the
+        console names the last checkpoint to resume from if it stops early)."""
         r = self.job.runner
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.job.raw, sort_keys=False))
-        logger = MetricsLogger(
+        loop = RunLoop(
             self.output_dir,
+            self.job.raw,
             r.logging,
-            run_name=self.output_dir.name,
-            resume_iteration=self.start_step,
-            full_config=self.job.raw,
+            command="math-grpo",
+            unit="step",
+            total=r.max_steps,
+            save_interval=r.save_interval,
+            max_nan_updates=r.max_nan_updates,
         )
-        console = Console(stderr=True)
-        columns = [
-            TextColumn("[bold]step {task.completed}/{task.total}"),
-            BarColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(),
-        ]
-        step = self.start_step
-        try:
-            with Progress(*columns, console=console) as progress:
-                task = progress.add_task("math-grpo", total=r.max_steps, completed=step, status="")
-                if r.eval_interval and step == 0:
-                    progress.update(task, status="greedy evaluation of the initial model ...")
-                    first = {"iteration": 0, "samples": 0, **self.evaluate()}
-                    logger.log(first)
-                    console.print(
-                        f"held-out accuracy before training: {first['eval/accuracy']:.3f}"
-                    )
-                for step in range(self.start_step, r.max_steps):
-                    metrics = {"iteration": step + 1, **self.step(step)}
-                    metrics["samples"] = (step + 1) * self.job.algo.batch_size
-                    if r.eval_interval and (
-                        (step + 1) % r.eval_interval == 0 or step + 1 == r.max_steps
-                    ):
-                        progress.update(task, status="greedy evaluation ...")
-                        metrics.update(self.evaluate())
-                    logger.log(metrics)
-                    progress.update(task, completed=step + 1, status=_status(metrics))
-                    self._check_finite(metrics, progress.console)
-                    if (step + 1) % r.save_interval == 0 or step + 1 == r.max_steps:
-                        self.last_checkpoint = self.save(step + 1)
-        except BaseException as e:
-            console.print(f"[bold red]training stopped in step {step + 1}:[/] {type(e).__name__}")
-            last = self.last_checkpoint or last_checkpoint(self.output_dir, "step")
-            hint = (
-                f"last checkpoint: {last}\nresume with: rlinf-vla math-grpo ... runner.resume={self.output_dir}"
-                if last
-                else f"no checkpoint was saved yet (run folder: {self.output_dir})"
-            )
-            console.print(hint, soft_wrap=True, markup=False, highlight=False)
-            raise
-        finally:
-            logger.close()
-        return self.output_dir
 
-    def _check_finite(self, metrics: dict[str, Any], console: Any) -> None:
-        if metrics.get("train/skipped_updates"):
-            console.print(
-                f"[yellow]warning:[/] step {metrics['iteration']}: "
-                f"{metrics['train/skipped_updates']:.0f} update(s) skipped for a non-finite gradient"
-            )
-        streak = metrics.get("train/nan_streak", 0)
-        if streak >= self.job.runner.max_nan_updates:
-            raise TrainingAborted(
-                f"{streak:.0f} optimizer updates in a row had a non-finite gradient "
-                f"(runner.max_nan_updates={self.job.runner.max_nan_updates}); lower algo.lr or "
-                "resume from an earlier checkpoint"
-            )
+        def before(logger: MetricsLogger, say: Say) -> str | None:
+            if not r.eval_interval or self.start_step:
+                return None
+            say("greedy evaluation of the initial model ...")
+            first = {"iteration": 0, "samples": 0, **self.evaluate()}
+            logger.log(first)
+            return f"held-out accuracy before training: {first['eval/accuracy']:.3f}"
+
+        def iteration(step: int, logger: MetricsLogger, say: Say) -> dict[str, Any]:
+            metrics = {"iteration": step + 1, **self.step(step)}
+            metrics["samples"] = (step + 1) * self.job.algo.batch_size
+            if r.eval_interval and ((step + 1) % r.eval_interval == 0 or step + 1 == r.max_steps):
+                say("greedy evaluation ...")
+                metrics.update(self.evaluate())
+            return metrics
+
+        return loop.run(self.start_step, iteration, self.save, _status, before)
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, step: int) -> Path:

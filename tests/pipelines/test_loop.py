@@ -1,0 +1,107 @@
+"""The loop shell shared by the trainers: checkpoints, metrics, NaN abort, resume hint."""
+
+import pytest
+
+from rlinf_vla.pipelines.loop import RunLoop, TrainingAborted
+from rlinf_vla.pipelines.tracking import LoggingConfig, read_metrics
+
+
+def _loop(tmp_path, total=5, save_interval=2, max_nan_updates=3):
+    return RunLoop(
+        tmp_path / "run",
+        {"runner": {"max_iterations": total}},
+        LoggingConfig(tensorboard=False),
+        command="train",
+        unit="iter",
+        total=total,
+        save_interval=save_interval,
+        max_nan_updates=max_nan_updates,
+    )
+
+
+def _save(loop):
+    def save(n):
+        path = loop.output_dir / "checkpoints" / f"iter_{n}"
+        path.mkdir(parents=True)
+        (path / "COMPLETE").touch()
+        return path
+
+    return save
+
+
+def _metrics(i, logger, say):
+    return {"iteration": i + 1, "train/loss": float(i)}
+
+
+def test_runs_from_start_logs_every_iteration_and_saves_on_the_interval_and_at_the_end(tmp_path):
+    loop = _loop(tmp_path, total=5, save_interval=2)
+    seen = []
+
+    def iteration(i, logger, say):
+        seen.append(i)
+        return _metrics(i, logger, say)
+
+    out = loop.run(0, iteration, _save(loop), lambda m: "")
+    assert out == tmp_path / "run"
+    assert seen == [0, 1, 2, 3, 4]
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved == ["iter_2", "iter_4", "iter_5"]  # every 2nd, and the last
+    assert loop.last_checkpoint == out / "checkpoints" / "iter_5"
+    assert "max_iterations: 5" in (out / "config.yaml").read_text()
+
+
+def test_a_resumed_run_starts_at_its_checkpoint_and_before_runs_once(tmp_path):
+    loop = _loop(tmp_path, total=4, save_interval=10)
+    seen, calls = [], []
+
+    def before(logger, say):
+        calls.append("before")
+        return "initial evaluation: 0.1"
+
+    def iteration(i, logger, say):
+        seen.append(i)
+        return _metrics(i, logger, say)
+
+    loop.run(2, iteration, _save(loop), lambda m: "", before)
+    assert seen == [2, 3]
+    assert calls == ["before"]
+    assert [p.name for p in (loop.output_dir / "checkpoints").iterdir()] == ["iter_4"]
+
+
+def test_a_streak_of_skipped_updates_aborts_and_names_the_checkpoint_to_resume_from(
+    tmp_path, capsys
+):
+    loop = _loop(tmp_path, total=10, save_interval=1, max_nan_updates=3)
+
+    def iteration(i, logger, say):
+        # iterations 1 and 2 are fine; from iteration 3 on every update is skipped
+        streak = max(0, i - 1)
+        return {
+            "iteration": i + 1,
+            "train/skipped_updates": float(streak > 0),
+            "train/nan_streak": float(streak),
+        }
+
+    with pytest.raises(TrainingAborted, match="3 optimizer updates in a row"):
+        loop.run(0, iteration, _save(loop), lambda m: "")
+    err = capsys.readouterr().err
+    # iteration 5 has the third skipped update in a row; iteration 4 was saved before it
+    assert "training stopped in iteration 5" in err
+    assert "update(s) skipped" in err
+    assert f"last checkpoint: {loop.output_dir / 'checkpoints' / 'iter_4'}" in err
+    assert f"runner.resume={loop.output_dir}" in err
+    assert [r["iteration"] for r in read_metrics(loop.output_dir)] == [1, 2, 3, 4, 5]
+
+
+def test_a_crash_before_any_checkpoint_says_so_and_reraises(tmp_path, capsys):
+    loop = _loop(tmp_path, total=3, save_interval=5)
+
+    def iteration(i, logger, say):
+        raise RuntimeError("env worker 'env-0' crashed")
+
+    with pytest.raises(RuntimeError, match="env-0"):
+        loop.run(0, iteration, _save(loop), lambda m: "")
+    err = capsys.readouterr().err
+    assert "training stopped in iteration 1: RuntimeError" in err
+    assert "no checkpoint was saved yet" in err
