@@ -25,6 +25,18 @@ class RunAborted(RuntimeError):
     """A run stopped on purpose (e.g. too many non-finite updates); the message says why."""
 
 
+def check_at_least(obj: Any, section: str, keys: tuple[str, ...], minimum: int) -> None:
+    """Raise :class:`ConfigError` naming every one of ``keys`` (attributes of ``obj``) whose value
+    is below ``minimum``; ``None`` values (unset optional settings) pass."""
+    bad = [
+        f"{section}.{key} must be >= {minimum}, got {getattr(obj, key)}"
+        for key in keys
+        if getattr(obj, key) is not None and getattr(obj, key) < minimum
+    ]
+    if bad:
+        raise ConfigError("; ".join(bad))
+
+
 def from_section(cls: type[T], section: Mapping[str, Any] | None, path: str = "") -> T:
     """Build the dataclass ``cls`` from a mapping (a dict or an OmegaConf ``DictConfig``).
 

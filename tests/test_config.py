@@ -63,3 +63,16 @@ def test_accepts_omegaconf_sections():
 def test_errors_name_the_offending_key(section, message):
     with pytest.raises(ConfigError, match=message):
         from_section(Outer, section, "algo")
+
+
+def test_check_at_least_names_every_offending_key_and_skips_unset_ones():
+    from types import SimpleNamespace
+
+    from rlinf_vla.config import check_at_least
+
+    obj = SimpleNamespace(a=0, b=5, c=-2, d=None)
+    with pytest.raises(ConfigError) as e:
+        check_at_least(obj, "runner", ("a", "b", "c", "d"), 1)
+    assert str(e.value) == "runner.a must be >= 1, got 0; runner.c must be >= 1, got -2"
+    check_at_least(obj, "runner", ("b", "d"), 1)  # 5 and None pass
+    check_at_least(obj, "runner", ("a",), 0)

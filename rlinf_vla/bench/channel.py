@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlinf_vla.bench import register_benchmark
-from rlinf_vla.config import ConfigError
+from rlinf_vla.config import check_at_least
 
 LATENCY_TARGET = 1.5
 THROUGHPUT_TARGET = 0.8
@@ -44,11 +44,9 @@ class ChannelBenchConfig:
     warmup: int = 50
 
     def __post_init__(self) -> None:
-        for key in ("small_messages", "small_payload_bytes", "large_mb", "large_repeats", "rounds"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"benchmark.{key} must be >= 1, got {getattr(self, key)}")
-        if self.warmup < 0:
-            raise ConfigError(f"benchmark.warmup must be >= 0, got {self.warmup}")
+        positive = ("small_messages", "small_payload_bytes", "large_mb", "large_repeats", "rounds")
+        check_at_least(self, "benchmark", positive, 1)
+        check_at_least(self, "benchmark", ("warmup",), 0)
 
 
 class _Echo:

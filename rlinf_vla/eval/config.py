@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlinf_vla.config import ConfigError, from_section
+from rlinf_vla.config import ConfigError, check_at_least, from_section
 from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 
@@ -77,11 +77,8 @@ class EvalConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("trials_per_task", "envs_per_worker", "video_fps"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"eval.{key} must be >= 1, got {getattr(self, key)}")
-        if self.policy_threads is not None and self.policy_threads < 1:
-            raise ConfigError(f"eval.policy_threads must be >= 1, got {self.policy_threads}")
+        positive = ("trials_per_task", "envs_per_worker", "video_fps", "policy_threads")
+        check_at_least(self, "eval", positive, 1)
         if self.retries < 0:
             raise ConfigError(f"eval.retries must be >= 0, got {self.retries}")
         if self.seed < 0:

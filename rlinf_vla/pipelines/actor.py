@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rlinf_vla.config import ConfigError
+from rlinf_vla.config import ConfigError, check_at_least
 from rlinf_vla.runtime import Channel, Worker
 from rlinf_vla.types import EvalOutput, Observation
 
@@ -77,9 +77,7 @@ class AlgoConfig:
     fsdp: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("update_epochs", "minibatch_size", "micro_batch_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"algo.{key} must be >= 1, got {getattr(self, key)}")
+        check_at_least(self, "algo", ("update_epochs", "minibatch_size", "micro_batch_size"), 1)
         if self.minibatch_size % self.micro_batch_size:
             raise ConfigError(
                 f"algo.micro_batch_size={self.micro_batch_size} must divide "

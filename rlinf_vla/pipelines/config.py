@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlinf_vla.config import ConfigError, from_section
+from rlinf_vla.config import ConfigError, check_at_least, from_section
 from rlinf_vla.pipelines.actor import AlgoConfig
 from rlinf_vla.pipelines.tracking import LoggingConfig
 from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
@@ -39,9 +39,7 @@ class TrainPlacementConfig(PlacementConfig):
     profile_chunks: int = 3
 
     def __post_init__(self) -> None:
-        for key in ("stages", "max_stages", "profile_chunks"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"placement.{key} must be >= 1, got {getattr(self, key)}")
+        check_at_least(self, "placement", ("stages", "max_stages", "profile_chunks"), 1)
         if self.mode == "auto":
             return
         for name in ("actor", "env", "rollout"):
@@ -88,12 +86,9 @@ class RunnerConfig:
     eval_videos: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("max_iterations", "rollout_chunks", "save_interval", "max_nan_updates"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"runner.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("eval_interval", "eval_episodes"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"runner.{key} must be >= 0, got {getattr(self, key)}")
+        positive = ("max_iterations", "rollout_chunks", "save_interval", "max_nan_updates")
+        check_at_least(self, "runner", positive, 1)
+        check_at_least(self, "runner", ("eval_interval", "eval_episodes"), 0)
         if self.resume is not None and not os.path.isdir(self.resume):
             raise ConfigError(f"runner.resume: {self.resume!r} is not a run folder")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlinf_vla.algos import ALGORITHMS, KL_ESTIMATORS
-from rlinf_vla.config import ConfigError, from_section
+from rlinf_vla.config import ConfigError, check_at_least, from_section
 from rlinf_vla.pipelines.tracking import LoggingConfig
 from rlinf_vla.reasoning.data import DataConfig
 from rlinf_vla.reasoning.model import ModelConfig
@@ -95,9 +95,7 @@ class MathAlgoConfig:
         ALGORITHMS[self.name]
         KL_ESTIMATORS[self.kl_estimator]
         positive = ("prompts_per_step", "max_new_tokens", "update_epochs", "micro_batch_size")
-        for key in (*positive, "max_sample_rounds"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"algo.{key} must be >= 1, got {getattr(self, key)}")
+        check_at_least(self, "algo", (*positive, "max_sample_rounds"), 1)
         if self.group_size < 1 or (self.name != "reinforce_pp" and self.group_size < 2):
             raise ConfigError(
                 f"algo.group_size must be >= 2 for {self.name} (it compares the responses to "
@@ -202,12 +200,9 @@ class MathRunnerConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "save_interval", "eval_batch_size", "max_nan_updates"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"runner.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("eval_interval", "keep_checkpoints"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"runner.{key} must be >= 0, got {getattr(self, key)}")
+        positive = ("max_steps", "save_interval", "eval_batch_size", "max_nan_updates")
+        check_at_least(self, "runner", positive, 1)
+        check_at_least(self, "runner", ("eval_interval", "keep_checkpoints"), 0)
         if self.resume is not None and not os.path.isdir(self.resume):
             raise ConfigError(f"runner.resume: {self.resume!r} is not a run folder")
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rlinf_vla.config import ConfigError
+from rlinf_vla.config import ConfigError, check_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,7 @@ class ClusterConfig:
     wait_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("num_nodes", "num_cpus", "devices_per_node"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"cluster.{name} must be >= 1, got {value}")
+        check_at_least(self, "cluster", ("num_nodes", "num_cpus", "devices_per_node"), 1)
         if self.num_gpus is not None and self.num_gpus < 0:
             raise ConfigError(f"cluster.num_gpus must be >= 0, got {self.num_gpus}")
         if self.address is not None and (self.num_cpus is not None or self.num_gpus is not None):
