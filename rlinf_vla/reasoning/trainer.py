@@ -35,21 +35,10 @@ from rlinf_vla.pipelines.tracking import (
 from rlinf_vla.reasoning.config import MathGrpoJob
 from rlinf_vla.reasoning.data import Problem, PromptSampler, load_problems
 from rlinf_vla.reasoning.workers import ActorWorker, RewardWorker, RolloutWorker, Sequence
-from rlinf_vla.runtime import Cluster, WorkerGroup, create_collective, wait_all
+from rlinf_vla.runtime import Cluster, WorkerGroup, create_collective, split_evenly, wait_all
 
 WEIGHTS = "math-weights"
 DATA_PARALLEL = "math-data-parallel"
-
-
-def _split(items: list[Any], parts: int) -> list[list[Any]]:
-    """``items`` in ``parts`` contiguous, nearly equal slices (some may be empty)."""
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (i < extra)
-        out.append(items[start:end])
-        start = end
-    return out
 
 
 class MathGrpoRunner:
@@ -131,22 +120,11 @@ class MathGrpoRunner:
 
     def _generate(self, problems: list[Problem], n: int, greedy: bool = False) -> dict[str, Any]:
         """Responses of the rollout workers, each taking a contiguous share of the prompts."""
-        shares = _split(problems, self.rollout.world_size)
-        calls = [
-            (
-                rank,
-                self.rollout.generate(
-                    [p.question for p in share],
-                    n,
-                    self._data(),
-                    self._sampling(greedy),
-                    ranks=[rank],
-                ),
-            )
-            for rank, share in enumerate(shares)
-            if share
-        ]
-        results = [c.wait()[0] for _, c in calls]
+        results = self.rollout.scatter(
+            "generate",
+            [p.question for p in problems],
+            args=(n, self._data(), self._sampling(greedy)),
+        )
         merged: dict[str, Any] = {k: [] for k in ("prompts", "responses", "texts", "stopped")}
         for res in results:
             for k in merged:
@@ -158,13 +136,7 @@ class MathGrpoRunner:
     def _score(
         self, texts: list[str], references: list[str]
     ) -> list[tuple[float, bool, bool, bool]]:
-        parts = _split(list(zip(texts, references, strict=True)), self.reward.world_size)
-        calls = [
-            self.reward.score([t for t, _ in part], [r for _, r in part], ranks=[rank])
-            for rank, part in enumerate(parts)
-            if part
-        ]
-        return [row for c in calls for row in c.wait()[0]]
+        return [row for rows in self.reward.scatter("score", texts, references) for row in rows]
 
     # ----------------------------------------------------------------- one step
     def sample_batch(self) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -247,13 +219,11 @@ class MathGrpoRunner:
             kl = None
             if a.kl_coef > 0:
                 seqs = [Sequence(g["prompt"], r, []) for g in groups for r in g["responses"]]
-                shards = _split(seqs, self.actor.world_size)
-                calls = [
-                    self.actor.kl_to_reference(s, self.pad_id, ranks=[k])
-                    for k, s in enumerate(shards)
-                    if s
+                per_seq = [
+                    row
+                    for rows in self.actor.scatter("kl_to_reference", seqs, args=(self.pad_id,))
+                    for row in rows
                 ]
-                per_seq = [row for c in calls for row in c.wait()[0]]
                 kl = torch.zeros(L, B)
                 for b, row in enumerate(per_seq):
                     kl[: len(row), b] = torch.tensor(row)
@@ -276,7 +246,7 @@ class MathGrpoRunner:
         ]
         self.shuffle.shuffle(seqs)
         n_mb = a.batch_size // a.minibatch_size if a.minibatch_size else 1
-        minibatches = [mb for mb in _split(seqs, min(n_mb, len(seqs))) if mb]
+        minibatches = [mb for mb in split_evenly(seqs, min(n_mb, len(seqs))) if mb]
         denominators = [
             float(sum(len(s.response) for s in mb))
             if a.preset.agg == "token-mean"

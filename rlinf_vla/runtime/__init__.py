@@ -13,7 +13,14 @@ from rlinf_vla.runtime.offload import (
     onload_optimizer,
 )
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, parse_devices, resolve_placement
-from rlinf_vla.runtime.worker import GroupResult, Worker, WorkerError, WorkerGroup, wait_all
+from rlinf_vla.runtime.worker import (
+    GroupResult,
+    Worker,
+    WorkerError,
+    WorkerGroup,
+    split_evenly,
+    wait_all,
+)
 
 __all__ = [
     "Channel",
@@ -34,5 +41,6 @@ __all__ = [
     "onload_optimizer",
     "parse_devices",
     "resolve_placement",
+    "split_evenly",
     "wait_all",
 ]

@@ -273,6 +273,18 @@ def _unwrap(result: GroupResult, rank: int, ref: Any) -> Any:
     return value
 
 
+def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    """``items`` in ``parts`` contiguous slices whose sizes differ by at most one (the first
+    ``len(items) % parts`` get the extra item; some are empty when ``parts > len(items)``)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
 class WorkerGroup(Generic[W]):
     """N workers of one :class:`Worker` subclass, placed on devices, called together.
 
@@ -365,6 +377,26 @@ class WorkerGroup(Generic[W]):
             )
         refs = [self._actors[r].call.remote(method, args, kwargs) for r in chosen]
         return GroupResult(self, method, chosen, refs)
+
+    def scatter(
+        self, method: str, *items: Sequence[Any], args: tuple = (), **kwargs: Any
+    ) -> list[Any]:
+        """Share the work in ``items`` (sequences of one length) over the ranks and wait.
+
+        Each sequence is cut by :func:`split_evenly` into ``world_size`` contiguous shares;
+        rank ``r`` runs ``method(*shares_r, *args, **kwargs)``, all ranks at once. Ranks whose
+        share is empty are not called. Returns the called ranks' results in rank order.
+        """
+        lengths = {len(x) for x in items}
+        if len(lengths) > 1:
+            raise ValueError(f"scatter({method!r}): the sequences differ in length: {lengths}")
+        shares = [split_evenly(x, self.world_size) for x in items]
+        calls = [
+            self.call(method, *(s[r] for s in shares), *args, ranks=[r], **kwargs)
+            for r in range(self.world_size)
+            if not items or shares[0][r]
+        ]
+        return [result for c in calls for result in c.wait()]
 
     def __getattr__(self, method: str):
         if method.startswith("_") or "worker_cls" not in self.__dict__:

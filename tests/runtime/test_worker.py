@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from rlinf_vla.runtime import Channel, Worker, WorkerError, WorkerGroup, wait_all
+from rlinf_vla.runtime import Channel, Worker, WorkerError, WorkerGroup, split_evenly, wait_all
 
 
 class Scaler(Worker):
@@ -37,6 +37,9 @@ class Scaler(Worker):
         if self.rank == 1:
             raise ValueError(message)
         return "ok"
+
+    def weigh(self, xs, ys, offset):
+        return [(self.rank, x * y + offset) for x, y in zip(xs, ys, strict=True)]
 
     def die(self):
         os._exit(3)
@@ -156,5 +159,29 @@ def test_wait_timeout_names_the_pending_ranks(cluster):
     try:
         with pytest.raises(TimeoutError, match=r"slow\[1\].sleep"):
             group.call("sleep", 3, ranks=[1]).wait(timeout=0.5)
+    finally:
+        group.shutdown()
+
+
+def test_split_evenly_keeps_order_and_sizes_differ_by_at_most_one():
+    assert split_evenly(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_evenly("ab", 3) == [["a"], ["b"], []]
+    assert split_evenly([], 2) == [[], []]
+
+
+def test_scatter_shares_items_over_the_ranks_and_skips_idle_ones(cluster):
+    group = WorkerGroup(cluster, Scaler, "scatter", devices=[0, 1, 1], args=(1,))
+    try:
+        # 5 items over 3 ranks: 2, 2, 1, each rank computing its contiguous share
+        out = group.scatter("weigh", [1, 2, 3, 4, 5], [10, 20, 30, 40, 50], args=(7,))
+        assert out == [
+            [(0, 17), (0, 47)],
+            [(1, 97), (1, 167)],
+            [(2, 257)],
+        ]
+        # 2 items: rank 2 has nothing to do and is not called
+        assert group.scatter("weigh", [1, 2], [3, 4], offset=0) == [[(0, 3)], [(1, 8)]]
+        with pytest.raises(ValueError, match="differ in length"):
+            group.scatter("weigh", [1, 2], [3], args=(0,))
     finally:
         group.shutdown()
