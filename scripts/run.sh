@@ -5,7 +5,7 @@
 set -euo pipefail
 
 # The main job: `rlinf-vla $MAIN_SUBCOMMAND` on its default config (PPO with the tiny OpenVLA on
-# the toy env, collocated on a local Ray; see docs/training.md).
+# ManiSkill PickCube, collocated on a local Ray; see docs/training.md).
 MAIN_SUBCOMMAND="train"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
