@@ -47,8 +47,9 @@ the state directly.
 
 Where it stalls (docs/training.md, "Learning tests"): regressing the oracle's action from the
 projected patch features learns in a few hundred steps, from the tiny Llama's last hidden state
-it does not move in 1000; a shorter prompt does not help. A randomly initialised language model
-does not carry the image token to the action positions; the test needs a pretrained model.
+it does not move in 1000; a shorter prompt does not help. With the vision tower first trained to
+localise the scene (a few seconds), a fresh language model reads it in 100 steps and PPO climbs
+to 0.33-0.44 greedy in 32-64 iterations: learning, but not yet 0.8 in a CI budget.
 """
 
 from __future__ import annotations
