@@ -298,8 +298,6 @@ class RolloutWorker(Worker):
         return len(sources)
 
     def _values(self, obs: Observation) -> Tensor:
-        if getattr(self.policy, "value_head", None) is None:  # no critic (GRPO): nothing to run
-            return torch.zeros(obs.batch_size)
         with autocast(self.device, self.autocast):
             return _value_or_zeros(self.policy.value(obs), obs)
 
