@@ -1,0 +1,195 @@
+"""Tiny OpenVLA learning on the toy env: greedy success before and after RL, per setting.
+
+A learning experiment, not a speed benchmark: the tiny OpenVLA (random-init towers and Llama)
+has no CI learning test yet, and this script reproduces the measurements in docs/training.md
+("Learning tests") so the next settings can be tried from the same starting point.
+
+Each case:
+
+1. builds ``make_policy("openvla", preset="tiny", ...)`` with ``--seed``;
+2. optionally pretrains its vision tower and projector to *localise the scene*
+   (``--pretrain-steps`` AdamW steps regressing the agent's and the target's positions from the
+   mean projected patch, on fresh scenes with the agent anywhere). The language model and the
+   action head stay random, so the policy still fails; this stands in for the pretrained
+   DINOv2/SigLIP towers a real OpenVLA has;
+3. saves that policy as a checkpoint, measures its greedy success on 64 held-out scenes, trains
+   it with the real ``rlinf-vla train`` (local Ray, collocated) and measures the last checkpoint
+   on the same scenes.
+
+Prints a table and writes JSON (default ``benchmarks/results/openvla_learning.json``)::
+
+    PYTHONPATH=. python benchmarks/openvla_learning.py                    # the default case
+    PYTHONPATH=. python benchmarks/openvla_learning.py --iterations 40 --lr 7e-4
+    PYTHONPATH=. python benchmarks/openvla_learning.py --chunk 2 --rollout-chunks 12 --epochs 4
+
+The env is the easiest toy setting (one shape, the agent starting at the centre, 2-D actions,
+dense reward, success radius 0.1, 24-step episodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rlinf_vla import cli
+from rlinf_vla.envs import make_env
+from rlinf_vla.pipelines.evaluation import greedy_eval
+from rlinf_vla.policies import make_policy
+
+ENV = {
+    "action_dim": 2,
+    "num_objects": 1,
+    "agent_start": "center",
+    "reward_mode": "dense",
+    "success_radius": 0.1,
+    "max_episode_steps": 24,
+}
+EVAL_EPISODES = 64
+
+
+def pretrain_vision(policy, env_cfg: dict, steps: int, lr: float, batch: int = 64) -> list[float]:
+    """Train ``vision_backbone`` + ``projector`` to regress (agent xy, target xy) from the mean
+    projected patch of fresh toy scenes (the agent in a random cell). Returns the loss curve."""
+    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": "random"})
+    head = torch.nn.Linear(policy.vla.llm_dim, 4)
+    params = [
+        *policy.vla.vision_backbone.parameters(),
+        *policy.vla.projector.parameters(),
+        *head.parameters(),
+    ]
+    opt = torch.optim.AdamW(params, lr=lr)
+    gen = torch.Generator().manual_seed(12345)
+    losses = []
+    try:
+        for _ in range(steps):
+            obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
+            target = torch.cat([obs.state, env.target_pos], dim=1)
+            feats = policy.vla.patch_embeddings(policy.processor.pixel_values(obs)).mean(1)
+            loss = torch.nn.functional.mse_loss(head(feats), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        env.close()
+    return losses
+
+
+def greedy_success(policy, env_cfg: dict) -> float:
+    env = make_env("toy", **{**env_cfg, "num_envs": 32})
+    try:
+        return greedy_eval(policy, env, EVAL_EPISODES).success_rate
+    finally:
+        env.close()
+
+
+def run_case(args: argparse.Namespace, work: Path) -> dict:
+    policy_cfg = {
+        "preset": "tiny",
+        "action_dim": 2,
+        "chunk_size": args.chunk,
+        "n_action_bins": args.bins,
+        "logprob_granularity": "token",
+    }
+    env_cfg = {**ENV, "num_envs": args.envs}
+    policy = make_policy("openvla", **policy_cfg, seed=args.seed)
+    t0 = time.perf_counter()
+    losses = pretrain_vision(policy, env_cfg, args.pretrain_steps, args.pretrain_lr)
+    pretrain_s = time.perf_counter() - t0
+    init = work / "init"
+    policy.save_pretrained(init)
+    before = greedy_success(policy, env_cfg)
+
+    algo = {
+        "lr": args.lr,
+        "update_epochs": args.epochs,
+        "minibatch_size": 32,
+        "micro_batch_size": 32,
+        "gamma": 0.8,
+        "lam": 0.9,
+    }
+    if args.algo == "grpo":
+        algo["group_size"] = args.group_size
+    runner = {
+        "seed": args.seed,
+        "max_iterations": args.iterations,
+        "rollout_chunks": args.rollout_chunks,
+        "save_interval": args.iterations,
+        "output_dir": str(work / "run"),
+    }
+    overrides = [
+        "train",
+        "cluster.devices_per_node=1",
+        "placement=collocated",
+        "env=toy",
+        "policy=openvla",
+        f"algo={args.algo}",
+        f"policy.checkpoint={init}",
+        *(f"++env.{k}={json.dumps(v)}" for k, v in env_cfg.items()),
+        *(f"++algo.{k}={json.dumps(v)}" for k, v in algo.items()),
+        *(f"++runner.{k}={json.dumps(v)}" for k, v in runner.items()),
+        "runner.logging.tensorboard=false",
+    ]
+    t0 = time.perf_counter()
+    if cli.main(overrides) != 0:
+        raise SystemExit("rlinf-vla train failed")
+    train_s = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = work / "run" / "checkpoints" / f"iter_{args.iterations}" / "policy"
+    after = greedy_success(make_policy("openvla", checkpoint=str(last)), env_cfg)
+    return {
+        "settings": {**vars(args), "policy": policy_cfg, "env": env_cfg, "algo_cfg": algo},
+        "pretrain_loss_first_last": [losses[0], losses[-1]] if losses else None,
+        "pretrain_s": round(pretrain_s, 1),
+        "greedy_before": before,
+        "greedy_after": after,
+        "sampled_success_curve": [round(r["env/success_rate"], 3) for r in rows],
+        "entropy_curve": [round(r["train/entropy"], 3) for r in rows],
+        "train_s": round(train_s, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--algo", choices=["ppo", "grpo"], default="ppo")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--iterations", type=int, default=24)
+    parser.add_argument("--rollout-chunks", type=int, default=6)
+    parser.add_argument("--envs", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=4)
+    parser.add_argument("--bins", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--pretrain-steps", type=int, default=300)
+    parser.add_argument("--pretrain-lr", type=float, default=1e-3)
+    parser.add_argument("--out", default="benchmarks/results/openvla_learning.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_case(args, Path(tmp))
+    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform()}
+    s = result["settings"]
+    print(
+        f"{'algo':<5} {'seed':>4} {'iters':>5} {'chunk':>5} {'bins':>4} {'lr':>7} "
+        f"{'pretrain':>8} {'before':>6} {'after':>6} {'train s':>7}"
+    )
+    print(
+        f"{s['algo']:<5} {s['seed']:>4} {s['iterations']:>5} {s['chunk']:>5} {s['bins']:>4} "
+        f"{s['lr']:>7.0e} {s['pretrain_steps']:>8} {result['greedy_before']:>6.2f} "
+        f"{result['greedy_after']:>6.2f} {result['train_s']:>7.0f}"
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
