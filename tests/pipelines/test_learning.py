@@ -50,6 +50,7 @@ projected patch features learns in a few hundred steps, from the tiny Llama's la
 it does not move in 1000; a shorter prompt does not help. With the vision tower first trained to
 localise the scene (a few seconds), a fresh language model reads it in 100 steps and PPO climbs
 to 0.33-0.44 greedy in 32-64 iterations: learning, but not yet 0.8 in a CI budget.
+``benchmarks/openvla_learning.py`` runs that experiment from one command.
 """
 
 from __future__ import annotations
