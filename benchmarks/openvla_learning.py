@@ -122,7 +122,8 @@ def pretrain_vlm(
     """Vision-language pretraining: the caption of :func:`relation_chars` after the action
     prompt, teacher-forced, cross-entropy over the full vocabulary. ``train="lm"`` updates the
     language model only, ``"all"`` the whole model. No action token is ever a target."""
-    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": scenes})
+    start = "random" if scenes == "random" else "center"
+    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": start})
     module = policy.vla.language_model if train == "lm" else policy
     opt = torch.optim.AdamW(module.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(12345)
@@ -130,6 +131,10 @@ def pretrain_vlm(
     try:
         for _ in range(steps):
             obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
+            if scenes == "paths":
+                # The agent part of the way to the target (envs that arrive start over).
+                for _ in range(int(torch.randint(0, 9, (1,), generator=gen))):
+                    obs = env.chunk_step(env.oracle_actions(1)).obs
             ids = relation_chars(policy, obs.state, env.target_pos)
             hidden, flat = policy._teacher_forced(policy._prefix(obs), ids.view(batch, -1, 2))
             logits = policy.vla.language_model.lm_head(hidden).float()
@@ -275,7 +280,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--vlm-steps", type=int, default=0)
-    parser.add_argument("--vlm-scenes", choices=["center", "random"], default="center")
+    parser.add_argument("--vlm-scenes", choices=["center", "paths", "random"], default="paths")
     parser.add_argument("--vlm-train", choices=["lm", "all"], default="lm")
     parser.add_argument("--pretrain-lr", type=float, default=1e-3)
     parser.add_argument(
