@@ -8,18 +8,10 @@ Each case:
 
 1. builds ``make_policy("openvla", preset="tiny", ...)`` with ``--seed``;
 2. pretrains it in up to two stages that never show it an action token, so the policy still
-   has to learn to act:
-
-   - *vision* (``--pretrain-steps``): the vision tower and projector learn to localise the scene
-     (AdamW regressing the agent's and the target's positions from the mean projected patch,
-     agent anywhere), standing in for the pretrained DINOv2/SigLIP towers;
-   - *vision-language* (``--vlm-steps``): the language model learns to describe the scene in
-     text after the action prompt, teacher-forced over the full vocabulary: where the target
-     lies from the agent, one letter per axis (``l``/``c``/``r``, ``u``/``c``/``d``; 0.1 dead
-     zone), repeated once per action slot. This stands in for the VLM OpenVLA starts from. By
-     default only the language model trains here (``--vlm-train lm``; Prismatic also freezes
-     the vision tower when it trains the VLM), on scenes with the agent at the centre
-     (``--vlm-scenes center``);
+   has to learn to act (``tests/pipelines/toy_vlm.py``, shared with the learning tests): the
+   vision tower learns to localise the scene (``--pretrain-steps``), then the language model
+   learns to caption where the target lies from the agent (``--vlm-steps``, on
+   ``--vlm-scenes``, training ``--vlm-train``: the language model alone by default);
 3. saves that policy as a checkpoint, measures its greedy success on 64 held-out scenes, trains
    it with the real ``rlinf-vla train`` (local Ray, collocated) and measures the last checkpoint
    on the same scenes.
@@ -29,13 +21,13 @@ Prints a table and writes JSON (default ``benchmarks/results/openvla_learning.js
     PYTHONPATH=. python benchmarks/openvla_learning.py                    # the default case
     PYTHONPATH=. python benchmarks/openvla_learning.py --iterations 40 --lr 7e-4
     PYTHONPATH=. python benchmarks/openvla_learning.py --chunk 2 --rollout-chunks 12 --epochs 4
-    # the VLM warm start, then RL of the action read-out alone (LoRA on lm_head):
-    PYTHONPATH=. python benchmarks/openvla_learning.py --vlm-steps 300 --iterations 48 \
-        --lr 1e-2 --set ++algo.minibatch_size=96 --set ++algo.micro_batch_size=96 \
+    # the learning tests' settings: VLM warm start, RL of the action read-out (LoRA on lm_head)
+    PYTHONPATH=. python benchmarks/openvla_learning.py --vlm-steps 500 --chunk 1 \
+        --rollout-chunks 24 --iterations 32 --lr 1e-2 --epochs 4 --minibatch 192 --clip 0.3 \
         --set ++policy.lora_rank=8 --set "++policy.lora_target_modules=.*lm_head"
 
 The JSON also holds how well the scene can be read off the language model at the action
-positions (:func:`direction_probe`: a linear classifier of where the target lies, per axis,
+positions (``direction_probe``: a linear classifier of where the target lies, per axis,
 trained on the hidden states that predict each action token) after pretraining and after RL;
 it shows whether RL kept or destroyed what pretraining taught.
 
@@ -53,12 +45,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from rlinf_vla import cli
 from rlinf_vla.envs import make_env
 from rlinf_vla.pipelines.evaluation import greedy_eval
 from rlinf_vla.policies import make_policy
+from tests.pipelines.toy_vlm import direction_probe, pretrain_vision, pretrain_vlm
 
 ENV = {
     "action_dim": 2,
@@ -69,118 +60,6 @@ ENV = {
     "max_episode_steps": 24,
 }
 EVAL_EPISODES = 64
-
-
-def pretrain_vision(policy, env_cfg: dict, steps: int, lr: float, batch: int = 64) -> list[float]:
-    """Train ``vision_backbone`` + ``projector`` to regress (agent xy, target xy) from the mean
-    projected patch of fresh toy scenes (the agent in a random cell). Returns the loss curve."""
-    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": "random"})
-    head = torch.nn.Linear(policy.vla.llm_dim, 4)
-    params = [
-        *policy.vla.vision_backbone.parameters(),
-        *policy.vla.projector.parameters(),
-        *head.parameters(),
-    ]
-    opt = torch.optim.AdamW(params, lr=lr)
-    gen = torch.Generator().manual_seed(12345)
-    losses = []
-    try:
-        for _ in range(steps):
-            obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
-            target = torch.cat([obs.state, env.target_pos], dim=1)
-            feats = policy.vla.patch_embeddings(policy.processor.pixel_values(obs)).mean(1)
-            loss = torch.nn.functional.mse_loss(head(feats), target)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    finally:
-        env.close()
-    return losses
-
-
-def relation(agent: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Where the target lies from the agent, per axis: ``long [B, 2]`` in {0, 1, 2} (x: left,
-    centre, right; y: up, centre, down; within 0.1 counts as centre)."""
-    d = target - agent
-    return (d > 0.1).long() - (d < -0.1).long() + 1
-
-
-def relation_chars(policy, agent: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Token ids ``[B, chunk * action_dim]`` of the caption: ``l``/``c``/``r`` for x and
-    ``u``/``c``/``d`` for y, repeated once per action slot."""
-    tok = policy.processor.tokenizer
-    letters = torch.tensor([[tok(c).input_ids[-1] for c in axis] for axis in ("lcr", "ucd")])
-    rel = relation(agent, target)
-    pair = torch.stack([letters[0][rel[:, 0]], letters[1][rel[:, 1]]], dim=1)
-    return pair.repeat(1, policy.config.chunk_size)
-
-
-def pretrain_vlm(
-    policy, env_cfg: dict, steps: int, lr: float, scenes: str, train: str, batch: int = 64
-) -> list[float]:
-    """Vision-language pretraining: the caption of :func:`relation_chars` after the action
-    prompt, teacher-forced, cross-entropy over the full vocabulary. ``train="lm"`` updates the
-    language model only, ``"all"`` the whole model. No action token is ever a target."""
-    start = "random" if scenes == "random" else "center"
-    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": start})
-    module = policy.vla.language_model if train == "lm" else policy
-    opt = torch.optim.AdamW(module.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(12345)
-    losses = []
-    try:
-        for _ in range(steps):
-            obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
-            if scenes == "paths":
-                # The agent part of the way to the target (envs that arrive start over).
-                for _ in range(int(torch.randint(0, 9, (1,), generator=gen))):
-                    obs = env.chunk_step(env.oracle_actions(1)).obs
-            ids = relation_chars(policy, obs.state, env.target_pos)
-            hidden, flat = policy._teacher_forced(policy._prefix(obs), ids.view(batch, -1, 2))
-            logits = policy.vla.language_model.lm_head(hidden).float()
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), flat.flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    finally:
-        env.close()
-    return losses
-
-
-def direction_probe(policy, env_cfg: dict, scenes: int = 512, steps: int = 300) -> list[float]:
-    """Per action position, the held-out accuracy of a linear classifier of :func:`relation`
-    (mean over x and y) on the language model's hidden state that predicts that action token,
-    with random action tokens fed before it (chance is about 0.4). Trained on 3/4 of
-    ``scenes`` held-out scenes, scored on the rest."""
-    env = make_env("toy", **{**env_cfg, "num_envs": scenes})
-    try:
-        obs = env.reset(reset_ids=torch.arange(10**6, 10**6 + scenes))
-        labels = relation(obs.state, env.target_pos)
-    finally:
-        env.close()
-    cfg = policy.config
-    gen = torch.Generator().manual_seed(0)
-    index = torch.randint(0, cfg.n_action_bins, (scenes, cfg.chunk_size, 2), generator=gen)
-    ids = policy.processor.action_tokenizer.from_index(index)
-    with torch.no_grad():
-        hidden, _ = policy._teacher_forced(policy._prefix(obs), ids)
-    train, test = slice(0, scenes * 3 // 4), slice(scenes * 3 // 4, scenes)
-    accuracy = []
-    for pos in range(hidden.shape[1]):
-        h = hidden[:, pos].float()
-        head = torch.nn.Linear(h.shape[1], 6)
-        opt = torch.optim.Adam(head.parameters(), lr=1e-2)
-        for _ in range(steps):
-            out = head(h[train]).view(-1, 2, 3)
-            loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), labels[train].flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        with torch.no_grad():
-            pred = head(h[test]).view(-1, 2, 3).argmax(-1)
-        accuracy.append(round(float((pred == labels[test]).float().mean()), 3))
-    return accuracy
 
 
 def greedy_success(policy, env_cfg: dict) -> float:
@@ -215,8 +94,10 @@ def run_case(args: argparse.Namespace, work: Path) -> dict:
     algo = {
         "lr": args.lr,
         "update_epochs": args.epochs,
-        "minibatch_size": 32,
-        "micro_batch_size": 32,
+        "minibatch_size": args.minibatch,
+        "micro_batch_size": args.minibatch,
+        "clip_low": args.clip,
+        "clip_high": args.clip,
         "gamma": 0.8,
         "lam": 0.9,
     }
@@ -277,6 +158,8 @@ def main() -> None:
     parser.add_argument("--bins", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--minibatch", type=int, default=32)
+    parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--vlm-steps", type=int, default=0)

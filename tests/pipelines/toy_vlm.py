@@ -1,0 +1,159 @@
+"""A pretrained starting point for the tiny OpenVLA on the toy env, made in seconds.
+
+A real OpenVLA starts RL from pretrained vision towers and a vision-language model; the tiny
+preset starts from random weights, and from there neither PPO, GRPO nor cloning learns the
+image-to-action mapping in a CI budget (docs/training.md, "Learning tests"). These two stages
+stand in for that pretraining. Neither ever shows the policy an action token, so after them it
+still has to learn to act, which the learning tests then do with RL:
+
+1. :func:`pretrain_vision`: the vision tower and projector learn to localise the scene
+   (regressing the agent's and the target's positions from the mean projected patch);
+2. :func:`pretrain_vlm`: with the vision tower frozen (as Prismatic trains its VLMs), the
+   language model learns to *describe* the scene after the action prompt: where the target lies
+   from the agent, one letter per axis (:func:`relation_chars`), teacher-forced over the whole
+   vocabulary.
+
+:func:`direction_probe` measures how well the scene can still be read off the language model
+at the action positions, to see whether RL kept what this pretraining taught.
+
+Used by ``tests/pipelines/test_learning.py`` and ``benchmarks/openvla_learning.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from rlinf_vla.envs import make_env
+
+#: Where the target lies from the agent, per axis, as caption letters (x, then y).
+LETTERS = ("lcr", "ucd")
+#: Offsets within this distance count as "centre" (``c``) on an axis.
+DEAD_ZONE = 0.1
+
+
+def relation(agent: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Where the target lies from the agent, per axis: ``long [B, 2]`` in {0, 1, 2} (x: left,
+    centre, right; y: up, centre, down; image y grows downwards)."""
+    d = target - agent
+    return (d > DEAD_ZONE).long() - (d < -DEAD_ZONE).long() + 1
+
+
+def relation_chars(policy, agent: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Token ids ``[B, chunk, 2]`` of the caption: the x letter and the y letter of
+    :func:`relation`, repeated once per action step of the chunk."""
+    tok = policy.processor.tokenizer
+    letters = torch.tensor([[tok(c).input_ids[-1] for c in axis] for axis in LETTERS])
+    rel = relation(agent, target)
+    pair = torch.stack([letters[0][rel[:, 0]], letters[1][rel[:, 1]]], dim=1)
+    return pair[:, None, :].repeat(1, policy.config.chunk_size, 1)
+
+
+def pretrain_vision(policy, env_cfg: dict, steps: int, lr: float = 1e-3, batch: int = 64):
+    """Train ``vision_backbone`` + ``projector`` (and a linear head, discarded) to regress
+    (agent xy, target xy) from the mean projected patch of fresh scenes, the agent anywhere.
+    Returns the loss per step."""
+    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": "random"})
+    head = torch.nn.Linear(policy.vla.llm_dim, 4)
+    params = [
+        *policy.vla.vision_backbone.parameters(),
+        *policy.vla.projector.parameters(),
+        *head.parameters(),
+    ]
+    opt = torch.optim.AdamW(params, lr=lr)
+    gen = torch.Generator().manual_seed(12345)
+    losses = []
+    try:
+        for _ in range(steps):
+            obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
+            target = torch.cat([obs.state, env.target_pos], dim=1)
+            feats = policy.vla.patch_embeddings(policy.processor.pixel_values(obs)).mean(1)
+            loss = F.mse_loss(head(feats), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        env.close()
+    return losses
+
+
+def pretrain_vlm(
+    policy,
+    env_cfg: dict,
+    steps: int,
+    lr: float = 1e-3,
+    scenes: str = "paths",
+    train: str = "lm",
+    batch: int = 64,
+):
+    """Teach the language model to caption where the target lies (:func:`relation_chars`),
+    after the action prompt, with the cross-entropy over the whole vocabulary. Returns the loss
+    per step.
+
+    Args:
+        scenes: ``"center"``: the agent at the arena centre (where episodes start);
+            ``"paths"``: the agent 0-8 scripted steps of the way to the target (the scenes a
+            policy meets later in an episode); ``"random"``: the agent anywhere.
+        train: ``"lm"`` updates the language model only (the vision tower and projector stay
+            as they are); ``"all"`` the whole model.
+    """
+    start = "random" if scenes == "random" else "center"
+    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": start})
+    module = policy.vla.language_model if train == "lm" else policy
+    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(12345)
+    losses = []
+    try:
+        for _ in range(steps):
+            obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
+            if scenes == "paths":
+                # Part of the way to the target (an env that arrives starts a new scene).
+                for _ in range(int(torch.randint(0, 9, (1,), generator=gen))):
+                    obs = env.chunk_step(env.oracle_actions(1)).obs
+            ids = relation_chars(policy, obs.state, env.target_pos)
+            hidden, flat = policy._teacher_forced(policy._prefix(obs), ids)
+            logits = policy.vla.language_model.lm_head(hidden).float()
+            loss = F.cross_entropy(logits.flatten(0, 1), flat.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        env.close()
+    return losses
+
+
+def direction_probe(policy, env_cfg: dict, scenes: int = 512, steps: int = 300) -> list[float]:
+    """Per action position, the held-out accuracy of a linear classifier of :func:`relation`
+    (mean over x and y) on the hidden state that predicts that action token, with random action
+    tokens fed before it. Chance is about 0.4. Trained on 3/4 of ``scenes`` fresh scenes (the
+    agent at the centre), scored on the rest."""
+    env = make_env("toy", **{**env_cfg, "num_envs": scenes, "agent_start": "center"})
+    try:
+        obs = env.reset(reset_ids=torch.arange(10**6, 10**6 + scenes))
+        labels = relation(obs.state, env.target_pos)
+    finally:
+        env.close()
+    cfg = policy.config
+    gen = torch.Generator().manual_seed(0)
+    index = torch.randint(0, cfg.n_action_bins, (scenes, cfg.chunk_size, 2), generator=gen)
+    ids = policy.processor.action_tokenizer.from_index(index)
+    with torch.no_grad():
+        hidden, _ = policy._teacher_forced(policy._prefix(obs), ids)
+    fit, test = slice(0, scenes * 3 // 4), slice(scenes * 3 // 4, scenes)
+    accuracy = []
+    for pos in range(hidden.shape[1]):
+        h = hidden[:, pos].float()
+        head = torch.nn.Linear(h.shape[1], 6)
+        opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+        for _ in range(steps):
+            out = head(h[fit]).view(-1, 2, 3)
+            loss = F.cross_entropy(out.flatten(0, 1), labels[fit].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            pred = head(h[test]).view(-1, 2, 3).argmax(-1)
+        accuracy.append(round(float((pred == labels[test]).float().mean()), 3))
+    return accuracy
