@@ -1,17 +1,18 @@
 """Tiny OpenVLA learning on the toy env: greedy success before and after RL, per setting.
 
-A learning experiment, not a speed benchmark: the tiny OpenVLA has no CI learning test yet, and
-this script reproduces the measurements in docs/training.md ("Learning tests") so the next
-settings can be tried from the same starting point.
+A learning experiment, not a speed benchmark: it reproduces the measurements in
+docs/training.md ("Learning tests") so that other settings can be tried from the same
+starting point as the OpenVLA learning tests.
 
 Each case:
 
 1. builds ``make_policy("openvla", preset="tiny", ...)`` with ``--seed``;
-2. pretrains it in up to two stages that never show it an action token, so the policy still
-   has to learn to act (``tests/pipelines/toy_vlm.py``, shared with the learning tests): the
-   vision tower learns to localise the scene (``--pretrain-steps``), then the language model
-   learns to caption where the target lies from the agent (``--vlm-steps``, on
-   ``--vlm-scenes``, training ``--vlm-train``: the language model alone by default);
+2. pretrains it in up to three stages that never reward an action that fits the scene, so the
+   policy still has to learn to act (``tests/pipelines/toy_vlm.py``, shared with the learning
+   tests): the vision tower learns to localise the scene (``--pretrain-steps``), the language
+   model learns to caption where the target lies from the agent (``--vlm-steps``, on
+   ``--vlm-scenes``, training ``--vlm-train``: the language model alone by default), and the
+   action read-out learns to hold still (``--rest-steps``);
 3. saves that policy as a checkpoint, measures its greedy success on 64 held-out scenes, trains
    it with the real ``rlinf-vla train`` (local Ray, collocated) and measures the last checkpoint
    on the same scenes.
@@ -21,10 +22,10 @@ Prints a table and writes JSON (default ``benchmarks/results/openvla_learning.js
     PYTHONPATH=. python benchmarks/openvla_learning.py                    # the default case
     PYTHONPATH=. python benchmarks/openvla_learning.py --iterations 40 --lr 7e-4
     PYTHONPATH=. python benchmarks/openvla_learning.py --chunk 2 --rollout-chunks 12 --epochs 4
-    # the learning tests' settings: VLM warm start, RL of the action read-out (LoRA on lm_head)
-    PYTHONPATH=. python benchmarks/openvla_learning.py --vlm-steps 500 --chunk 1 \
-        --rollout-chunks 24 --iterations 32 --lr 1e-2 --epochs 4 --minibatch 192 --clip 0.3 \
-        --set ++policy.lora_rank=8 --set "++policy.lora_target_modules=.*lm_head"
+    # the PPO learning test's settings: VLM warm start, RL of the action read-out (LoRA on lm_head)
+    PYTHONPATH=. python benchmarks/openvla_learning.py --vlm-steps 500 --rest-steps 100 \
+        --chunk 1 --rollout-chunks 24 --iterations 48 --lr 1e-2 --epochs 4 --minibatch 192 \
+        --clip 0.3 --set ++policy.lora_rank=8 --set "++policy.lora_target_modules=.*lm_head"
 
 The JSON also holds how well the scene can be read off the language model at the action
 positions (``direction_probe``: a linear classifier of where the target lies, per axis,
@@ -49,7 +50,12 @@ from rlinf_vla import cli
 from rlinf_vla.envs import make_env
 from rlinf_vla.pipelines.evaluation import greedy_eval
 from rlinf_vla.policies import make_policy
-from tests.pipelines.toy_vlm import direction_probe, pretrain_vision, pretrain_vlm
+from tests.pipelines.toy_vlm import (
+    direction_probe,
+    pretrain_vision,
+    pretrain_vlm,
+    rest_action_head,
+)
 
 ENV = {
     "action_dim": 2,
@@ -85,8 +91,10 @@ def run_case(args: argparse.Namespace, work: Path) -> dict:
     vlm_losses = pretrain_vlm(
         policy, env_cfg, args.vlm_steps, args.pretrain_lr, args.vlm_scenes, args.vlm_train
     )
-    pretrain_s = time.perf_counter() - t0
     probe = {"pretrained": direction_probe(policy, env_cfg)}
+    if args.rest_steps:
+        rest_action_head(policy, env_cfg, args.rest_steps)
+    pretrain_s = time.perf_counter() - t0
     init = work / "init"
     policy.save_pretrained(init)
     before = greedy_success(policy, env_cfg)
@@ -163,8 +171,11 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--vlm-steps", type=int, default=0)
-    parser.add_argument("--vlm-scenes", choices=["center", "paths", "random"], default="paths")
+    parser.add_argument(
+        "--vlm-scenes", choices=["center", "paths", "walks", "random"], default="walks"
+    )
     parser.add_argument("--vlm-train", choices=["lm", "all"], default="lm")
+    parser.add_argument("--rest-steps", type=int, default=0)
     parser.add_argument("--pretrain-lr", type=float, default=1e-3)
     parser.add_argument(
         "--set",

