@@ -91,10 +91,11 @@ def run_case(args: argparse.Namespace, work: Path) -> dict:
     vlm_losses = pretrain_vlm(
         policy, env_cfg, args.vlm_steps, args.pretrain_lr, args.vlm_scenes, args.vlm_train
     )
-    probe = {"pretrained": direction_probe(policy, env_cfg)}
     if args.rest_steps:
         rest_action_head(policy, env_cfg, args.rest_steps)
     pretrain_s = time.perf_counter() - t0
+    # The rest stage trains lm_head only: the hidden states the probe reads are unchanged.
+    probe = {"pretrained": direction_probe(policy, env_cfg)}
     init = work / "init"
     policy.save_pretrained(init)
     before = greedy_success(policy, env_cfg)

@@ -25,6 +25,8 @@ Used by ``tests/pipelines/test_learning.py`` and ``benchmarks/openvla_learning.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn import functional as F
 
@@ -55,31 +57,28 @@ def relation_chars(policy, agent: torch.Tensor, target: torch.Tensor) -> torch.T
     return pair[:, None, :].repeat(1, policy.config.chunk_size, 1)
 
 
-def pretrain_vision(policy, env_cfg: dict, steps: int, lr: float = 1e-3, batch: int = 64):
-    """Train ``vision_backbone`` + ``projector`` (and a linear head, discarded) to regress
-    (agent xy, target xy) from the mean projected patch of fresh scenes, the agent anywhere
-    (a random cell, then 0-6 random steps).
-    Returns the loss per step."""
-    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": "random"})
-    head = torch.nn.Linear(policy.vla.llm_dim, 4)
-    params = [
-        *policy.vla.vision_backbone.parameters(),
-        *policy.vla.projector.parameters(),
-        *head.parameters(),
-    ]
+def _fit(
+    env_cfg: dict,
+    agent_start: str,
+    params,
+    lr: float,
+    steps: int,
+    seed: int,
+    batch: int,
+    loss_fn: Callable,
+) -> list[float]:
+    """AdamW on ``params`` for ``steps`` steps, each on ``batch`` fresh scenes:
+    ``loss_fn(env, obs, gen)`` gives the loss of the scenes just reset (it may step the env
+    first). Every random draw comes from ``gen`` (seeded with ``seed``), so the result does not
+    depend on what ran before in the process. Returns the loss per step."""
+    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": agent_start})
     opt = torch.optim.AdamW(params, lr=lr)
-    gen = torch.Generator().manual_seed(12345)
+    gen = torch.Generator().manual_seed(seed)
     losses = []
     try:
         for _ in range(steps):
             obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
-            # A few random steps: the agent also between the grid cells objects start in.
-            for _ in range(int(torch.randint(0, 7, (1,), generator=gen))):
-                step = torch.rand(batch, 1, env.action_dim, generator=gen) * 2 - 1
-                obs = env.chunk_step(step).obs
-            target = torch.cat([obs.state, env.target_pos], dim=1)
-            feats = policy.vla.patch_embeddings(policy.processor.pixel_values(obs)).mean(1)
-            loss = F.mse_loss(head(feats), target)
+            loss = loss_fn(env, obs, gen)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -87,6 +86,31 @@ def pretrain_vision(policy, env_cfg: dict, steps: int, lr: float = 1e-3, batch: 
     finally:
         env.close()
     return losses
+
+
+def pretrain_vision(policy, env_cfg: dict, steps: int, lr: float = 1e-3, batch: int = 64):
+    """Train ``vision_backbone`` + ``projector`` (and a linear head, discarded) to regress
+    (agent xy, target xy) from the mean projected patch of fresh scenes, the agent anywhere
+    (a random cell, then 0-6 random steps). Returns the loss per step."""
+    with torch.random.fork_rng():  # the same head whatever ran before in the process
+        torch.manual_seed(12345)
+        head = torch.nn.Linear(policy.vla.llm_dim, 4)
+    params = [
+        *policy.vla.vision_backbone.parameters(),
+        *policy.vla.projector.parameters(),
+        *head.parameters(),
+    ]
+
+    def loss_fn(env, obs, gen):
+        # A few random steps: the agent also between the grid cells objects start in.
+        for _ in range(int(torch.randint(0, 7, (1,), generator=gen))):
+            step = torch.rand(batch, 1, env.action_dim, generator=gen) * 2 - 1
+            obs = env.chunk_step(step).obs
+        target = torch.cat([obs.state, env.target_pos], dim=1)
+        feats = policy.vla.patch_embeddings(policy.processor.pixel_values(obs)).mean(1)
+        return F.mse_loss(head(feats), target)
+
+    return _fit(env_cfg, "random", params, lr, steps, 12345, batch, loss_fn)
 
 
 def pretrain_vlm(
@@ -112,36 +136,26 @@ def pretrain_vlm(
         train: ``"lm"`` updates the language model only (the vision tower and projector stay
             as they are); ``"all"`` the whole model.
     """
-    start = "random" if scenes == "random" else "center"
-    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": start})
     module = policy.vla.language_model if train == "lm" else policy
-    opt = torch.optim.AdamW(module.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(12345)
-    losses = []
-    try:
-        for _ in range(steps):
-            obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
-            if scenes in ("paths", "walks"):
-                # Part of the way to the target (an env that arrives starts a new scene).
-                for _ in range(int(torch.randint(0, 9, (1,), generator=gen))):
-                    step = env.oracle_actions(1)
-                    if scenes == "walks":
-                        # Half the steps random: scenes off the straight path too.
-                        noise = torch.rand(step.shape, generator=gen) * 2 - 1
-                        coin = torch.rand(step.shape[0], 1, 1, generator=gen) < 0.5
-                        step = torch.where(coin, noise, step)
-                    obs = env.chunk_step(step).obs
-            ids = relation_chars(policy, obs.state, env.target_pos)
-            hidden, flat = policy._teacher_forced(policy._prefix(obs), ids)
-            logits = policy.vla.language_model.lm_head(hidden).float()
-            loss = F.cross_entropy(logits.flatten(0, 1), flat.flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    finally:
-        env.close()
-    return losses
+
+    def loss_fn(env, obs, gen):
+        if scenes in ("paths", "walks"):
+            # Part of the way to the target (an env that arrives starts a new scene).
+            for _ in range(int(torch.randint(0, 9, (1,), generator=gen))):
+                step = env.oracle_actions(1)
+                if scenes == "walks":
+                    # Half the steps random: scenes off the straight path too.
+                    noise = torch.rand(step.shape, generator=gen) * 2 - 1
+                    coin = torch.rand(step.shape[0], 1, 1, generator=gen) < 0.5
+                    step = torch.where(coin, noise, step)
+                obs = env.chunk_step(step).obs
+        ids = relation_chars(policy, obs.state, env.target_pos)
+        hidden, flat = policy._teacher_forced(policy._prefix(obs), ids)
+        logits = policy.vla.language_model.lm_head(hidden).float()
+        return F.cross_entropy(logits.flatten(0, 1), flat.flatten())
+
+    start = "random" if scenes == "random" else "center"
+    return _fit(env_cfg, start, module.parameters(), lr, steps, 12345, batch, loss_fn)
 
 
 def rest_action_head(
@@ -157,32 +171,22 @@ def rest_action_head(
     token at every action position (cross-entropy over the action bins with label smoothing),
     the rest spread evenly. Greedy actions then hold still (success 0), sampled ones still
     explore every bin. Returns the loss per step."""
-    env = make_env("toy", **{**env_cfg, "num_envs": batch, "agent_start": "center"})
     cfg = policy.config
     zero = policy.processor.actions_to_tokens(torch.zeros(1, 1, cfg.action_dim))
     zero_index = int(policy.processor.action_tokenizer.to_index(zero).flatten()[0])
-    opt = torch.optim.AdamW(policy.vla.language_model.lm_head.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(54321)
-    losses = []
-    try:
-        for _ in range(steps):
-            obs = env.reset(reset_ids=torch.randint(0, 2**30, (batch,), generator=gen))
-            index = torch.randint(0, cfg.n_action_bins, (batch, cfg.chunk_size, cfg.action_dim))
-            ids = policy.processor.action_tokenizer.from_index(index)
-            with torch.no_grad():
-                hidden, _ = policy._teacher_forced(policy._prefix(obs), ids)
-            logits = policy._action_logits(hidden)
-            target = torch.full(logits.shape[:-1], zero_index)
-            loss = F.cross_entropy(
-                logits.flatten(0, 1), target.flatten(), label_smoothing=smoothing
-            )
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    finally:
-        env.close()
-    return losses
+
+    def loss_fn(env, obs, gen):
+        shape = (batch, cfg.chunk_size, cfg.action_dim)
+        index = torch.randint(0, cfg.n_action_bins, shape, generator=gen)
+        ids = policy.processor.action_tokenizer.from_index(index)
+        with torch.no_grad():
+            hidden, _ = policy._teacher_forced(policy._prefix(obs), ids)
+        logits = policy._action_logits(hidden)
+        target = torch.full(logits.shape[:-1], zero_index)
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=smoothing)
+
+    params = policy.vla.language_model.lm_head.parameters()
+    return _fit(env_cfg, "center", params, lr, steps, 54321, batch, loss_fn)
 
 
 def direction_probe(policy, env_cfg: dict, scenes: int = 512, steps: int = 300) -> list[float]:
@@ -206,7 +210,9 @@ def direction_probe(policy, env_cfg: dict, scenes: int = 512, steps: int = 300) 
     accuracy = []
     for pos in range(hidden.shape[1]):
         h = hidden[:, pos].float()
-        head = torch.nn.Linear(h.shape[1], 6)
+        with torch.random.fork_rng():
+            torch.manual_seed(pos)
+            head = torch.nn.Linear(h.shape[1], 6)
         opt = torch.optim.Adam(head.parameters(), lr=1e-2)
         for _ in range(steps):
             out = head(h[fit]).view(-1, 2, 3)
