@@ -199,8 +199,9 @@ def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None
     localise, the language model to caption where the target lies, and the action read-out to
     hold still. PPO then trains the read-out, with one action step per chunk.
 
-    Measured (seed 0, 2 cores): greedy success 0.00 -> 0.92-0.94 after 48 iterations (about 160 s of
-    training, 40 s of warm start).
+    Measured (seed 0, 2 cores): greedy success 0.00 -> 0.81 after 48 iterations (about 160 s of
+    training, 40 s of warm start). The margin is thin: with other draws of the warm start (before
+    its random draws were all seeded) the same settings gave 0.77, 0.92 and 0.94.
     """
     warm = _openvla_warm_start(tmp_path / "warm", OPENVLA_ENV)
     algo = {
@@ -228,11 +229,11 @@ def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> Non
     """GRPO from the same warm start: one advantage per episode (the group-normalised return)
     for all of its 48 action tokens, where PPO has one per step.
 
-    Measured (seed 0, 2 cores, three runs of the same settings): greedy success 0.00 -> 0.39,
-    0.59, 0.69 after 32 iterations of 64 envs in groups of 8 (about 180 s of training); sampled
+    Measured (seed 0, 2 cores): greedy success 0.00 -> 0.38 after 32 iterations of 64 envs in
+    groups of 8 (about 180 s of training), 0.39-0.69 with other draws of the warm start; sampled
     success over the last 4 iterations 0.58-0.74, from 0.05; the per-token entropy only falls
     from 1.8 to 1.6, so the greedy action is still a close call in many scenes and moves a lot
-    between runs. That is short of the 0.8 of the learning-test bar (lr 3e-2 does not help:
+    between warm starts. That is short of the 0.8 of the learning-test bar (lr 3e-2 does not help:
     0.55), so this test guards the learning itself: sampled success over the last 4 iterations at
     least 0.4, greedy success at least 0.25.
     """
