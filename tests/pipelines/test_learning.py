@@ -177,7 +177,7 @@ def _openvla_warm_start(out: Path, env_cfg: dict) -> Path:
         logprob_granularity="token",
         seed=0,
     )
-    pretrain_vision(policy, env_cfg, steps=300)
+    pretrain_vision(policy, env_cfg, steps=1500)
     pretrain_vlm(policy, env_cfg, steps=500, scenes="walks", train="lm")
     probe = direction_probe(policy, env_cfg)
     assert min(probe) >= 0.9, f"the warm start does not describe the scene: {probe}"

@@ -7,7 +7,7 @@ stand in for that pretraining. None ever rewards an action that fits the scene, 
 the policy still has to learn to act, which the learning tests then do with RL:
 
 1. :func:`pretrain_vision`: the vision tower and projector learn to localise the scene
-   (regressing the agent's and the target's positions from the mean projected patch);
+   (regressing the agent's and the target's positions from the projected patches);
 2. :func:`pretrain_vlm`: with the vision tower frozen (as Prismatic trains its VLMs), the
    language model learns to *describe* the scene after the action prompt: where the target lies
    from the agent, one letter per axis (:func:`relation_chars`), teacher-forced over the whole
@@ -88,13 +88,24 @@ def _fit(
     return losses
 
 
-def pretrain_vision(policy, env_cfg: dict, steps: int, lr: float = 1e-3, batch: int = 64):
+def pretrain_vision(
+    policy, env_cfg: dict, steps: int, lr: float = 1e-3, batch: int = 64, walk: int = 6
+):
     """Train ``vision_backbone`` + ``projector`` (and a linear head, discarded) to regress
-    (agent xy, target xy) from the mean projected patch of fresh scenes, the agent anywhere
-    (a random cell, then 0-6 random steps). Returns the loss per step."""
+    (agent xy, target xy) from the projected patches of fresh scenes, concatenated in order, the
+    agent anywhere (a random cell, then 0-``walk`` random steps). Returns the loss per step.
+
+    The head reads every patch, as the language model does; a head on the *mean* patch (tried
+    first) leaves the layout to be inferred from the patch contents and plateaus far higher
+    (MSE 0.05 against 0.008 after 1500 steps: positions off by about 0.2, against 0.09)."""
+    cfg = policy.config
+    size = cfg.image_sizes[0]
+    pixels = torch.zeros(1, 3 * len(cfg.image_sizes) * len(cfg.image_keys), size, size)
+    with torch.no_grad():
+        n_patches = policy.vla.patch_embeddings(pixels).shape[1]
     with torch.random.fork_rng():  # the same head whatever ran before in the process
         torch.manual_seed(12345)
-        head = torch.nn.Linear(policy.vla.llm_dim, 4)
+        head = torch.nn.Linear(policy.vla.llm_dim * n_patches, 4)
     params = [
         *policy.vla.vision_backbone.parameters(),
         *policy.vla.projector.parameters(),
@@ -103,12 +114,12 @@ def pretrain_vision(policy, env_cfg: dict, steps: int, lr: float = 1e-3, batch: 
 
     def loss_fn(env, obs, gen):
         # A few random steps: the agent also between the grid cells objects start in.
-        for _ in range(int(torch.randint(0, 7, (1,), generator=gen))):
+        for _ in range(int(torch.randint(0, walk + 1, (1,), generator=gen))):
             step = torch.rand(batch, 1, env.action_dim, generator=gen) * 2 - 1
             obs = env.chunk_step(step).obs
         target = torch.cat([obs.state, env.target_pos], dim=1)
-        feats = policy.vla.patch_embeddings(policy.processor.pixel_values(obs)).mean(1)
-        return F.mse_loss(head(feats), target)
+        feats = policy.vla.patch_embeddings(policy.processor.pixel_values(obs))
+        return F.mse_loss(head(feats.flatten(1)), target)
 
     return _fit(env_cfg, "random", params, lr, steps, 12345, batch, loss_fn)
 
@@ -121,6 +132,7 @@ def pretrain_vlm(
     scenes: str = "walks",
     train: str = "lm",
     batch: int = 64,
+    walk: int = 8,
 ):
     """Teach the language model to caption where the target lies (:func:`relation_chars`),
     after the action prompt, with the cross-entropy over the whole vocabulary. Returns the loss
@@ -141,7 +153,7 @@ def pretrain_vlm(
     def loss_fn(env, obs, gen):
         if scenes in ("paths", "walks"):
             # Part of the way to the target (an env that arrives starts a new scene).
-            for _ in range(int(torch.randint(0, 9, (1,), generator=gen))):
+            for _ in range(int(torch.randint(0, walk + 1, (1,), generator=gen))):
                 step = env.oracle_actions(1)
                 if scenes == "walks":
                     # Half the steps random: scenes off the straight path too.
