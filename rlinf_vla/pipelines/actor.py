@@ -47,6 +47,11 @@ class AlgoConfig:
         fsdp: with several actor workers, shard the policy, its gradients and the optimizer
             state over them with FSDP2 (``False``: every worker holds a replica and gradients
             are all-reduced).
+        cache_frozen_features: when only the policy's read-out trains (LoRA or fine-tuning of
+            the action logits and the value head, the rest frozen), compute the frozen part's
+            features once per iteration and run only the read-out in the update epochs
+            (``Policy.frozen_features``); the same losses, without recomputing the backbone in
+            every epoch. Policies that cannot split, and FSDP, always run the whole pass.
         autocast: mixed precision of the policy's forward passes in the rollout and the
             update: ``auto`` (bf16 on CUDA devices, off on CPU), ``bf16`` (also on CPU) or
             ``off``. Weights, optimizer state and losses stay float32.
@@ -73,6 +78,7 @@ class AlgoConfig:
     weight_decay: float = 0.0
     lr_schedule: Literal["constant", "linear"] = "constant"
     warmup_iterations: int = 0
+    cache_frozen_features: bool = True
     autocast: Literal["auto", "bf16", "off"] = "auto"
     fsdp: bool = False
 
@@ -407,6 +413,7 @@ class ActorWorker(Worker):
         if a.name == "ppo" and a.normalize_advantages and len(batch) > 1:
             batch.advantages = whiten(batch.advantages)
         lr = self._set_lr(iteration, total_iterations)
+        features = self._frozen_features(batch) if a.cache_frozen_features else None
         n = len(batch)
         sums: dict[str, float] = {}
         steps = 0
@@ -421,10 +428,12 @@ class ActorWorker(Worker):
                     weight = len(idx) / len(mb_idx)
                     if not mb.mask.any():
                         continue
+                    replay = {k: v.to(self.device) for k, v in mb.replay.items()}
                     with autocast(self.device, a.autocast):
-                        out = self.policy.evaluate(
-                            mb.obs, {k: v.to(self.device) for k, v in mb.replay.items()}
-                        )
+                        if features is None:
+                            out = self.policy.evaluate(mb.obs, replay)
+                        else:
+                            out = self.policy.evaluate_features(features[idx], replay)
                     out = EvalOutput(
                         logprob=out.logprob.float(),
                         entropy=out.entropy.float(),
@@ -487,4 +496,23 @@ class ActorWorker(Worker):
         result["train/advantage_mean"] = float(batch.advantages.mean())
         result["train/return_mean"] = float(batch.returns.mean())
         result["train/samples"] = float(batch.mask.sum())
+        result["train/frozen_features"] = float(features is not None)
         return result
+
+    def _frozen_features(self, batch: Batch) -> Tensor | None:
+        """The policy's frozen features of every sample of ``batch`` (``[N, ...]``, computed
+        micro-batch by micro-batch), or ``None`` when it cannot split off its read-out."""
+        if self.fsdp:  # the sharded policy gathers its weights for ``evaluate`` only
+            return None
+        parts = []
+        for start in range(0, len(batch), self.algo.micro_batch_size):
+            mb = batch.select(
+                torch.arange(start, min(start + self.algo.micro_batch_size, len(batch)))
+            )
+            replay = {k: v.to(self.device) for k, v in mb.replay.items()}
+            with autocast(self.device, self.algo.autocast):
+                part = self.policy.frozen_features(mb.obs, replay)
+            if part is None:
+                return None
+            parts.append(part)
+        return torch.cat(parts)

@@ -231,6 +231,23 @@ class Policy(nn.Module, ABC):
     def loss(self, obs: Observation, actions: Tensor) -> Tensor:
         """The family's supervised loss (a scalar) for demonstration ``actions [B, K, A]``."""
 
+    # -- read-out-only training ------------------------------------------------------------
+    def frozen_features(self, obs: Observation, replay: dict[str, Tensor]) -> Tensor | None:
+        """The output of the frozen part of the policy for the replayed actions, or ``None``.
+
+        When every trainable parameter lies in the policy's read-out (the action head and the
+        value head, e.g. LoRA on ``lm_head`` only), the rest of the network computes the same
+        features in every update epoch. A family that can split there returns them (no
+        gradient) and :meth:`evaluate_features` finishes the pass, so the actor computes them
+        once per iteration. ``None`` (the default, and whenever a parameter outside the
+        read-out trains): call :meth:`evaluate` every time.
+        """
+        return None
+
+    def evaluate_features(self, features: Tensor, replay: dict[str, Tensor]) -> EvalOutput:
+        """:meth:`evaluate` from :meth:`frozen_features`' output (the same values)."""
+        raise NotImplementedError(f"{type(self).__name__} does not split off its read-out")
+
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor | None:
         """The critic's estimate ``V(obs)`` ``[B]``, or ``None`` without a value head.

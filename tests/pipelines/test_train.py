@@ -278,3 +278,35 @@ def test_non_finite_updates_abort_the_run_naming_the_checkpoint(tmp_path, capsys
     assert f"runner.resume={tmp_path}" in err
     rows = _metrics(tmp_path)
     assert rows[-1]["iteration"] == 2 and rows[-1]["train/skipped_updates"] >= 2
+
+
+@pytest.mark.slow
+def test_read_out_training_on_cached_features_takes_the_same_steps(tmp_path):
+    # LoRA on lm_head alone: the actor computes the frozen hidden states once per iteration and
+    # runs only the read-out in its epochs. It must take the same optimizer steps as the whole
+    # pass in every epoch.
+    common = [
+        "cluster.devices_per_node=1",
+        *SMALL,
+        "algo.update_epochs=3",
+        "++policy.lora_rank=4",
+        "++policy.lora_target_modules=.*lm_head",
+        "runner.max_iterations=2",
+        "runner.seed=4",
+    ]
+    runs = {}
+    for cached in ("true", "false"):
+        out = tmp_path / cached
+        args = [*common, f"algo.cache_frozen_features={cached}", f"runner.output_dir={out}"]
+        assert cli.main(["train", *args]) == 0
+        runs[cached] = _metrics(out)
+    assert [r["train/frozen_features"] for r in runs["true"]] == [1.0, 1.0]
+    assert [r["train/frozen_features"] for r in runs["false"]] == [0.0, 0.0]
+    for a, b in zip(runs["true"], runs["false"], strict=True):
+        for key in (
+            "env/episode_return",
+            "train/policy_loss",
+            "train/value_loss",
+            "train/grad_norm",
+        ):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

@@ -181,3 +181,48 @@ def test_missing_camera_is_named(policy):
     obs = make_obs(1, cameras=("wrist",))
     with pytest.raises(KeyError, match="'main'"):
         policy.act(obs)
+
+
+def test_frozen_features_only_when_the_read_out_alone_trains():
+    obs = make_obs(3)
+    full = make_policy("openvla", preset="tiny", chunk_size=2, seed=0)
+    out = full.act(obs)
+    assert full.frozen_features(obs, out.replay) is None  # the whole model trains
+    policy = make_policy(
+        "openvla",
+        preset="tiny",
+        chunk_size=2,
+        seed=0,
+        lora_rank=4,
+        lora_target_modules=".*lm_head",
+    )
+    with torch.no_grad():  # a LoRA that changes the logits (B starts at zero)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all(
+        n.startswith(("vla.language_model.lm_head.", "value_head.")) for n in trainable
+    )
+    features = policy.frozen_features(obs, out.replay)
+    assert features.shape == (3, 2 * 7, 64) and not features.requires_grad
+    split = policy.evaluate_features(features, out.replay)
+    whole = policy.evaluate(obs, out.replay)
+    for a, b in (
+        (split.logprob, whole.logprob),
+        (split.entropy, whole.entropy),
+        (split.value, whole.value),
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # The split pass carries the gradient of every trainable parameter.
+    (split.logprob.sum() + split.value.sum()).backward()
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0
+        for p in policy.parameters()
+        if p.requires_grad
+    )
+    # OpenVLA-OFT scores its actions with its own pass: never split.
+    oft = make_policy(
+        "openvla_oft", preset="tiny", seed=0, lora_rank=4, lora_target_modules=".*lm_head"
+    )
+    assert oft.frozen_features(obs, {}) is None

@@ -476,7 +476,11 @@ class OpenVLAPolicy(Policy):
         return hidden[:, -n:], flat
 
     def _score(self, prefix: tuple[Tensor, Tensor, Tensor], ids: Tensor) -> EvalOutput:
-        hidden, flat = self._teacher_forced(prefix, ids)
+        return self._score_hidden(*self._teacher_forced(prefix, ids))
+
+    def _score_hidden(self, hidden: Tensor, flat: Tensor) -> EvalOutput:
+        """Log-prob, entropy and value of the action tokens ``flat [B, n]`` from the hidden
+        states that predict them ``[B, n, D]``: the read-out part of :meth:`_score`."""
         logits = self._action_logits(hidden)
         index = self.processor.action_tokenizer.to_index(flat)
         logp, entropy = categorical_logprob_entropy(logits, index)
@@ -488,6 +492,22 @@ class OpenVLAPolicy(Policy):
 
     def evaluate(self, obs: Observation, replay: dict[str, Tensor]) -> EvalOutput:
         return self._score(self._prefix(obs), replay["action_tokens"])
+
+    #: Parameter-name prefixes of the read-out: the action logits and the value head.
+    _READOUT = ("vla.language_model.lm_head.", "value_head.")
+
+    def frozen_features(self, obs: Observation, replay: dict[str, Tensor]) -> Tensor | None:
+        """The teacher-forced hidden states ``[B, n, D]`` that predict the replayed action
+        tokens, when only ``lm_head`` (or its LoRA) and the value head train; else ``None``."""
+        for name, p in self.named_parameters():
+            if p.requires_grad and not name.startswith(self._READOUT):
+                return None
+        with torch.no_grad():
+            return self._teacher_forced(self._prefix(obs), replay["action_tokens"])[0]
+
+    def evaluate_features(self, features: Tensor, replay: dict[str, Tensor]) -> EvalOutput:
+        ids = replay["action_tokens"]
+        return self._score_hidden(features, ids.reshape(ids.shape[0], -1).to(features.device))
 
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor | None:

@@ -219,6 +219,11 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             actions=actions.float(), logprob=self.reduce(logp), value=value, replay=replay
         )
 
+    def frozen_features(self, obs: Observation, replay: dict[str, Tensor]) -> Tensor | None:
+        """``None``: OFT scores its actions with its own pass (:meth:`evaluate`), not with the
+        parent's teacher-forced one, so the actor always calls :meth:`evaluate`."""
+        return None
+
     def evaluate(self, obs: Observation, replay: dict[str, Tensor]) -> EvalOutput:
         hidden = self._action_hidden(obs)
         if self.config.action_head == "discrete":
