@@ -19,13 +19,13 @@ Each case:
 
 Prints a table and writes JSON (default ``benchmarks/results/openvla_learning.json``)::
 
-    PYTHONPATH=. python benchmarks/openvla_learning.py                    # the default case
-    PYTHONPATH=. python benchmarks/openvla_learning.py --iterations 40 --lr 7e-4
-    PYTHONPATH=. python benchmarks/openvla_learning.py --chunk 2 --rollout-chunks 12 --epochs 4
-    # the PPO learning test's settings: VLM warm start, RL of the action read-out (LoRA on lm_head)
-    PYTHONPATH=. python benchmarks/openvla_learning.py --vlm-steps 500 --rest-steps 100 \
-        --chunk 1 --rollout-chunks 24 --iterations 48 --lr 1e-2 --epochs 4 --minibatch 192 \
-        --clip 0.3 --set ++policy.lora_rank=8 --set "++policy.lora_target_modules=.*lm_head"
+    # the PPO learning test's case: the warm start, then PPO of a LoRA on lm_head
+    PYTHONPATH=. python benchmarks/openvla_learning.py
+    # the GRPO learning test's case
+    PYTHONPATH=. python benchmarks/openvla_learning.py --algo grpo --envs 128 --iterations 24 \
+        --minibatch 768
+    # the whole model instead of the read-out, smaller steps
+    PYTHONPATH=. python benchmarks/openvla_learning.py --readout-lora 0 --lr 5e-4
 
 The JSON also holds how well the scene can be read off the language model at the action
 positions (``direction_probe``: a linear classifier of where the target lies, per axis,
@@ -47,11 +47,10 @@ import time
 from pathlib import Path
 
 from rlinf_vla import cli
-from rlinf_vla.envs import make_env
-from rlinf_vla.pipelines.evaluation import greedy_eval
 from rlinf_vla.policies import make_policy
 from tests.pipelines.toy_vlm import (
     direction_probe,
+    greedy_success,
     pretrain_vision,
     pretrain_vlm,
     rest_action_head,
@@ -65,15 +64,6 @@ ENV = {
     "success_radius": 0.1,
     "max_episode_steps": 24,
 }
-EVAL_EPISODES = 64
-
-
-def greedy_success(policy, env_cfg: dict) -> float:
-    env = make_env("toy", **{**env_cfg, "num_envs": 32})
-    try:
-        return greedy_eval(policy, env, EVAL_EPISODES).success_rate
-    finally:
-        env.close()
 
 
 def run_case(args: argparse.Namespace, work: Path) -> dict:
@@ -119,6 +109,12 @@ def run_case(args: argparse.Namespace, work: Path) -> dict:
         "save_interval": args.iterations,
         "output_dir": str(work / "run"),
     }
+    readout = []
+    if args.readout_lora:
+        readout = [
+            f"++policy.lora_rank={args.readout_lora}",
+            '++policy.lora_target_modules=".*lm_head"',
+        ]
     overrides = [
         "train",
         "cluster.devices_per_node=1",
@@ -131,6 +127,7 @@ def run_case(args: argparse.Namespace, work: Path) -> dict:
         *(f"++algo.{k}={json.dumps(v)}" for k, v in algo.items()),
         *(f"++runner.{k}={json.dumps(v)}" for k, v in runner.items()),
         "runner.logging.tensorboard=false",
+        *readout,
         *args.set,
     ]
     t0 = time.perf_counter()
@@ -160,24 +157,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--algo", choices=["ppo", "grpo"], default="ppo")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--iterations", type=int, default=24)
-    parser.add_argument("--rollout-chunks", type=int, default=6)
+    parser.add_argument("--iterations", type=int, default=48)
+    parser.add_argument("--rollout-chunks", type=int, default=24)
     parser.add_argument("--envs", type=int, default=32)
-    parser.add_argument("--chunk", type=int, default=4)
+    parser.add_argument("--chunk", type=int, default=1)
     parser.add_argument("--bins", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--minibatch", type=int, default=32)
-    parser.add_argument("--clip", type=float, default=0.2)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--minibatch", type=int, default=192)
+    parser.add_argument("--clip", type=float, default=0.3)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--pretrain-steps", type=int, default=300)
-    parser.add_argument("--vlm-steps", type=int, default=0)
+    parser.add_argument("--pretrain-steps", type=int, default=1500)
+    parser.add_argument("--vlm-steps", type=int, default=500)
     parser.add_argument(
         "--vlm-scenes", choices=["center", "paths", "walks", "random"], default="walks"
     )
     parser.add_argument("--vlm-train", choices=["lm", "all"], default="lm")
-    parser.add_argument("--rest-steps", type=int, default=0)
+    parser.add_argument("--rest-steps", type=int, default=100)
     parser.add_argument("--pretrain-lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--readout-lora",
+        type=int,
+        default=8,
+        help="RL trains a LoRA of this rank on lm_head alone (0: the whole model)",
+    )
     parser.add_argument(
         "--set",
         action="append",

@@ -34,17 +34,14 @@ from pathlib import Path
 import pytest
 
 from rlinf_vla import cli
-from rlinf_vla.envs import make_env
-from rlinf_vla.pipelines.evaluation import greedy_eval
 from rlinf_vla.policies import make_policy
 from tests.pipelines.toy_vlm import (
     direction_probe,
+    greedy_success,
     pretrain_vision,
     pretrain_vlm,
     rest_action_head,
 )
-
-EPISODES = 64
 
 # pi0 reads the agent state; "privileged" state adds the offset to the target, so its test
 # exercises Flow-SDE PPO without depending on the tiny vision tower.
@@ -104,14 +101,6 @@ def _train(
     return out
 
 
-def _greedy_success(policy, env_cfg: dict) -> float:
-    env = make_env("toy", **{**env_cfg, "num_envs": 32})
-    try:
-        return greedy_eval(policy, env, EPISODES).success_rate
-    finally:
-        env.close()
-
-
 def _learn(
     tmp_path: Path,
     policy: str,
@@ -124,11 +113,11 @@ def _learn(
     """Train; return the greedy success of the initial policy and of the last checkpoint, and
     the sampled success of every iteration."""
     seed = runner["seed"]
-    before = _greedy_success(make_policy(policy, **policy_cfg, seed=seed), env_cfg)
+    before = greedy_success(make_policy(policy, **policy_cfg, seed=seed), env_cfg)
     run_dir = _train(tmp_path, policy, policy_cfg, env_cfg, algo, algo_cfg, runner)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = run_dir / "checkpoints" / f"iter_{runner['max_iterations']}" / "policy"
-    after = _greedy_success(make_policy(policy, checkpoint=str(last)), env_cfg)
+    after = greedy_success(make_policy(policy, checkpoint=str(last)), env_cfg)
     curve = [round(r["env/success_rate"], 2) for r in rows]
     print(f"{policy} {algo} seed {seed}: greedy {before:.2f} -> {after:.2f}; sampled {curve}")
     return before, after, curve

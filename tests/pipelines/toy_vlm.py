@@ -17,7 +17,7 @@ the policy still has to learn to act, which the learning tests then do with RL:
    instead of whatever a random read-out happens to do) while sampling still tries every
    action.
 
-:func:`direction_probe` measures how well the scene can still be read off the language model
+:func:`greedy_success` scores a policy on fixed held-out scenes; :func:`direction_probe` measures how well the scene can still be read off the language model
 at the action positions, to see whether RL kept what this pretraining taught.
 
 Used by ``tests/pipelines/test_learning.py`` and ``benchmarks/openvla_learning.py``.
@@ -31,6 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from rlinf_vla.envs import make_env
+from rlinf_vla.pipelines.evaluation import greedy_eval
 
 #: Where the target lies from the agent, per axis, as caption letters (x, then y).
 LETTERS = ("lcr", "ucd")
@@ -236,3 +237,13 @@ def direction_probe(policy, env_cfg: dict, scenes: int = 512, steps: int = 300) 
             pred = head(h[test]).view(-1, 2, 3).argmax(-1)
         accuracy.append(round(float((pred == labels[test]).float().mean()), 3))
     return accuracy
+
+
+def greedy_success(policy, env_cfg: dict, episodes: int = 64) -> float:
+    """Greedy success rate of ``policy`` over ``episodes`` held-out scenes (the default
+    evaluation reset ids, so every caller scores the same scenes), 32 envs at a time."""
+    env = make_env("toy", **{**env_cfg, "num_envs": 32})
+    try:
+        return greedy_eval(policy, env, episodes).success_rate
+    finally:
+        env.close()
