@@ -186,13 +186,11 @@ def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None
 
     The warm start never rewards an action that fits the scene: the vision tower learns to
     localise, the language model to caption where the target lies, and the action read-out to
-    hold still. PPO then trains the read-out, with one action step per chunk.
+    hold still. PPO then trains the read-out, with one action step per chunk (the frozen
+    backbone's features are computed once per iteration, ``algo.cache_frozen_features``).
 
-    Measured (seed 0, 2 cores): greedy success 0.00 -> 0.81 after 48 iterations (about 160 s of
-    training, 40 s of warm start) with this file alone; 0.797 in the full suite of a fresh clone
-    (the rollout is not bit-identical between processes); 0.77-0.94 with other draws of the warm
-    start. So the recipe reaches the 0.8 of the learning-test bar only about half the time, and
-    the test guards the learning itself: at most 0.1 before, at least 0.6 after.
+    Measured (seed 0, 2 cores): greedy success 0.00 -> 0.97 after 48 iterations (the sampled
+    success is above 0.95 from iteration 12 on); about 4 minutes with the warm start.
     """
     warm = _openvla_warm_start(tmp_path / "warm", OPENVLA_ENV)
     algo = {
@@ -212,48 +210,36 @@ def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None
         "eval_interval": 0,
     }
     policy_cfg = {"checkpoint": str(warm), **READOUT_LORA}
-    before, after, curve = _learn(
-        tmp_path / "run", "openvla", policy_cfg, OPENVLA_ENV, "ppo", algo, runner
-    )
-    assert before <= 0.1, f"the warm start already succeeds ({before:.2f})"
-    assert after >= 0.6, f"greedy success {before:.2f} -> {after:.2f}; curve {curve}"
+    _check_learns(tmp_path / "run", "openvla", policy_cfg, OPENVLA_ENV, "ppo", algo, runner)
 
 
 @pytest.mark.slow
 def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None:
     """GRPO from the same warm start: one advantage per episode (the group-normalised return)
-    for all of its 48 action tokens, where PPO has one per step.
+    for all of its 48 action tokens, where PPO has one per step, so it needs more episodes:
+    128 envs in groups of 8.
 
-    Measured (seed 0, 2 cores): greedy success 0.00 -> 0.38 after 32 iterations of 64 envs in
-    groups of 8 (about 180 s of training), 0.39-0.69 with other draws of the warm start; sampled
-    success over the last 4 iterations 0.58-0.74, from 0.05; the per-token entropy only falls
-    from 1.8 to 1.6, so the greedy action is still a close call in many scenes and moves a lot
-    between warm starts. That is short of the 0.8 of the learning-test bar (lr 3e-2 does not help:
-    0.55), so this test guards the learning itself: sampled success over the last 4 iterations at
-    least 0.4, greedy success at least 0.25.
+    Measured (seed 0, 2 cores): greedy success 0.00 -> 0.84 after 24 iterations (about 3 minutes
+    with the warm start; sampled success 0.7-0.88 over the last 8 iterations); 0.83 with 8
+    epochs or 32 iterations, 0.58 at lr 2e-2, 0.62 with 64 envs for 32 iterations.
     """
-    env = {**OPENVLA_ENV, "num_envs": 64}
+    env = {**OPENVLA_ENV, "num_envs": 128}
     warm = _openvla_warm_start(tmp_path / "warm", env)
     algo = {
         "group_size": 8,
         "lr": 1e-2,
         "update_epochs": 4,
-        "minibatch_size": 384,
-        "micro_batch_size": 384,
+        "minibatch_size": 768,
+        "micro_batch_size": 768,
         "clip_low": 0.3,
         "clip_high": 0.3,
     }
     runner = {
         "seed": 0,
-        "max_iterations": 32,
+        "max_iterations": 24,
         "rollout_chunks": 24,
-        "save_interval": 32,
+        "save_interval": 24,
         "eval_interval": 0,
     }
     policy_cfg = {"checkpoint": str(warm), **READOUT_LORA}
-    before, after, curve = _learn(
-        tmp_path / "run", "openvla", policy_cfg, env, "grpo", algo, runner
-    )
-    assert before <= 0.1, f"the warm start already succeeds ({before:.2f})"
-    assert sum(curve[-4:]) / 4 >= 0.4, f"sampled success did not rise: {curve}"
-    assert after >= 0.25, f"greedy success {before:.2f} -> {after:.2f}; curve {curve}"
+    _check_learns(tmp_path / "run", "openvla", policy_cfg, env, "grpo", algo, runner)
