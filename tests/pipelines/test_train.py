@@ -33,6 +33,18 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _assert_same_steps(rows_a, rows_b):
+    """Two runs took the same rollouts and optimizer steps, up to float rounding."""
+    for a, b in zip(rows_a, rows_b, strict=True):
+        for key in (
+            "env/episode_return",
+            "train/policy_loss",
+            "train/value_loss",
+            "train/grad_norm",
+        ):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "placement",
@@ -231,14 +243,7 @@ def test_fsdp_matches_replicated_data_parallel_and_resumes(tmp_path):
         args = [*common, *extra, "runner.max_iterations=2", f"runner.output_dir={out}"]
         assert cli.main(["train", *args]) == 0
         runs[name] = _metrics(out)
-    for a, b in zip(runs["dp"], runs["fsdp"], strict=True):
-        for key in (
-            "env/episode_return",
-            "train/policy_loss",
-            "train/value_loss",
-            "train/grad_norm",
-        ):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    _assert_same_steps(runs["dp"], runs["fsdp"])
     # the FSDP checkpoint holds full weights in the policy's format and resumes
     fsdp = tmp_path / "fsdp"
     assert (fsdp / "checkpoints" / "iter_2" / "policy" / "config.json").exists()
@@ -302,11 +307,4 @@ def test_read_out_training_on_cached_features_takes_the_same_steps(tmp_path):
         runs[cached] = _metrics(out)
     assert [r["train/frozen_features"] for r in runs["true"]] == [1.0, 1.0]
     assert [r["train/frozen_features"] for r in runs["false"]] == [0.0, 0.0]
-    for a, b in zip(runs["true"], runs["false"], strict=True):
-        for key in (
-            "env/episode_return",
-            "train/policy_loss",
-            "train/value_loss",
-            "train/grad_norm",
-        ):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    _assert_same_steps(runs["true"], runs["false"])

@@ -17,8 +17,9 @@ the policy still has to learn to act, which the learning tests then do with RL:
    instead of whatever a random read-out happens to do) while sampling still tries every
    action.
 
-:func:`greedy_success` scores a policy on fixed held-out scenes; :func:`direction_probe` measures how well the scene can still be read off the language model
-at the action positions, to see whether RL kept what this pretraining taught.
+:func:`greedy_success` scores a policy on fixed held-out scenes; :func:`direction_probe`
+measures how well the scene can still be read off the language model at the action positions,
+to see whether RL kept what this pretraining taught.
 
 Used by ``tests/pipelines/test_learning.py`` and ``benchmarks/openvla_learning.py``.
 """
