@@ -8,6 +8,9 @@ and one forward/backward pass over those samples, all on one device. That gives 
   every call pays whatever its batch (``act`` is timed on ``B`` and on ``B / 2``
   observations; a call on ``b`` envs costs ``f + (i - f) b / B``);
 - ``u``: one update over an iteration's ``B * T`` samples (``update_epochs`` passes), seconds.
+  When only the read-out trains and ``algo.cache_frozen_features`` is on, the actor computes
+  the frozen features once per iteration and runs the read-out in every pass, and ``u`` is
+  measured the same way.
 
 The cost model of one iteration of ``T`` chunk steps on ``N`` devices, with the envs splitting
 evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor devices) and
@@ -183,7 +186,8 @@ def profile(job: Any, chunks: int = 3) -> Costs:
             with torch.no_grad():
                 out = policy.act(obs)
             obs = env.chunk_step(out.actions).obs
-        _update_cost(policy, obs, out.replay)
+        cache = job.algo.cache_frozen_features and not job.algo.fsdp
+        _update_cost(policy, obs, out.replay, cache)
         half = torch.arange(max(1, env.num_envs // 2))
         env_s = infer_s = half_s = 0.0
         for _ in range(chunks):
@@ -199,11 +203,12 @@ def profile(job: Any, chunks: int = 3) -> Costs:
             infer_s += t1 - t0
             env_s += t2 - t1
             last_obs, obs = obs, next_obs
-        per_sample = _update_cost(policy, last_obs, out.replay) / env.num_envs
+        once_s, pass_s = _update_cost(policy, last_obs, out.replay, cache)
     finally:
         torch.set_num_threads(threads)
         env.close()
-    samples = env.num_envs * job.runner.rollout_chunks * job.algo.update_epochs
+    samples = env.num_envs * job.runner.rollout_chunks
+    update_s = (once_s + pass_s * job.algo.update_epochs) * samples / env.num_envs
     i, i_half = infer_s / chunks, half_s / chunks
     # i(b) = f + (i - f) b / B through the two measurements (b = B and b = len(half))
     share = len(half) / env.num_envs
@@ -211,21 +216,36 @@ def profile(job: Any, chunks: int = 3) -> Costs:
     return Costs(
         env_s / chunks,
         i,
-        per_sample * samples,
+        update_s,
         infer_fixed_s=min(max(fixed, 0.0), i),
     )
 
 
-def _update_cost(policy: Any, obs: Any, replay: dict[str, torch.Tensor]) -> float:
-    """Seconds of one forward/backward pass of the PPO objective's parts over ``obs``."""
+def _update_cost(
+    policy: Any, obs: Any, replay: dict[str, torch.Tensor], cache: bool
+) -> tuple[float, float]:
+    """Seconds of the update's parts over ``obs``: ``(once, per_pass)``. ``per_pass`` is one
+    forward/backward pass of the PPO objective's parts; ``once`` the frozen features computed
+    before the passes when ``cache`` is on and the policy can split off its read-out (else 0,
+    and each pass runs the whole ``evaluate``)."""
+    once = 0.0
+    features = None
+    if cache:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            features = policy.frozen_features(obs, replay)
+        once = time.perf_counter() - t0 if features is not None else 0.0
     t0 = time.perf_counter()
-    out = policy.evaluate(obs, replay)
+    if features is None:
+        out = policy.evaluate(obs, replay)
+    else:
+        out = policy.evaluate_features(features, replay)
     loss = out.logprob.float().mean() + out.entropy.float().mean()
     if out.value is not None:
         loss = loss + out.value.float().pow(2).mean()
     loss.backward()
     policy.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    return once, time.perf_counter() - t0
 
 
 def plan_table(plans: list[Plan], chosen: Plan, env_steps: int) -> str:

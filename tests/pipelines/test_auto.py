@@ -7,7 +7,9 @@ import yaml
 
 from rlinf_vla import cli
 from rlinf_vla.config import ConfigError
-from rlinf_vla.pipelines.auto import Costs, candidate_plans, choose
+from rlinf_vla.pipelines.auto import Costs, _update_cost, candidate_plans, choose
+from rlinf_vla.policies import make_policy
+from tests.policies.conftest import make_obs
 
 
 def _by_key(plans):
@@ -99,3 +101,27 @@ def test_auto_profiles_prints_its_choice_and_trains(tmp_path, capsys):
     assert saved["mode"] in out.split("<- chosen")[0].splitlines()[-1]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1]
+
+
+def test_the_profiled_update_takes_the_path_the_actor_takes():
+    """With the feature cache, the update is profiled as the actor runs it: the frozen features
+    once, then the read-out alone; a whole-model policy pays the whole ``evaluate``."""
+    obs = make_obs(2)
+    readout = make_policy(
+        "openvla", preset="tiny", chunk_size=2, seed=0, lora_rank=4, lora_target_modules=".*lm_head"
+    )
+    replay = readout.act(obs).replay
+
+    def whole_pass(*args):
+        raise AssertionError("the cached path must not run the whole evaluate")
+
+    readout.evaluate = whole_pass
+    once, per_pass = _update_cost(readout, obs, replay, cache=True)
+    assert once > 0 and per_pass > 0
+    full = make_policy("openvla", preset="tiny", chunk_size=2, seed=0)
+    calls = []
+    full.evaluate_features = lambda *args: calls.append(args)
+    once, per_pass = _update_cost(full, obs, full.act(obs).replay, cache=True)
+    assert once == 0.0 and per_pass > 0 and not calls
+    with pytest.raises(AssertionError, match="whole evaluate"):
+        _update_cost(readout, obs, replay, cache=False)  # the cache off: the whole pass
