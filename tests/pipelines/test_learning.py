@@ -215,22 +215,25 @@ def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None
 
 @pytest.mark.slow
 def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None:
-    """GRPO from the same warm start: one advantage per episode (the group-normalised return)
-    for all of its 48 action tokens, where PPO has one per step, so it needs more episodes:
+    """GRPO from the same warm start: one advantage per episode (its return minus its group's
+    mean) for all of its action tokens, where PPO has one per step, so it needs more episodes:
     128 envs in groups of 8.
 
-    Measured (seed 0, 2 cores): greedy success 0.00 -> 0.84 after 24 iterations with this test
-    alone (about 3 minutes with the warm start), but 0.47 in the full suite of a fresh clone,
-    whose rollouts are not bit-identical to a lone run's and drift apart from iteration 3; other
-    settings gave 0.48-0.83. The sampled success over the last 4 iterations was 0.71-0.86 in
-    every run. GRPO's greedy policy is not reliably at the 0.8 bar yet, so this test guards the
-    learning itself: at most 0.1 before; sampled success over the last 4 iterations at least
-    0.6 and greedy success at least 0.35 after.
+    The advantages are not divided by the group's std (``algo.normalize_std=false``, Dr. GRPO).
+    With the dense reward an episode's return is the success bonus plus the progress it made,
+    so in a group whose episodes all succeed the returns differ only by where the last step
+    landed inside the success radius; dividing by their tiny std turns that into advantages of
+    +-1, noise as large as the signal of the groups still learning. With it the greedy success
+    reached 0.47-0.84 across processes (docs/training.md).
+
+    Measured (2 cores): greedy success 0.00 -> 0.98 after 24 iterations (runner seeds 1 and 2:
+    0.95, SEED2), about 4 minutes with the warm start.
     """
     env = {**OPENVLA_ENV, "num_envs": 128}
     warm = _openvla_warm_start(tmp_path / "warm", env)
     algo = {
         "group_size": 8,
+        "normalize_std": False,
         "lr": 1e-2,
         "update_epochs": 4,
         "minibatch_size": 768,
@@ -246,9 +249,4 @@ def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> Non
         "eval_interval": 0,
     }
     policy_cfg = {"checkpoint": str(warm), **READOUT_LORA}
-    before, after, curve = _learn(
-        tmp_path / "run", "openvla", policy_cfg, env, "grpo", algo, runner
-    )
-    assert before <= 0.1, f"the warm start already succeeds ({before:.2f})"
-    assert sum(curve[-4:]) / 4 >= 0.6, f"sampled success did not rise: {curve}"
-    assert after >= 0.35, f"greedy success {before:.2f} -> {after:.2f}; curve {curve}"
+    _check_learns(tmp_path / "run", "openvla", policy_cfg, env, "grpo", algo, runner)

@@ -216,7 +216,9 @@ def direction_probe(policy, env_cfg: dict, scenes: int = 512, steps: int = 300) 
         env.close()
     cfg = policy.config
     gen = torch.Generator().manual_seed(0)
-    index = torch.randint(0, cfg.n_action_bins, (scenes, cfg.chunk_size, 2), generator=gen)
+    index = torch.randint(
+        0, cfg.n_action_bins, (scenes, cfg.chunk_size, cfg.action_dim), generator=gen
+    )
     ids = policy.processor.action_tokenizer.from_index(index)
     with torch.no_grad():
         hidden, _ = policy._teacher_forced(policy._prefix(obs), ids)
