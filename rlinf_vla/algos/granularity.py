@@ -185,13 +185,17 @@ def to_value_level(x: Tensor, *, reward_level: RewardLevel, values: Tensor) -> T
     raise ValueError(f"value targets come from 'chunk' or 'action' rewards, got {reward_level!r}")
 
 
-def episode_scores(rewards: Tensor, dones: Tensor) -> Tensor:
-    """The return of each env's first episode: rewards summed up to and including its first
-    done (all ``T`` steps if it never ended). The GRPO / RLOO score of an embodied rollout.
+def episode_scores(rewards: Tensor, dones: Tensor, gamma: float = 1.0) -> Tensor:
+    """The return of each env's first episode: ``sum_t gamma^t r_t`` over its steps up to and
+    including its first done (all ``T`` steps if it never ended). The GRPO / RLOO score of an
+    embodied rollout; ``gamma < 1`` scores the same success higher the sooner it comes.
 
     Shapes: ``rewards [T, B]``, ``dones [T, B]`` bool -> ``[B]``.
     """
-    return (rewards * valid_until_first_done(dones).to(rewards.dtype)).sum(dim=0)
+    T = rewards.shape[0]
+    discount = gamma ** torch.arange(T, dtype=rewards.dtype, device=rewards.device)
+    valid = valid_until_first_done(dones).to(rewards.dtype)
+    return (rewards * valid * discount[:, None]).sum(dim=0)
 
 
 def valid_until_first_done(dones: Tensor) -> Tensor:

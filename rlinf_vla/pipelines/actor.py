@@ -26,11 +26,13 @@ class AlgoConfig:
 
     Attributes:
         name: ``ppo`` (GAE advantages, value loss) or ``grpo`` (each env's first episode in
-            the rollout is scored by its return; scores are normalised within groups of
-            ``group_size`` envs that share a reset id; no value loss).
+            the rollout is scored by its return, discounted by ``gamma``; scores are
+            normalised within groups of ``group_size`` envs that share a reset id; no value
+            loss).
         group_size: GRPO group size; must equal ``env.group_size``.
         normalize_std: GRPO divides by the group's std (``False``: Dr. GRPO).
-        gamma, lam: discount and GAE lambda, per chunk step.
+        gamma, lam: discount and GAE lambda, per chunk step (GRPO uses ``gamma`` for its
+            episode scores: 1 sums the rewards, below 1 a sooner success scores higher).
         clip_low, clip_high: PPO ratio clip ``[1 - clip_low, 1 + clip_high]``.
         dual_clip: dual-clip constant (``None``: off).
         value_coef, entropy_coef: weights of the value loss and the entropy bonus.
@@ -157,7 +159,7 @@ def _advantages(traj: Any, algo: AlgoConfig) -> tuple[Tensor, Tensor, Tensor]:
         return adv, ret, torch.ones_like(adv, dtype=torch.bool)
     # GRPO: score each env's first episode; its chunk steps share the group-relative advantage.
     dones = chunks["terminated"] | chunks["truncated"]
-    scores = granularity.episode_scores(chunks["rewards"], dones)
+    scores = granularity.episode_scores(chunks["rewards"], dones, gamma=algo.gamma)
     adv, _ = compute_advantages(
         "grpo", scores=scores, group_size=algo.group_size, normalize_std=algo.normalize_std
     )

@@ -139,6 +139,8 @@ def test_episode_scores_and_first_episode_mask():
     rewards = torch.tensor([[1.0, 1.0, 5.0], [2.0, 1.0, 7.0], [4.0, 1.0, 9.0]])
     dones = torch.tensor([[False, False, True], [True, False, False], [False, False, True]])
     assert episode_scores(rewards, dones).tolist() == [3.0, 3.0, 5.0]
+    # discounted per step: env 0: 1 + 0.5 * 2; env 1: 1 + 0.5 + 0.25; env 2: 5
+    assert episode_scores(rewards, dones, gamma=0.5).tolist() == [2.0, 1.75, 5.0]
     assert valid_until_first_done(dones).tolist() == [
         [True, True, True],
         [True, True, False],

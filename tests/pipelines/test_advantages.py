@@ -66,10 +66,8 @@ def test_grpo_scores_first_episode_per_group():
         terminated[t, env, 0] = True
     truncated = torch.zeros_like(terminated)
     zeros = torch.zeros(3, 4)
-    algo = AlgoConfig(name="grpo", group_size=2)
-    adv, ret, mask = _advantages(
-        _trajectory(reward, terminated, truncated, torch.zeros(4, 4), zeros), algo
-    )
+    traj = _trajectory(reward, terminated, truncated, torch.zeros(4, 4), zeros)
+    adv, ret, mask = _advantages(traj, AlgoConfig(name="grpo", group_size=2, gamma=1.0))
     # group (env0, env1): scores (1, 0): mean 0.5, unbiased std sqrt(0.5) -> +-0.7071
     s = 0.5 / 0.5**0.5
     expected = torch.tensor([s, -s, 0.0, 0.0])
@@ -82,6 +80,11 @@ def test_grpo_scores_first_episode_per_group():
         [True, False, False],
         [True, True, True],
     ]
+    # gamma < 1: the score is discounted per chunk step (env 0 succeeds at t=1, env 3 at t=2),
+    # so the sooner success of the group (env 2, env 3) gets the positive advantage.
+    adv, ret, _ = _advantages(traj, AlgoConfig(name="grpo", group_size=2, gamma=0.5))
+    assert torch.equal(ret[0], torch.tensor([0.5, 0.0, 1.0, 0.25]))
+    assert torch.allclose(adv[0], torch.tensor([s, -s, s, -s]), atol=1e-4)
 
 
 def test_build_batch_flattens_time_and_envs():
