@@ -207,8 +207,8 @@ def profile(job: Any, chunks: int = 3) -> Costs:
     finally:
         torch.set_num_threads(threads)
         env.close()
-    samples = env.num_envs * job.runner.rollout_chunks
-    update_s = (once_s + pass_s * job.algo.update_epochs) * samples / env.num_envs
+    # the update was timed on one chunk step of all B envs; an iteration has T of them
+    update_s = (once_s + pass_s * job.algo.update_epochs) * job.runner.rollout_chunks
     i, i_half = infer_s / chunks, half_s / chunks
     # i(b) = f + (i - f) b / B through the two measurements (b = B and b = len(half))
     share = len(half) / env.num_envs
