@@ -226,14 +226,26 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
     """Run the trials ``todo`` on a local or remote Ray cluster; returns how many finished."""
     import torch
 
-    from rlinf_vla.eval.worker import EvalEnvWorker
-    from rlinf_vla.runtime import Cluster, WorkerGroup
+    from rlinf_vla.runtime import torch_threads
 
     ev = job.eval
     total_slots = max(1, min(int(job.env.get("num_envs", 1)), len(todo)))
     threads = ev.policy_threads or max(1, (os.cpu_count() or 1) - total_slots)
-    torch.set_num_threads(threads)
-    torch.manual_seed(ev.seed)
+    # The thread count and the seed hold for this evaluation only: the caller's process (a
+    # training run's evaluation, a test suite) gets its own back afterwards.
+    with torch_threads(threads), torch.random.fork_rng():
+        torch.manual_seed(ev.seed)
+        return _evaluate_in(job, todo, log, console, total_slots, threads)
+
+
+def _evaluate_in(
+    job: EvalJob, todo: list[Trial], log: TrialLog, console: Any, total_slots: int, threads: int
+) -> int:
+    """:func:`_evaluate` once the policy's thread count and seed are set."""
+    from rlinf_vla.eval.worker import EvalEnvWorker
+    from rlinf_vla.runtime import Cluster, WorkerGroup
+
+    ev = job.eval
     policy = build_policy(job)  # fails on a broken checkpoint before any env starts
     num_workers = math.ceil(total_slots / ev.envs_per_worker)
     sizes = [ev.envs_per_worker] * (num_workers - 1)

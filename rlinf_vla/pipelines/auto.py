@@ -38,12 +38,14 @@ lowest estimate wins (ties go to the simpler mode); the table of estimates is pr
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from rlinf_vla.config import ConfigError
+from rlinf_vla.runtime.threads import torch_threads
 
 CHANNEL_ROUND_TRIP_S = 0.002  # measured small-message channel round trip (docs/runtime.md)
 
@@ -177,10 +179,7 @@ def profile(job: Any, chunks: int = 3) -> Costs:
     env = make_env(job.env_name, **dict(job.env, seed=job.env.get("seed", seed)))
     # A worker on a CPU device computes with one thread (the runtime starts it with
     # OMP_NUM_THREADS=1); the driver may have more, which would flatter inference and update.
-    threads = torch.get_num_threads()
-    if policy.device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
+    with torch_threads(1 if policy.device.type == "cpu" else None), closing(env):
         obs = env.reset()
         for _ in range(2):  # the first calls pay one-off kernel and allocator set-up
             with torch.no_grad():
@@ -204,9 +203,6 @@ def profile(job: Any, chunks: int = 3) -> Costs:
             env_s += t2 - t1
             last_obs, obs = obs, next_obs
         once_s, pass_s = _update_cost(policy, last_obs, out.replay, cache)
-    finally:
-        torch.set_num_threads(threads)
-        env.close()
     # the update was timed on one chunk step of all B envs; an iteration has T of them
     update_s = (once_s + pass_s * job.algo.update_epochs) * job.runner.rollout_chunks
     i, i_half = infer_s / chunks, half_s / chunks

@@ -13,6 +13,7 @@ from rlinf_vla.runtime.offload import (
     onload_optimizer,
 )
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, parse_devices, resolve_placement
+from rlinf_vla.runtime.threads import torch_threads
 from rlinf_vla.runtime.worker import (
     GroupResult,
     Worker,
@@ -42,5 +43,6 @@ __all__ = [
     "parse_devices",
     "resolve_placement",
     "split_evenly",
+    "torch_threads",
     "wait_all",
 ]
