@@ -23,7 +23,8 @@ Prints a table and writes JSON (default ``benchmarks/results/openvla_learning.js
     PYTHONPATH=. python benchmarks/openvla_learning.py
     # the GRPO learning test's case
     PYTHONPATH=. python benchmarks/openvla_learning.py --algo grpo --envs 128 --iterations 24 \
-        --minibatch 768 --set ++algo.normalize_std=false
+        --minibatch 768 --set ++algo.normalize_std=false --set ++algo.gamma=0.8 \
+        --set ++algo.lr_schedule=linear
     # the whole model instead of the read-out, smaller steps
     PYTHONPATH=. python benchmarks/openvla_learning.py --readout-lora 0 --lr 5e-4
 
