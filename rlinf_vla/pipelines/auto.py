@@ -169,8 +169,12 @@ def choose(plans: list[Plan]) -> Plan:
     return min(close, key=lambda p: (_SIMPLICITY[p.mode], p.stages, p.iteration_s))
 
 
-def profile(job: Any, chunks: int = 3) -> Costs:
-    """Measure ``e``, ``i`` and ``u`` (module docstring) in this process on one device."""
+def profile(job: Any, chunks: int = 3, sharded: bool = False) -> Costs:
+    """Measure ``e``, ``i`` and ``u`` (module docstring) in this process on one device.
+
+    ``sharded``: the actor will shard the policy with FSDP, which always runs the whole
+    ``evaluate`` (no feature cache); the update is then profiled that way.
+    """
     from rlinf_vla.envs import make_env
     from rlinf_vla.policies import make_policy
 
@@ -185,7 +189,7 @@ def profile(job: Any, chunks: int = 3) -> Costs:
             with torch.no_grad():
                 out = policy.act(obs)
             obs = env.chunk_step(out.actions).obs
-        cache = job.algo.cache_frozen_features and not job.algo.fsdp
+        cache = job.algo.cache_frozen_features and not sharded
         _update_cost(policy, obs, out.replay, cache)
         half = torch.arange(max(1, env.num_envs // 2))
         env_s = infer_s = half_s = 0.0
@@ -262,7 +266,9 @@ def resolve_auto(job: Any, num_devices: int, log: Any = print) -> Any:
 
     env_cfg = env_config(job.env_name, **job.env)
     log(f"placement=auto: profiling {job.placement.profile_chunks} chunk steps and one update ...")
-    costs = profile(job, job.placement.profile_chunks)
+    # The runner shards (algo.fsdp) only over several actor workers: on one device never; on
+    # several, a plan with one actor device is then estimated without the cache (too high).
+    costs = profile(job, job.placement.profile_chunks, sharded=job.algo.fsdp and num_devices > 1)
     plans = candidate_plans(
         costs,
         num_devices,

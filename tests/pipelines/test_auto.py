@@ -125,3 +125,34 @@ def test_the_profiled_update_takes_the_path_the_actor_takes():
     assert once == 0.0 and per_pass > 0 and not calls
     with pytest.raises(AssertionError, match="whole evaluate"):
         _update_cost(readout, obs, replay, cache=False)  # the cache off: the whole pass
+
+
+@pytest.mark.parametrize(("devices", "cached"), [(1, True), (2, False)])
+def test_fsdp_profiles_the_cache_only_where_the_actor_cannot_shard(monkeypatch, devices, cached):
+    """``algo.fsdp`` shards only over several actor workers: on one device the actor keeps the
+    feature cache, and the profiled update must too."""
+    from rlinf_vla.pipelines import auto
+    from rlinf_vla.pipelines.config import validate
+
+    seen = []
+
+    def update_cost(policy, obs, replay, cache):
+        seen.append(cache)
+        return 0.0, 0.01
+
+    monkeypatch.setattr(auto, "_update_cost", update_cost)
+    job = validate(
+        cli.compose(
+            "train",
+            [
+                "env=toy",
+                "env.num_envs=4",
+                "runner.rollout_chunks=2",
+                "placement=auto",
+                "algo.fsdp=true",
+                "algo.cache_frozen_features=true",
+            ],
+        )
+    )
+    auto.resolve_auto(job, devices, log=lambda *a: None)
+    assert seen and set(seen) == {cached}
