@@ -232,8 +232,11 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
     total_slots = max(1, min(int(job.env.get("num_envs", 1)), len(todo)))
     threads = ev.policy_threads or max(1, (os.cpu_count() or 1) - total_slots)
     # The thread count and the seed hold for this evaluation only: the caller's process (a
-    # training run's evaluation, a test suite) gets its own back afterwards.
-    with torch_threads(threads), torch.random.fork_rng():
+    # training run's evaluation, a test suite) gets its own back afterwards. Only the policy's
+    # device has its RNG saved (no CUDA context for a CPU policy on a GPU machine).
+    device = torch.device(_policy_device(job))
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch_threads(threads), torch.random.fork_rng(devices=cuda):
         torch.manual_seed(ev.seed)
         return _evaluate_in(job, todo, log, console, total_slots, threads)
 

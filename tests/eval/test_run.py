@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlinf_vla.eval import run
 from rlinf_vla.eval.report import TrialLog
@@ -113,6 +114,7 @@ def test_crashed_env_is_retried_once_then_an_error(ray_cluster, tmp_path) -> Non
     retry the trial is recorded as an error, outside the success rate."""
     pytest.importorskip("libero.libero")
     out = tmp_path / "eval"
+    torch.manual_seed(1234)
     results = run(
         eval_job(
             "env=libero",
@@ -130,6 +132,9 @@ def test_crashed_env_is_retried_once_then_an_error(ray_cluster, tmp_path) -> Non
         assert t["success"] is None and t["steps"] is None
         assert "no answer within 0.01 s" in t["error"] and "after 2 attempt(s)" in t["error"]
     assert "## Errors" in (out / "summary.md").read_text()
+    # eval seeds its own draws and gives the caller's global RNG back where it left it
+    draw = torch.rand(3)
+    assert torch.equal(draw, torch.rand(3, generator=torch.Generator().manual_seed(1234)))
 
 
 @pytest.mark.sim
