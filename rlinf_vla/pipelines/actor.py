@@ -19,6 +19,9 @@ from rlinf_vla.config import ConfigError, check_at_least
 from rlinf_vla.runtime import Channel, Worker
 from rlinf_vla.types import EvalOutput, Observation
 
+#: ``algo.gamma`` when it is not given: PPO discounts, GRPO scores the plain episode return.
+DEFAULT_GAMMA = {"ppo": 0.99, "grpo": 1.0}
+
 
 @dataclass
 class AlgoConfig:
@@ -33,6 +36,7 @@ class AlgoConfig:
         normalize_std: GRPO divides by the group's std (``False``: Dr. GRPO).
         gamma, lam: discount and GAE lambda, per chunk step (GRPO uses ``gamma`` for its
             episode scores: 1 sums the rewards, below 1 a sooner success scores higher).
+            ``gamma=None`` (the default) takes the algorithm's: 0.99 for PPO, 1.0 for GRPO.
         clip_low, clip_high: PPO ratio clip ``[1 - clip_low, 1 + clip_high]``.
         dual_clip: dual-clip constant (``None``: off).
         value_coef, entropy_coef: weights of the value loss and the entropy bonus.
@@ -62,7 +66,7 @@ class AlgoConfig:
     name: Literal["ppo", "grpo"] = "ppo"
     group_size: int = 1
     normalize_std: bool = True
-    gamma: float = 0.99
+    gamma: float | None = None
     lam: float = 0.95
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -91,6 +95,10 @@ class AlgoConfig:
                 f"algo.micro_batch_size={self.micro_batch_size} must divide "
                 f"algo.minibatch_size={self.minibatch_size}"
             )
+        if self.name not in DEFAULT_GAMMA:
+            raise ConfigError(f"algo.name: unknown {self.name!r} (known: ppo, grpo)")
+        if self.gamma is None:
+            self.gamma = DEFAULT_GAMMA[self.name]
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ConfigError("algo.gamma and algo.lam must lie in [0, 1]")
         if self.name == "grpo" and self.group_size < 2:

@@ -1,7 +1,9 @@
 """Advantages of a rollout as the actor computes them, against numbers worked out by hand."""
 
+import pytest
 import torch
 
+from rlinf_vla.config import ConfigError
 from rlinf_vla.pipelines.actor import AlgoConfig, _advantages, build_batch
 from rlinf_vla.pipelines.rollout import Trajectory
 from rlinf_vla.types import Observation
@@ -67,7 +69,8 @@ def test_grpo_scores_first_episode_per_group():
     truncated = torch.zeros_like(terminated)
     zeros = torch.zeros(3, 4)
     traj = _trajectory(reward, terminated, truncated, torch.zeros(4, 4), zeros)
-    adv, ret, mask = _advantages(traj, AlgoConfig(name="grpo", group_size=2, gamma=1.0))
+    adv, ret, mask = _advantages(traj, AlgoConfig(name="grpo", group_size=2))
+    # GRPO's default gamma is 1: the score is the plain return.
     # group (env0, env1): scores (1, 0): mean 0.5, unbiased std sqrt(0.5) -> +-0.7071
     s = 0.5 / 0.5**0.5
     expected = torch.tensor([s, -s, 0.0, 0.0])
@@ -85,6 +88,14 @@ def test_grpo_scores_first_episode_per_group():
     adv, ret, _ = _advantages(traj, AlgoConfig(name="grpo", group_size=2, gamma=0.5))
     assert torch.equal(ret[0], torch.tensor([0.5, 0.0, 1.0, 0.25]))
     assert torch.allclose(adv[0], torch.tensor([s, -s, s, -s]), atol=1e-4)
+
+
+def test_gamma_defaults_per_algorithm_and_unknown_names_fail():
+    assert AlgoConfig().gamma == 0.99
+    assert AlgoConfig(name="grpo", group_size=2).gamma == 1.0
+    assert AlgoConfig(name="grpo", group_size=2, gamma=0.8).gamma == 0.8
+    with pytest.raises(ConfigError, match="known: ppo, grpo"):
+        AlgoConfig(name="reinforce")
 
 
 def test_build_batch_flattens_time_and_envs():
