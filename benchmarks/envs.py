@@ -2,9 +2,9 @@
 
 Prints a table and writes JSON (default ``benchmarks/results/envs.json``)::
 
-    PYTHONPATH=. python benchmarks/envs.py                      # toy, maniskill, libero
-    PYTHONPATH=. python benchmarks/envs.py --envs toy --seconds 3
-    PYTHONPATH=. python benchmarks/envs.py --images docs/img    # also save one observation each
+    python benchmarks/envs.py                      # toy, maniskill, libero
+    python benchmarks/envs.py --envs toy --seconds 3
+    python benchmarks/envs.py --images docs/img    # also save one observation each
 
 Each case builds the env, resets it, warms up with one chunk and then steps zero-action chunks for
 ``--seconds``. ``env steps/s`` counts every env's steps; ``per env`` divides by ``num_envs`` (for

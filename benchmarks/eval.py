@@ -11,8 +11,8 @@ image size and render settings) and one torch thread for the policy. The harness
 
 Prints a table and writes JSON (default ``benchmarks/results/eval.json``)::
 
-    PYTHONPATH=. python benchmarks/eval.py
-    PYTHONPATH=. python benchmarks/eval.py --task-ids 0 1 --trials 4 --max-steps 60 --num-envs 2
+    python benchmarks/eval.py
+    python benchmarks/eval.py --task-ids 0 1 --trials 4 --max-steps 60 --num-envs 2
 """
 
 from __future__ import annotations

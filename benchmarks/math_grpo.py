@@ -11,8 +11,8 @@ The first step of each side is a warm-up and is not timed.
 TRL is installed only for this benchmark::
 
     pip install 'trl==1.16.*'
-    PYTHONPATH=. python benchmarks/math_grpo.py                      # 8 x 4, 64 tokens, 6 steps
-    PYTHONPATH=. python benchmarks/math_grpo.py --steps 4 --only ours
+    python benchmarks/math_grpo.py                      # 8 x 4, 64 tokens, 6 steps
+    python benchmarks/math_grpo.py --steps 4 --only ours
 
 Prints a table and writes JSON (default ``benchmarks/results/math_grpo.json``).
 """

@@ -8,8 +8,8 @@ Each case:
 
 1. builds ``make_policy("openvla", preset="tiny", ...)`` with ``--seed``;
 2. pretrains it in up to three stages that never reward an action that fits the scene, so the
-   policy still has to learn to act (``tests/pipelines/toy_vlm.py``, shared with the learning
-   tests): the vision tower learns to localise the scene (``--pretrain-steps``), the language
+   policy still has to learn to act (``rlinf_vla.pipelines.toy_pretraining``, shared with the
+   learning tests): the vision tower learns to localise the scene (``--pretrain-steps``), the language
    model learns to caption where the target lies from the agent (``--vlm-steps``, on
    ``--vlm-scenes``, training ``--vlm-train``: the language model alone by default), and the
    action read-out learns to hold still (``--rest-steps``);
@@ -20,13 +20,13 @@ Each case:
 Prints a table and writes JSON (default ``benchmarks/results/openvla_learning.json``)::
 
     # the PPO learning test's case: the warm start, then PPO of a LoRA on lm_head
-    PYTHONPATH=. python benchmarks/openvla_learning.py
+    python benchmarks/openvla_learning.py
     # the GRPO learning test's case
-    PYTHONPATH=. python benchmarks/openvla_learning.py --algo grpo --envs 128 --iterations 24 \
+    python benchmarks/openvla_learning.py --algo grpo --envs 128 --iterations 24 \
         --minibatch 768 --set ++algo.normalize_std=false --set ++algo.gamma=0.8 \
         --set ++algo.lr_schedule=linear
     # the whole model instead of the read-out, smaller steps
-    PYTHONPATH=. python benchmarks/openvla_learning.py --readout-lora 0 --lr 5e-4
+    python benchmarks/openvla_learning.py --readout-lora 0 --lr 5e-4
 
 The JSON also holds how well the scene can be read off the language model at the action
 positions (``direction_probe``: a linear classifier of where the target lies, per axis,
@@ -48,14 +48,14 @@ import time
 from pathlib import Path
 
 from rlinf_vla import cli
-from rlinf_vla.policies import make_policy
-from tests.pipelines.toy_vlm import (
+from rlinf_vla.pipelines.toy_pretraining import (
     direction_probe,
     greedy_success,
     pretrain_vision,
     pretrain_vlm,
     rest_action_head,
 )
+from rlinf_vla.policies import make_policy
 
 ENV = {
     "action_dim": 2,

@@ -2,8 +2,8 @@
 
 Prints a table and writes JSON (default ``benchmarks/results/pipeline.json``)::
 
-    PYTHONPATH=. python benchmarks/pipeline.py                     # toy (balanced) + ManiSkill
-    PYTHONPATH=. python benchmarks/pipeline.py --workloads toy --iterations 3
+    python benchmarks/pipeline.py                     # toy (balanced) + ManiSkill
+    python benchmarks/pipeline.py --workloads toy --iterations 3
 
 For each workload, in one run on the same hardware:
 

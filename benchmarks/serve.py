@@ -1,8 +1,8 @@
 """Policy-server round-trip latency on loopback, excluding model time; prints a table, writes JSON.
 
-    PYTHONPATH=. python benchmarks/serve.py                       # tiny openvla_oft, 2 x 224 px
-    PYTHONPATH=. python benchmarks/serve.py --requests 1000 --clients 1 4
-    PYTHONPATH=. python benchmarks/serve.py --policy pi0 --image-size 224 --output /tmp/serve.json
+    python benchmarks/serve.py                       # tiny openvla_oft, 2 x 224 px
+    python benchmarks/serve.py --requests 1000 --clients 1 4
+    python benchmarks/serve.py --policy pi0 --image-size 224 --output /tmp/serve.json
 
 Each client connects, sends ``--warmup`` requests, then ``--requests`` requests with two uint8
 cameras of ``--image-size`` px, an 8-d state and an instruction, one at a time. For every

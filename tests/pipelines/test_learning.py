@@ -20,10 +20,10 @@ random-init parameters can learn in a CI-sized budget:
 The tiny OpenVLA does not learn from its random initialisation in a CI budget, by PPO, by GRPO
 or by supervised cloning of the oracle (docs/training.md, "Learning tests", has the runs: the
 random vision tower and the random language model each wait for the other). Its tests start
-instead from a vision-language warm start (``tests/pipelines/toy_vlm.py``: the model learns to
-caption where the target lies and to hold still, never to act on the scene) and train the
-action read-out with RL. ``benchmarks/openvla_learning.py`` runs the same experiment with other
-settings.
+instead from a vision-language warm start (``rlinf_vla.pipelines.toy_pretraining``: the model
+learns to caption where the target lies and to hold still, never to act on the scene) and
+train the action read-out with RL. ``benchmarks/openvla_learning.py`` runs the same
+experiment with other settings.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from pathlib import Path
 import pytest
 
 from rlinf_vla import cli
-from rlinf_vla.policies import make_policy
-from tests.pipelines.toy_vlm import (
+from rlinf_vla.pipelines.toy_pretraining import (
     direction_probe,
     greedy_success,
     pretrain_vision,
     pretrain_vlm,
     rest_action_head,
 )
+from rlinf_vla.policies import make_policy
 
 # pi0 reads the agent state; "privileged" state adds the offset to the target, so its test
 # exercises Flow-SDE PPO without depending on the tiny vision tower.
@@ -155,8 +155,8 @@ OPENVLA_ENV = {
 
 
 def _openvla_warm_start(out: Path, env_cfg: dict) -> Path:
-    """The vision-language warm start of ``tests/pipelines/toy_vlm.py`` (about 40 s), saved to
-    ``out``; its greedy policy holds still."""
+    """The vision-language warm start of ``rlinf_vla.pipelines.toy_pretraining`` (about 40 s),
+    saved to ``out``; its greedy policy holds still."""
     policy = make_policy(
         "openvla",
         preset="tiny",

@@ -116,6 +116,17 @@ def test_value_reads_the_state_before_the_first_action(policy):
     torch.testing.assert_close(ev.value, out.value, rtol=0, atol=1e-6)
 
 
+def test_action_hidden_states_predict_each_action_token(policy):
+    # Greedy decoding (one token at a time, KV cache) picks the argmax at every position, so the
+    # teacher-forced hidden states of that sequence must give back the same argmax everywhere.
+    obs = make_obs(2)
+    greedy = policy.act(obs, greedy=True).replay["action_tokens"]  # [2, K=2, A=7]
+    hidden = policy.action_hidden_states(obs, greedy)
+    assert hidden.shape == (2, 14, policy.vla.llm_dim)
+    index = policy.action_logits(hidden).argmax(-1)
+    assert torch.equal(policy.processor.action_tokenizer.from_index(index), greedy.flatten(1))
+
+
 def test_top_k_one_is_greedy():
     p = make_policy("openvla", preset="tiny", top_k=1, seed=1)
     obs = make_obs(2)

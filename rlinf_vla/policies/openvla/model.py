@@ -398,8 +398,9 @@ class OpenVLAPolicy(Policy):
             inputs_embeds=embeds, attention_mask=mask, position_ids=positions, **kw
         )
 
-    def _action_logits(self, hidden: Tensor) -> Tensor:
-        """Sampling logits over the 256 action ids ``[..., n_bins]`` (float32)."""
+    def action_logits(self, hidden: Tensor) -> Tensor:
+        """Sampling logits over the action bins ``[..., n_bins]`` (float32) from hidden states
+        ``[..., D]`` (the temperature and top-k of the config applied)."""
         cfg = self.config
         logits = self.vla.language_model.lm_head(hidden)
         first = self.processor.action_tokenizer.first_id
@@ -426,7 +427,7 @@ class OpenVLAPolicy(Policy):
         position = positions[:, -1:]
         tokens, logps = [], []
         for i in range(self.num_action_tokens):
-            logits = self._action_logits(hidden)
+            logits = self.action_logits(hidden)
             index = (
                 logits.argmax(-1)
                 if greedy
@@ -475,13 +476,21 @@ class OpenVLAPolicy(Policy):
         hidden = self._lm(embeds, mask, positions).last_hidden_state
         return hidden[:, -n:], flat
 
+    def action_hidden_states(self, obs: Observation, action_tokens: Tensor) -> Tensor:
+        """The language model's last hidden states ``[B, n, D]`` at the ``n = K * A``
+        positions that predict the action tokens ``action_tokens [B, K, A]``, teacher-forced
+        after the image and prompt of ``obs``: what :meth:`action_logits` reads to score them
+        (``lm_head`` of them gives the logits over the whole vocabulary). With gradients; for
+        probes and auxiliary losses on the model's internal state."""
+        return self._teacher_forced(self._prefix(obs), action_tokens)[0]
+
     def _score(self, prefix: tuple[Tensor, Tensor, Tensor], ids: Tensor) -> EvalOutput:
         return self._score_hidden(*self._teacher_forced(prefix, ids))
 
     def _score_hidden(self, hidden: Tensor, flat: Tensor) -> EvalOutput:
         """Log-prob, entropy and value of the action tokens ``flat [B, n]`` from the hidden
         states that predict them ``[B, n, D]``: the read-out part of :meth:`_score`."""
-        logits = self._action_logits(hidden)
+        logits = self.action_logits(hidden)
         index = self.processor.action_tokenizer.to_index(flat)
         logp, entropy = categorical_logprob_entropy(logits, index)
         return EvalOutput(

@@ -198,7 +198,7 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         hidden = self._action_hidden(obs)
         value = self._value(hidden[:, 0])
         if self.config.action_head == "discrete":
-            logits = self._action_logits(hidden)
+            logits = self.action_logits(hidden)
             if greedy:
                 index = logits.argmax(-1)
             else:
@@ -227,7 +227,7 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
     def evaluate(self, obs: Observation, replay: dict[str, Tensor]) -> EvalOutput:
         hidden = self._action_hidden(obs)
         if self.config.action_head == "discrete":
-            logits = self._action_logits(hidden)
+            logits = self.action_logits(hidden)
             flat = replay["action_tokens"].reshape(hidden.shape[0], -1).to(hidden.device)
             index = self.processor.action_tokenizer.to_index(flat)
             logp, entropy = categorical_logprob_entropy(logits, index)

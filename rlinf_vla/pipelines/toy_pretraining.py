@@ -21,7 +21,8 @@ the policy still has to learn to act, which the learning tests then do with RL:
 measures how well the scene can still be read off the language model at the action positions,
 to see whether RL kept what this pretraining taught.
 
-Used by ``tests/pipelines/test_learning.py`` and ``benchmarks/openvla_learning.py``.
+Used by the OpenVLA learning tests (``tests/pipelines/test_learning.py``) and
+``benchmarks/openvla_learning.py``; docs/training.md, "Learning tests", has the figures.
 """
 
 from __future__ import annotations
@@ -164,9 +165,9 @@ def pretrain_vlm(
                     step = torch.where(coin, noise, step)
                 obs = env.chunk_step(step).obs
         ids = relation_chars(policy, obs.state, env.target_pos)
-        hidden, flat = policy._teacher_forced(policy._prefix(obs), ids)
+        hidden = policy.action_hidden_states(obs, ids)
         logits = policy.vla.language_model.lm_head(hidden).float()
-        return F.cross_entropy(logits.flatten(0, 1), flat.flatten())
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten().to(logits.device))
 
     start = "random" if scenes == "random" else "center"
     return _fit(env_cfg, start, module.parameters(), lr, steps, 12345, batch, loss_fn)
@@ -194,8 +195,8 @@ def rest_action_head(
         index = torch.randint(0, cfg.n_action_bins, shape, generator=gen)
         ids = policy.processor.action_tokenizer.from_index(index)
         with torch.no_grad():
-            hidden, _ = policy._teacher_forced(policy._prefix(obs), ids)
-        logits = policy._action_logits(hidden)
+            hidden = policy.action_hidden_states(obs, ids)
+        logits = policy.action_logits(hidden)
         target = torch.full(logits.shape[:-1], zero_index)
         return F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=smoothing)
 
@@ -221,7 +222,7 @@ def direction_probe(policy, env_cfg: dict, scenes: int = 512, steps: int = 300) 
     )
     ids = policy.processor.action_tokenizer.from_index(index)
     with torch.no_grad():
-        hidden, _ = policy._teacher_forced(policy._prefix(obs), ids)
+        hidden = policy.action_hidden_states(obs, ids)
     fit, test = slice(0, scenes * 3 // 4), slice(scenes * 3 // 4, scenes)
     accuracy = []
     for pos in range(hidden.shape[1]):
