@@ -10,7 +10,9 @@ and one forward/backward pass over those samples, all on one device. That gives 
 - ``u``: one update over an iteration's ``B * T`` samples (``update_epochs`` passes), seconds.
   When only the read-out trains and ``algo.cache_frozen_features`` is on, the actor computes
   the frozen features once per iteration and runs the read-out in every pass, and ``u`` is
-  measured the same way.
+  measured the same way. With ``algo.fsdp`` the actor shards over several actor workers, and
+  sharded it runs the whole pass in every epoch: ``u`` is then measured both ways, the cached
+  update for plans with one actor device and the whole one for plans with several.
 
 The cost model of one iteration of ``T`` chunk steps on ``N`` devices, with the envs splitting
 evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor devices) and
@@ -59,6 +61,15 @@ class Costs:
     train_s: float
     overhead_s: float = CHANNEL_ROUND_TRIP_S
     infer_fixed_s: float = 0.0  # of ``infer_chunk_s``, paid by every call whatever its batch
+    #: The update as a sharded (FSDP) actor runs it, on one device, where it differs from
+    #: ``train_s`` (the whole pass in every epoch, no feature cache); used for the plans with
+    #: several actor devices. ``None``: the same as ``train_s``.
+    train_sharded_s: float | None = None
+
+    def update_s(self, actors: int) -> float:
+        """Seconds of one iteration's update on ``actors`` actor devices."""
+        u = self.train_s if actors == 1 or self.train_sharded_s is None else self.train_sharded_s
+        return u / actors
 
     def rollout_busy_s(self, batches: int, workers: int) -> float:
         """Seconds a rollout worker computes per chunk step when the env batch is cut into
@@ -100,7 +111,7 @@ def candidate_plans(
 ) -> list[Plan]:
     """Every placement that fits ``num_devices`` and splits ``num_groups`` env groups evenly,
     with its estimated rollout and train time for ``chunks`` chunk steps."""
-    e, u, o = costs.env_chunk_s, costs.train_s, costs.overhead_s
+    e, o = costs.env_chunk_s, costs.overhead_s
     n, t = num_devices, chunks
     plans: list[Plan] = []
     if num_groups % n == 0:
@@ -110,7 +121,7 @@ def candidate_plans(
                 {"actor": "all", "env": "all", "rollout": "all"},
                 1,
                 t * (e / n + costs.rollout_busy_s(n, n)),
-                u / n,
+                costs.update_s(n),
             )
         )
     for env_devices in range(1, n):
@@ -132,7 +143,7 @@ def candidate_plans(
                     "env": _span(0, env_devices),
                     "rollout": _span(env_devices, rollout_devices),
                 }
-                plans.append(Plan("hybrid", components, stages, rollout, u / actors))
+                plans.append(Plan("hybrid", components, stages, rollout, costs.update_s(actors)))
             stages *= 2
         for actor_devices in range(1, rollout_devices):
             r = rollout_devices - actor_devices
@@ -148,7 +159,7 @@ def candidate_plans(
                     },
                     1,
                     t * (e / env_devices + costs.rollout_busy_s(env_devices, r) + o),
-                    u / actor_devices,
+                    costs.update_s(actor_devices),
                 )
             )
     return plans
@@ -172,8 +183,9 @@ def choose(plans: list[Plan]) -> Plan:
 def profile(job: Any, chunks: int = 3, sharded: bool = False) -> Costs:
     """Measure ``e``, ``i`` and ``u`` (module docstring) in this process on one device.
 
-    ``sharded``: the actor will shard the policy with FSDP, which always runs the whole
-    ``evaluate`` (no feature cache); the update is then profiled that way.
+    ``sharded``: plans may shard the actor with FSDP (``algo.fsdp`` on several devices), which
+    always runs the whole ``evaluate`` (no feature cache); the update is then also profiled
+    that way, as ``Costs.train_sharded_s``.
     """
     from rlinf_vla.envs import make_env
     from rlinf_vla.policies import make_policy
@@ -189,8 +201,11 @@ def profile(job: Any, chunks: int = 3, sharded: bool = False) -> Costs:
             with torch.no_grad():
                 out = policy.act(obs)
             obs = env.chunk_step(out.actions).obs
-        cache = job.algo.cache_frozen_features and not sharded
-        _update_cost(policy, obs, out.replay, cache)
+        cache = job.algo.cache_frozen_features
+        # Both paths when a sharded actor would differ from a single one.
+        paths = (cache, False) if sharded and cache else (cache,)
+        for path in paths:
+            _update_cost(policy, obs, out.replay, path)
         half = torch.arange(max(1, env.num_envs // 2))
         env_s = infer_s = half_s = 0.0
         for _ in range(chunks):
@@ -206,9 +221,12 @@ def profile(job: Any, chunks: int = 3, sharded: bool = False) -> Costs:
             infer_s += t1 - t0
             env_s += t2 - t1
             last_obs, obs = obs, next_obs
-        once_s, pass_s = _update_cost(policy, last_obs, out.replay, cache)
+        updates = [_update_cost(policy, last_obs, out.replay, path) for path in paths]
     # the update was timed on one chunk step of all B envs; an iteration has T of them
-    update_s = (once_s + pass_s * job.algo.update_epochs) * job.runner.rollout_chunks
+    update_s = [
+        (once_s + pass_s * job.algo.update_epochs) * job.runner.rollout_chunks
+        for once_s, pass_s in updates
+    ]
     i, i_half = infer_s / chunks, half_s / chunks
     # i(b) = f + (i - f) b / B through the two measurements (b = B and b = len(half))
     share = len(half) / env.num_envs
@@ -216,8 +234,9 @@ def profile(job: Any, chunks: int = 3, sharded: bool = False) -> Costs:
     return Costs(
         env_s / chunks,
         i,
-        update_s,
+        update_s[0],
         infer_fixed_s=min(max(fixed, 0.0), i),
+        train_sharded_s=update_s[1] if len(update_s) > 1 else None,
     )
 
 
@@ -267,7 +286,7 @@ def resolve_auto(job: Any, num_devices: int, log: Any = print) -> Any:
     env_cfg = env_config(job.env_name, **job.env)
     log(f"placement=auto: profiling {job.placement.profile_chunks} chunk steps and one update ...")
     # The runner shards (algo.fsdp) only over several actor workers: on one device never; on
-    # several, a plan with one actor device is then estimated without the cache (too high).
+    # several, plans with one actor device keep the cache and the others do not.
     costs = profile(job, job.placement.profile_chunks, sharded=job.algo.fsdp and num_devices > 1)
     plans = candidate_plans(
         costs,
@@ -283,6 +302,11 @@ def resolve_auto(job: Any, num_devices: int, log: Any = print) -> Any:
         f"inference {costs.infer_chunk_s * 1e3:.1f} ms ({env_cfg.num_envs} envs, of which "
         f"{costs.infer_fixed_s * 1e3:.1f} ms per call whatever its batch), "
         f"update {costs.train_s:.2f} s"
+        + (
+            f" ({costs.train_sharded_s:.2f} s as FSDP runs it, without the feature cache)"
+            if costs.train_sharded_s is not None
+            else ""
+        )
     )
     log(plan_table(plans, chosen, env_steps))
     placement = replace(

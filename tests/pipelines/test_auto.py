@@ -127,10 +127,11 @@ def test_the_profiled_update_takes_the_path_the_actor_takes():
         _update_cost(readout, obs, replay, cache=False)  # the cache off: the whole pass
 
 
-@pytest.mark.parametrize(("devices", "cached"), [(1, True), (2, False)])
-def test_fsdp_profiles_the_cache_only_where_the_actor_cannot_shard(monkeypatch, devices, cached):
+@pytest.mark.parametrize(("devices", "paths"), [(1, {True}), (2, {True, False})])
+def test_fsdp_profiles_the_cache_only_where_the_actor_cannot_shard(monkeypatch, devices, paths):
     """``algo.fsdp`` shards only over several actor workers: on one device the actor keeps the
-    feature cache, and the profiled update must too."""
+    feature cache, and the profiled update must too; on several, a plan with one actor device
+    keeps it and the others shard, so both updates are profiled and each plan gets its own."""
     from rlinf_vla.pipelines import auto
     from rlinf_vla.pipelines.config import validate
 
@@ -138,7 +139,7 @@ def test_fsdp_profiles_the_cache_only_where_the_actor_cannot_shard(monkeypatch, 
 
     def update_cost(policy, obs, replay, cache):
         seen.append(cache)
-        return 0.0, 0.01
+        return 0.0, 0.01 if cache else 0.05  # the whole pass costs 5x the read-out
 
     monkeypatch.setattr(auto, "_update_cost", update_cost)
     job = validate(
@@ -151,8 +152,28 @@ def test_fsdp_profiles_the_cache_only_where_the_actor_cannot_shard(monkeypatch, 
                 "placement=auto",
                 "algo.fsdp=true",
                 "algo.cache_frozen_features=true",
+                "algo.update_epochs=2",
             ],
         )
     )
-    auto.resolve_auto(job, devices, log=lambda *a: None)
-    assert seen and set(seen) == {cached}
+    costs = auto.profile(job, 1, sharded=devices > 1)
+    assert seen and set(seen) == paths
+    # u = (once + per_pass * epochs) * rollout_chunks = 0.01 * 2 * 2 (cached), 0.05 * 2 * 2
+    assert costs.train_s == pytest.approx(0.04)
+    if devices == 1:
+        assert costs.train_sharded_s is None
+    else:
+        assert costs.train_sharded_s == pytest.approx(0.2)
+
+
+def test_each_plan_is_charged_the_update_its_actor_runs():
+    # u = 1 s on one actor device (feature cache), 3 s on one device as FSDP runs it
+    costs = Costs(0.3, 0.1, 1.0, overhead_s=0.01, train_sharded_s=3.0)
+    plans = _by_key(candidate_plans(costs, num_devices=3, num_groups=12, chunks=10, max_stages=4))
+    assert plans[("collocated", "all", "all", 1)].train_s == pytest.approx(3.0 / 3)
+    h1 = plans[("hybrid", "0-1", "2", 1)]  # 2 trajectories: the actor on 2 devices, sharded
+    assert h1.components["actor"] == "0-1" and h1.train_s == pytest.approx(3.0 / 2)
+    h = plans[("hybrid", "0", "1-2", 1)]  # 1 trajectory: one actor device, cache on
+    assert h.components["actor"] == "0" and h.train_s == pytest.approx(1.0)
+    assert plans[("disaggregated", "0", "1", 1)].train_s == pytest.approx(1.0)
+    assert Costs(0.3, 0.1, 1.0).update_s(2) == pytest.approx(0.5)  # no FSDP: one update cost
