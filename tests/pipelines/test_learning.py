@@ -154,9 +154,12 @@ OPENVLA_ENV = {
 }
 
 
-def _openvla_warm_start(out: Path, env_cfg: dict) -> Path:
+@pytest.fixture(scope="module")
+def openvla_warm_start(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The vision-language warm start of ``rlinf_vla.pipelines.toy_pretraining`` (about 40 s),
-    saved to ``out``; its greedy policy holds still."""
+    made once for the OpenVLA tests (it does not depend on the number of envs: every stage
+    draws its own scenes); its greedy policy holds still."""
+    out, env_cfg = tmp_path_factory.mktemp("openvla_warm"), OPENVLA_ENV
     policy = make_policy(
         "openvla",
         preset="tiny",
@@ -181,7 +184,9 @@ READOUT_LORA = {"lora_rank": 8, "lora_target_modules": ".*lm_head"}
 
 
 @pytest.mark.slow
-def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None:
+def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(
+    tmp_path: Path, openvla_warm_start: Path
+) -> None:
     """PPO teaches the tiny OpenVLA to act, starting from a VLM that can describe the scene.
 
     The warm start never rewards an action that fits the scene: the vision tower learns to
@@ -192,7 +197,6 @@ def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None
     Measured (seed 0, 2 cores): greedy success 0.00 -> 0.97-1.00 after 48 iterations (the sampled
     success is above 0.95 from iteration 12 on); about 4 minutes with the warm start.
     """
-    warm = _openvla_warm_start(tmp_path / "warm", OPENVLA_ENV)
     algo = {
         **PPO,
         "lr": 1e-2,
@@ -209,12 +213,14 @@ def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None
         "save_interval": 48,
         "eval_interval": 0,
     }
-    policy_cfg = {"checkpoint": str(warm), **READOUT_LORA}
+    policy_cfg = {"checkpoint": str(openvla_warm_start), **READOUT_LORA}
     _check_learns(tmp_path / "run", "openvla", policy_cfg, OPENVLA_ENV, "ppo", algo, runner)
 
 
 @pytest.mark.slow
-def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> None:
+def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(
+    tmp_path: Path, openvla_warm_start: Path
+) -> None:
     """GRPO from the same warm start: one advantage per episode (its score minus its group's
     mean) for all of its action tokens, where PPO has one per step, so it needs more episodes:
     128 envs in groups of 8.
@@ -237,7 +243,6 @@ def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> Non
     and the decay: 0.98, 0.95, 0.84, 0.61 (docs/training.md has every run).
     """
     env = {**OPENVLA_ENV, "num_envs": 128}
-    warm = _openvla_warm_start(tmp_path / "warm", env)
     algo = {
         "group_size": 8,
         "normalize_std": False,
@@ -257,5 +262,5 @@ def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(tmp_path: Path) -> Non
         "save_interval": 24,
         "eval_interval": 0,
     }
-    policy_cfg = {"checkpoint": str(warm), **READOUT_LORA}
+    policy_cfg = {"checkpoint": str(openvla_warm_start), **READOUT_LORA}
     _check_learns(tmp_path / "run", "openvla", policy_cfg, env, "grpo", algo, runner)
