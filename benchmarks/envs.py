@@ -58,13 +58,16 @@ def cases(envs: list[str], quick: bool) -> list[Case]:
                 out.append(Case("toy", n, 64, k, {}))
         out.append(Case("toy", 64, 128, 1, {}))
     if "maniskill" in envs:
-        sizes = (128,) if quick else (128, 224)
-        for s in sizes:
+        base = {"task": "PickCube-v1", "sim_backend": "cpu"}
+        for s in (128,) if quick else (128, 224):
             for n in (1, 2):
                 for k in (1, 8):
-                    out.append(
-                        Case("maniskill", n, s, k, {"task": "PickCube-v1", "sim_backend": "cpu"})
-                    )
+                    out.append(Case("maniskill", n, s, k, {**base, "fast_render": True}))
+            out.append(Case("maniskill", 1, s, 1, {**base, "fast_render": False}))
+        # Two cameras: the Panda with a hand camera.
+        wrist = {**base, "robot": "panda_wristcam", "wrist": True}
+        for fast in (True, False):
+            out.append(Case("maniskill", 1, 128, 1, {**wrist, "fast_render": fast}))
     if "libero" in envs:
         base = {"suite": "libero_spatial", "task_ids": (0,), "settle_steps": 10}
         for n in (1,) if quick else (1, 2):

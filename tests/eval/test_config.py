@@ -63,3 +63,13 @@ def test_plan_covers_each_init_state_once() -> None:
     assert len(full.trials) == 130 * 50
     assert len({t.key for t in full.trials}) == 130 * 50
     assert len({t.reset_id for t in full.trials}) == 130 * 50
+
+
+def test_training_renders_fast_and_evaluation_renders_the_full_scene() -> None:
+    """Rollouts on the CPU may draw cheaper renders; the evaluation protocols never do."""
+    from rlinf_vla.cli import compose
+
+    for env in ("maniskill", "libero"):
+        assert compose("train", [f"env={env}"]).env.fast_render is True
+        job = eval_job(f"env={env}", "policy=openvla")
+        assert job.env["fast_render"] is False, env

@@ -11,6 +11,7 @@ import torch
 
 from rlinf_vla.envs.base import StepOutput, VectorEnv, register_env
 from rlinf_vla.envs.maniskill.config import ManiSkillEnvConfig, default_instruction
+from rlinf_vla.envs.maniskill.meshes import SceneSimplifier
 from rlinf_vla.envs.vector import SubprocBatch, SubprocEnvs
 from rlinf_vla.types import Observation
 
@@ -169,6 +170,7 @@ class ManiSkillCore:
         self.cameras = _Cameras(self.env, cfg)
         self.flip = _flip_gripper(self.env, cfg)
         self.instruction = cfg.instruction or default_instruction(cfg.task)
+        self.simplifier = SceneSimplifier() if cfg.fast_render else None
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -189,6 +191,8 @@ class ManiSkillCore:
             self.env.reset(seed=int(reset_id))
         if self.cfg.show_goal:
             _reveal_hidden(self.env)
+        if self.simplifier is not None:  # after every reset: a reconfigured scene is new
+            self.simplifier.apply(self.env.scene)
         return self._obs(self.env.get_obs(unflattened=True))
 
     def step(self, action: np.ndarray, render: bool) -> tuple[dict | None, float, bool, bool]:
