@@ -39,6 +39,7 @@ import yaml
 
 from rlinf_vla import cli
 from rlinf_vla.envs import make_env
+from rlinf_vla.pipelines.config import validate
 from rlinf_vla.policies import make_policy
 
 
@@ -60,10 +61,19 @@ class Row:
     of_bound: float
 
 
+def env_overrides(w: Workload) -> list[str]:
+    """The ``rlinf-vla train`` overrides that select the workload's env."""
+    defaults = yaml.safe_load((cli.CONFIG_DIR / "env" / f"{w.env}.yaml").read_text())
+    extra = [f"{'' if k in defaults else '+'}env.{k}={v}" for k, v in w.env_config.items()]
+    return [f"env={w.env}", f"env.num_envs={w.num_envs}", *extra]
+
+
 def sync_loop(w: Workload, chunk_size: int, chunks: int) -> tuple[float, float, float]:
     """The synchronous loop in this process: returns (env steps/s, e, i), e and i per chunk."""
     policy = make_policy("openvla", preset="tiny", chunk_size=chunk_size, seed=0)
-    env = make_env(w.env, num_envs=w.num_envs, **w.env_config)
+    # The env exactly as `rlinf-vla train` builds it: the env group's defaults, then the workload.
+    job = validate(cli.compose("train", env_overrides(w)))
+    env = make_env(job.env_name, **job.env)
     try:
         obs = env.reset()
         for _ in range(2):  # warm-up
@@ -88,13 +98,9 @@ def sync_loop(w: Workload, chunk_size: int, chunks: int) -> tuple[float, float, 
 
 def mode_rate(w: Workload, mode: list[str], devices: int, iterations: int, out: Path) -> float:
     """Median rollout env steps/s of ``rlinf-vla train`` in ``mode`` (iterations after the first)."""
-    defaults = yaml.safe_load((cli.CONFIG_DIR / "env" / f"{w.env}.yaml").read_text())
-    env_args = [f"{'' if k in defaults else '+'}env.{k}={v}" for k, v in w.env_config.items()]
     args = [
         "train",
-        f"env={w.env}",
-        f"env.num_envs={w.num_envs}",
-        *env_args,
+        *env_overrides(w),
         *mode,
         f"cluster.devices_per_node={devices}",
         f"runner.rollout_chunks={w.chunks}",
