@@ -83,7 +83,7 @@ class ManiSkillEnvConfig(EnvConfig):
             sphere), since a VLA only sees the images and the instruction names the goal.
         shader: ManiSkill shader pack of the cameras (``"minimal"`` is the fastest).
         fast_render: draw decimated copies of the dense visual meshes (the Panda's links: about
-            2,000 triangles each instead of up to 21,000) when rendering on the CPU, 2-3x faster
+            2,000 triangles each instead of up to 21,000) when rendering on the CPU, about 2x faster
             per image and within 1/255 of the full picture on average
             (:mod:`rlinf_vla.envs.maniskill.meshes`). GPU rendering is fast and always draws the
             full meshes.

@@ -3,9 +3,9 @@
 On a CPU (SAPIEN on Mesa's llvmpipe) a camera's cost is almost all vertex work: PickCube's scene
 holds about 157,000 triangles, 106,000 of them in the Panda's links, and a 128 px image takes
 40-70 ms whatever its size. Quadric decimation of each dense render body to about 2,000
-triangles leaves a picture that differs from the full one by well under 1/255 on average (the
-links' silhouettes move by a pixel at most) and renders 2-3x faster
-(docs/envs.md, "Throughput").
+triangles leaves a picture that differs from the full one by well under 1/255 on average (a
+pixel of the arm's outline here and there) and renders about 2x faster (docs/envs.md,
+"Throughput").
 
 Only render bodies made entirely of untextured triangle meshes are replaced (a texture needs its
 UV coordinates, which decimation does not carry); primitives, textured meshes (the floor) and
