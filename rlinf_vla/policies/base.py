@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import inspect
 import json
 import re
 from abc import ABC, abstractmethod
@@ -576,6 +578,22 @@ def save_rl_heads(module: nn.Module, path: Path, names: Iterable[str]) -> None:
                 tensors[f"{name}.{k}"] = v.detach().cpu().contiguous()
     if tensors:
         save_file(tensors, str(path / "rl_heads.safetensors"), metadata={"format": "pt"})
+
+
+@functools.cache
+def _cache_keyword(model_cls: type) -> str:
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def kv_cache(model: nn.Module, cache: Any) -> dict[str, Any]:
+    """``{keyword: cache}``: how ``model``'s forward (a Hugging Face model) takes a KV cache.
+
+    Newer transformers releases name the argument ``cache`` and warn on ``past_key_values``
+    (removed in 5.40); earlier ones know only ``past_key_values``. Pass a ``DynamicCache``: it
+    is filled in place, so the output's field (renamed the same way) is never needed.
+    """
+    return {_cache_keyword(type(model)): cache}
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from rlinf_vla.policies.base import kv_cache
+
 Finish = Literal["stop", "length"]
 
 
@@ -130,7 +132,7 @@ def sample_responses(
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
+        **kv_cache(model, cache),
         use_cache=True,
         logits_to_keep=1,
     )
@@ -169,7 +171,7 @@ def sample_responses(
             input_ids=chosen[:, None],
             attention_mask=mask,
             position_ids=next_pos[:, None],
-            past_key_values=cache,
+            **kv_cache(model, cache),
             use_cache=True,
         )
         logits = out.logits[:, -1].float()

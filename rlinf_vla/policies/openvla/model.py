@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from rlinf_vla.policies.base import (
     Policy,
     check_state_dict,
+    kv_cache,
     load_rl_heads,
     load_safetensors_dir,
     register_policy,
@@ -418,12 +419,14 @@ class OpenVLAPolicy(Policy):
     # -- the contract --------------------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: Observation, greedy: bool = False) -> ActOutput:
+        from transformers import DynamicCache
+
         prefix = self._prefix(obs)
         embeds, mask, positions = prefix
-        out = self._lm(embeds, mask, positions, use_cache=True)
+        cache = kv_cache(self.vla.language_model.model, DynamicCache())  # filled in place
+        out = self._lm(embeds, mask, positions, use_cache=True, **cache)
         hidden = out.last_hidden_state[:, -1]
         value = self._value(hidden)
-        cache = out.past_key_values
         position = positions[:, -1:]
         tokens, logps = [], []
         for i in range(self.num_action_tokens):
@@ -443,10 +446,9 @@ class OpenVLAPolicy(Policy):
                     self.vla.embed_tokens(token[:, None]),
                     mask,
                     position,
-                    past_key_values=cache,
                     use_cache=True,
+                    **cache,
                 )
-                cache = out.past_key_values
                 hidden = out.last_hidden_state[:, -1]
         ids = self._shape_tokens(torch.stack(tokens, dim=1))
         logprob = self._shape_tokens(torch.stack(logps, dim=1))
