@@ -591,9 +591,11 @@ def kv_cache(model: nn.Module, cache: Any) -> dict[str, Any]:
 
     Newer transformers releases name the argument ``cache`` and warn on ``past_key_values``
     (removed in 5.40); earlier ones know only ``past_key_values``. Pass a ``DynamicCache``: it
-    is filled in place, so the output's field (renamed the same way) is never needed.
+    is filled in place, so the output's field (renamed the same way) is never needed. A PEFT
+    wrapper passes the keyword on to the model it wraps, whose forward decides.
     """
-    return {_cache_keyword(type(model)): cache}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {_cache_keyword(type(base)): cache}
 
 
 @contextlib.contextmanager

@@ -15,17 +15,20 @@ def maniskill():
     return pytest.importorskip("mani_skill")
 
 
+# PickCube with the Panda's hand camera, small images, the dense reward.
+WRIST = {
+    "task": "PickCube-v1",
+    "num_envs": 1,
+    "image_size": 64,
+    "robot": "panda_wristcam",
+    "reward_mode": "dense",
+    "sim_backend": "cpu",
+}
+
+
 @pytest.fixture(scope="module")
 def wrist_env(maniskill):
-    env = make_env(
-        "maniskill",
-        task="PickCube-v1",
-        num_envs=1,
-        image_size=64,
-        robot="panda_wristcam",
-        reward_mode="dense",
-        sim_backend="cpu",
-    )
+    env = make_env("maniskill", **WRIST)
     yield env
     env.close()
 
@@ -58,16 +61,7 @@ def test_fast_render_draws_nearly_the_same_picture(wrist_env) -> None:
     """Decimated meshes: the same scene within a small fraction of a grey level on average
     (the arm's silhouette moves by a pixel here and there), but not the identical picture."""
     full = wrist_env.reset(torch.tensor([2]))
-    fast_env = make_env(
-        "maniskill",
-        task="PickCube-v1",
-        num_envs=1,
-        image_size=64,
-        robot="panda_wristcam",
-        reward_mode="dense",
-        sim_backend="cpu",
-        fast_render=True,
-    )
+    fast_env = make_env("maniskill", **WRIST, fast_render=True)
     try:
         fast = fast_env.reset(torch.tensor([2]))
         torch.testing.assert_close(fast.state, full.state)  # rendering only: same physics
