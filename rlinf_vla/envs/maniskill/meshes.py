@@ -100,50 +100,39 @@ class SceneSimplifier:
         self.max_triangles = max_triangles
         self._cache: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def apply(self, scene: Any) -> int:
-        """Decimate the dense bodies of ``scene`` (a ManiSkill scene); returns the number of
-        triangles the cameras now draw."""
+    def apply(self, scene: Any) -> None:
+        """Decimate the dense render bodies of ``scene`` (a ManiSkill scene)."""
         import sapien
 
-        total = 0
         for sub in scene.sub_scenes:
             for entity in sub.entities:
                 body = entity.find_component_by_type(sapien.render.RenderBodyComponent)
                 if body is not None:
-                    total += self._apply_body(entity, body, sapien.render)
-        return total
+                    self._apply_body(entity, body, sapien.render)
 
-    def _apply_body(self, entity: Any, body: Any, render: Any) -> int:
+    def _apply_body(self, entity: Any, body: Any, render: Any) -> None:
         shapes = body.render_shapes
-        counts = [
-            [len(p.triangles) for p in s.parts]
-            if isinstance(s, render.RenderShapeTriangleMesh)
-            else None
-            for s in shapes
-        ]
-        if any(c is None for c in counts):  # primitives: boxes, spheres, ...
-            return sum(sum(c) for c in counts if c is not None)
-        n = sum(sum(c) for c in counts)
-        if n <= self.max_triangles or any(_textured(p.material) for s in shapes for p in s.parts):
-            return n
+        if not all(isinstance(s, render.RenderShapeTriangleMesh) for s in shapes):
+            return  # primitives: boxes, spheres, ...
+        parts = [(shape, part, len(part.triangles)) for shape in shapes for part in shape.parts]
+        n = sum(count for _, _, count in parts)
+        if n <= self.max_triangles or any(_textured(part.material) for _, part, _ in parts):
+            return
         new = render.RenderBodyComponent()
         new.name = body.name
-        total = 0
-        for shape in shapes:
-            for part in shape.parts:
-                target = max(len(part.triangles) * self.max_triangles // n, 4)
-                if len(part.triangles) <= target:  # small already: kept as it is
-                    v, f = part.vertices, part.triangles
-                    normals, uvs = part.get_vertex_normal(), part.get_vertex_uv()
-                else:
-                    v, f, normals = self._simplified(part, target)
-                    uvs = np.zeros((len(v), 2), np.float32)
-                piece = render.RenderShapeTriangleMesh(v, f, normals, uvs, part.material)
-                piece.local_pose = shape.local_pose
-                piece.set_scale(shape.scale)
-                piece.front_face = shape.front_face
-                new.attach(piece)
-                total += len(f)
+        for shape, part, count in parts:
+            target = max(count * self.max_triangles // n, 4)
+            if count <= target:  # small already: kept as it is
+                v, f = part.vertices, part.triangles
+                normals, uvs = part.get_vertex_normal(), part.get_vertex_uv()
+            else:
+                v, f, normals = self._simplified(part, target)
+                uvs = np.zeros((len(v), 2), np.float32)
+            piece = render.RenderShapeTriangleMesh(v, f, normals, uvs, part.material)
+            piece.local_pose = shape.local_pose
+            piece.set_scale(shape.scale)
+            piece.front_face = shape.front_face
+            new.attach(piece)
         visibility = body.visibility
         render_id_off = body.is_render_id_disabled
         entity.remove_component(body)
@@ -151,7 +140,6 @@ class SceneSimplifier:
         new.visibility = visibility
         if render_id_off:
             new.disable_render_id()
-        return total
 
     def _simplified(self, part: Any, target: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         vertices, triangles = part.vertices, part.triangles
