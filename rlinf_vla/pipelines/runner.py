@@ -30,6 +30,7 @@ from rlinf_vla.runtime import (
     create_collective,
     resolve_placement,
     wait_all,
+    wait_started,
 )
 
 WEIGHTS = "weights"
@@ -73,6 +74,7 @@ class EmbodiedRunner:
             "env",
             placement.of("env"),
             args=(job.env_name, env, job.placement.stages),
+            wait=False,
         )
         self.rollout = WorkerGroup(
             cluster,
@@ -80,6 +82,7 @@ class EmbodiedRunner:
             "rollout",
             placement.of("rollout"),
             args=(job.policy_name, policy, seed, job.algo.autocast),
+            wait=False,
         )
         self.actor = WorkerGroup(
             cluster,
@@ -87,7 +90,10 @@ class EmbodiedRunner:
             "actor",
             placement.of("actor"),
             args=(job.policy_name, policy, _algo_dict(job), seed),
+            wait=False,
         )
+        # The groups start at once: a worker's start is mostly imports and model building.
+        wait_started([self.env, self.rollout, self.actor])
         create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
         # Actor ranks: FSDP2 shards over a default process group, or replicas all-reduce grads.
         self.fsdp = job.algo.fsdp and self.actor.world_size > 1

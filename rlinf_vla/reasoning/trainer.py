@@ -35,7 +35,14 @@ from rlinf_vla.pipelines.tracking import (
 from rlinf_vla.reasoning.config import MathGrpoJob
 from rlinf_vla.reasoning.data import Problem, PromptSampler, load_problems
 from rlinf_vla.reasoning.workers import ActorWorker, RewardWorker, RolloutWorker, Sequence
-from rlinf_vla.runtime import Cluster, WorkerGroup, create_collective, split_evenly, wait_all
+from rlinf_vla.runtime import (
+    Cluster,
+    WorkerGroup,
+    create_collective,
+    split_evenly,
+    wait_all,
+    wait_started,
+)
 
 WEIGHTS = "math-weights"
 DATA_PARALLEL = "math-data-parallel"
@@ -59,6 +66,7 @@ class MathGrpoRunner:
             "actor",
             placement.of("actor"),
             args=(model, to_dict(a), r.seed, offload),
+            wait=False,
         )
         self.rollout = WorkerGroup(
             cluster,
@@ -66,6 +74,7 @@ class MathGrpoRunner:
             "rollout",
             placement.of("rollout"),
             args=(model, r.seed, offload),
+            wait=False,
         )
         self.reward = WorkerGroup(
             cluster,
@@ -73,7 +82,10 @@ class MathGrpoRunner:
             "reward",
             placement.of("reward"),
             args=(a.format_weight, a.fallback_last_number),
+            wait=False,
         )
+        # The groups start at once: a worker's start is mostly imports and model building.
+        wait_started([self.actor, self.rollout, self.reward])
         create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
         if self.actor.world_size > 1:
             create_collective(DATA_PARALLEL, [(self.actor, None)])

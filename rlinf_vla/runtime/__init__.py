@@ -21,6 +21,7 @@ from rlinf_vla.runtime.worker import (
     WorkerGroup,
     split_evenly,
     wait_all,
+    wait_started,
 )
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "split_evenly",
     "torch_threads",
     "wait_all",
+    "wait_started",
 ]

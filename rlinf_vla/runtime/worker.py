@@ -254,6 +254,28 @@ def wait_all(results: Sequence[GroupResult], timeout: float | None = None) -> li
     return [[values[ref] for ref in result.refs] for result in results]
 
 
+def wait_started(groups: Sequence[WorkerGroup], timeout: float | None = None) -> None:
+    """Wait until every worker of ``groups`` (launched with ``wait=False``) has started.
+
+    The workers' ``__init__`` run concurrently. If one fails, every group is shut down and its
+    :class:`WorkerError` is raised. ``timeout`` defaults to the longest start timeout of the
+    groups (no limit if one of them has none).
+    """
+    pending = [g for g in groups if g._starting is not None]
+    if not pending:
+        return
+    if timeout is None and all(g._start_timeout is not None for g in pending):
+        timeout = max(g._start_timeout for g in pending)
+    try:
+        wait_all([g._starting for g in pending], timeout=timeout)
+    except BaseException:
+        for g in groups:
+            g.shutdown()
+        raise
+    for g in pending:
+        g._starting = None
+
+
 def _unwrap(result: GroupResult, rank: int, ref: Any) -> Any:
     import ray
     from ray.exceptions import RayActorError, RayTaskError
@@ -298,6 +320,11 @@ class WorkerGroup(Generic[W]):
         env_vars: extra environment variables for the worker processes.
         max_concurrency: how many calls one worker may run at once (1: strictly in order).
         timeout: seconds to wait for all workers to start.
+        wait: wait here until every worker's ``__init__`` has returned (the default). With
+            ``wait=False`` the constructor returns once the workers are launched; pass several
+            such groups to :func:`wait_started` to let their ``__init__`` run at the same time
+            (a worker's start is mostly imports and building models). The first call on a group
+            whose start was not waited for waits for it.
 
     A public method ``m`` of the worker class is called on all ranks as ``group.m(...)``, or
     on some ranks as ``group.m(..., ranks=[0, 2])``; ``group.call("m", ...)`` is the same.
@@ -314,6 +341,7 @@ class WorkerGroup(Generic[W]):
         env_vars: dict[str, str] | None = None,
         max_concurrency: int = 1,
         timeout: float | None = 300.0,
+        wait: bool = True,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -354,11 +382,12 @@ class WorkerGroup(Generic[W]):
             )
             for rank, (actor, device) in enumerate(zip(self._actors, self.devices, strict=True))
         ]
-        try:
-            GroupResult(self, "__init__", list(range(len(refs))), refs).wait(timeout)
-        except BaseException:
-            self.shutdown()
-            raise
+        self._starting: GroupResult | None = GroupResult(
+            self, "__init__", list(range(len(refs))), refs
+        )
+        self._start_timeout = timeout
+        if wait:
+            wait_started([self])
 
     @property
     def world_size(self) -> int:
@@ -369,6 +398,8 @@ class WorkerGroup(Generic[W]):
     ) -> GroupResult:
         """Call ``method(*args, **kwargs)`` on ``ranks`` (default: all); returns futures."""
         self._check_method(method)
+        if self._starting is not None:
+            wait_started([self])
         chosen = list(range(self.world_size)) if ranks is None else list(ranks)
         bad = [r for r in chosen if not 0 <= r < self.world_size]
         if bad:
@@ -415,6 +446,8 @@ class WorkerGroup(Generic[W]):
 
     def actor(self, rank: int) -> Any:
         """The Ray actor handle of a rank (for advanced uses such as collectives)."""
+        if self._starting is not None:
+            wait_started([self])
         return self._actors[rank]
 
     def shutdown(self) -> None:
@@ -424,6 +457,7 @@ class WorkerGroup(Generic[W]):
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         self._actors = []
+        self._starting = None
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.name!r}, {self.worker_cls.__name__}, devices={[d.rank for d in self.devices]})"

@@ -3,7 +3,15 @@ import time
 
 import pytest
 
-from rlinf_vla.runtime import Channel, Worker, WorkerError, WorkerGroup, split_evenly, wait_all
+from rlinf_vla.runtime import (
+    Channel,
+    Worker,
+    WorkerError,
+    WorkerGroup,
+    split_evenly,
+    wait_all,
+    wait_started,
+)
 
 
 class Scaler(Worker):
@@ -56,6 +64,9 @@ class BrokenInit(Worker):
     def __init__(self):
         if self.rank == 0:
             raise RuntimeError("no simulator here")
+
+    def ping(self):
+        return "pong"
 
 
 def test_group_calls_return_futures_in_rank_order(cluster):
@@ -122,6 +133,69 @@ def test_constructor_failure_is_reported(cluster):
     assert info.value.rank == 0
     assert info.value.method == "BrokenInit.__init__"
     assert "RuntimeError: no simulator here" in info.value.remote_traceback
+
+
+class Knock(Worker):
+    """Leaves a file, for :class:`AwaitKnock`."""
+
+    def __init__(self, path):
+        with open(path, "w") as f:
+            f.write(f"knock from rank {self.rank}")
+
+    def pid(self):
+        return os.getpid()
+
+
+class AwaitKnock(Worker):
+    """Starts only once a :class:`Knock` worker has started: its ``__init__`` fails unless the
+    file appears within ``patience`` seconds."""
+
+    def __init__(self, path, patience):
+        deadline = time.monotonic() + patience
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nobody knocked within {patience} s")
+            time.sleep(0.05)
+        with open(path) as f:
+            self.heard = f.read()
+
+    def heard_knock(self):
+        return self.heard
+
+
+def test_groups_launched_without_waiting_start_together(cluster, tmp_path):
+    knock = str(tmp_path / "knock")
+    # Waiting for the first group's start before launching the second would fail it: its
+    # __init__ waits for the second group's.
+    waiter = WorkerGroup(cluster, AwaitKnock, "waiter", [0], args=(knock, 60), wait=False)
+    knocker = WorkerGroup(cluster, Knock, "knocker", [1], args=(knock,), wait=False)
+    try:
+        wait_started([waiter, knocker])
+        assert waiter.heard_knock().wait() == ["knock from rank 0"]
+    finally:
+        waiter.shutdown()
+        knocker.shutdown()
+
+
+def test_a_call_on_a_group_that_was_not_waited_for_reports_its_failed_start(cluster):
+    broken = WorkerGroup(cluster, BrokenInit, "broken-lazy", [0, 1], wait=False)
+    with pytest.raises(WorkerError) as info:
+        broken.ping()
+    # the start's failure, not the call's (which would find no worker object)
+    assert (info.value.method, info.value.rank) == ("BrokenInit.__init__", 0)
+
+
+def test_a_failed_start_shuts_down_every_group_started_with_it(cluster, tmp_path):
+    import ray
+
+    fine = WorkerGroup(cluster, Knock, "fine", [0], args=(str(tmp_path / "k"),), wait=False)
+    handle = fine.actor(0)  # waits for its start: the worker is up
+    broken = WorkerGroup(cluster, BrokenInit, "broken-together", [1, 0], wait=False)
+    with pytest.raises(WorkerError) as info:
+        wait_started([fine, broken])
+    assert (info.value.group, info.value.rank) == ("broken-together", 0)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(handle.free_port.remote(), timeout=60)
 
 
 def test_dead_worker_is_reported_not_a_hang(cluster):
