@@ -6,6 +6,7 @@ import contextlib
 import functools
 import io
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,22 +99,41 @@ def quat_to_axis_angle(quat: np.ndarray) -> np.ndarray:
     return np.asarray(quat[:3]) * 2.0 * math.acos(w) / den
 
 
-def _fast_render(sim: Any) -> None:
-    """Cheaper CPU rendering: no reflections, shadows, skybox or multisampling.
+@contextlib.contextmanager
+def _fast_render_context() -> Iterator[None]:
+    """Cheaper CPU rendering for the envs built inside the block: no reflections, shadows,
+    skybox or multisampling.
 
     Reflections (the LIBERO tables are reflective) render the scene twice; multisampling
-    renders 4 samples per pixel. The MuJoCo render context is rebuilt so ``offsamples``
-    applies. About 4x faster with llvmpipe; the table loses its mirror image.
+    renders 4 samples per pixel. About 4x faster with llvmpipe; the table loses its mirror
+    image. Shadow map and multisampling sizes are read when MuJoCo's render context is made
+    (uploading the scene's meshes and textures, about 1 s): they are set on the model just
+    before, so that the context is made once, inside robosuite's env constructor.
     """
+    from robosuite.utils.binding_utils import MjRenderContext
+
+    make = MjRenderContext._set_mujoco_context_and_buffers
+
+    def make_fast(ctx: Any) -> None:
+        quality = ctx.model.vis.quality
+        quality.shadowsize = 0
+        quality.offsamples = 0
+        make(ctx)
+
+    MjRenderContext._set_mujoco_context_and_buffers = make_fast
+    try:
+        yield
+    finally:
+        MjRenderContext._set_mujoco_context_and_buffers = make
+
+
+def _fast_render_flags(sim: Any) -> None:
+    """The per-scene part of :func:`_fast_render_context`: reflections, shadows and skybox off."""
     import mujoco
 
-    model = sim.model
-    model.vis.quality.shadowsize = 0
-    model.vis.quality.offsamples = 0
     ctx = sim._render_context_offscreen
-    ctx.gl_ctx.make_current()
-    ctx.con.free()
-    ctx._set_mujoco_context_and_buffers()
+    if ctx.model.vis.quality.offsamples != 0:
+        raise RuntimeError("robosuite made its render context without _fast_render_context")
     for flag in ("mjRND_REFLECTION", "mjRND_SHADOW", "mjRND_SKYBOX"):
         ctx.scn.flags[getattr(mujoco.mjtRndFlag, flag)] = 0
 
@@ -146,7 +166,8 @@ class LiberoCore:
             self.env = None
         task = self.tasks[pos]
         s = self.cfg.image_size
-        with contextlib.redirect_stdout(io.StringIO()):
+        fast = _fast_render_context() if self.cfg.fast_render else contextlib.nullcontext()
+        with contextlib.redirect_stdout(io.StringIO()), fast:
             env = self._make(
                 bddl_file_name=task.bddl_file,
                 camera_heights=s,
@@ -155,7 +176,7 @@ class LiberoCore:
                 ignore_done=True,
             )
         if self.cfg.fast_render:
-            _fast_render(env.sim)
+            _fast_render_flags(env.sim)
         self._wrap_cameras(env)
         self.env = env
         self.task_pos = pos
