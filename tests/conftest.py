@@ -39,3 +39,47 @@ def _torch_threads_unchanged(request: pytest.FixtureRequest):
             f"{request.node.nodeid} left torch's thread count at {after} (it was {before})",
             pytrace=False,
         )
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if it starts Ray or makes a ``Cluster`` (even on a Ray instance that is
+    already running): for bad input that must be rejected before anything starts."""
+    import ray
+
+    from rlinf_vla.runtime import Cluster
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cluster was started for an invalid config")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(Cluster, "__init__", refuse)
+
+
+# Tests in these folders start Ray workers (`rlinf-vla train`, `eval`, `math-grpo` runs, the
+# runtime's own tests).
+_RAY_TEST_DIRS = {"pipelines", "eval", "reasoning", "runtime"}
+
+
+@pytest.fixture(scope="session")
+def _session_clusters():
+    started: list = []
+    yield started
+    for cluster in started:
+        cluster.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _one_ray_instance(request: pytest.FixtureRequest, _session_clusters: list) -> None:
+    """The tests that start Ray workers share one local Ray instance (a ``Cluster`` uses the
+    instance it finds running): starting and stopping one costs about 6 s, and the suite starts
+    dozens of runs. A test that shuts it down (the multi-node tests make their own) gets a
+    new one for the tests after it."""
+    if request.node.path.parent.name not in _RAY_TEST_DIRS:
+        return
+    import ray
+
+    if not ray.is_initialized():
+        from rlinf_vla.runtime import Cluster
+
+        _session_clusters.append(Cluster(num_cpus=2))  # the same devices on every machine

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from rlinf_vla.config import ConfigError, check_at_least, from_section
 from rlinf_vla.pipelines.actor import AlgoConfig
-from rlinf_vla.pipelines.tracking import LoggingConfig
+from rlinf_vla.pipelines.tracking import LoggingConfig, check_resumable
 from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, resolve_placement
@@ -89,8 +89,7 @@ class RunnerConfig:
         positive = ("max_iterations", "rollout_chunks", "save_interval", "max_nan_updates")
         check_at_least(self, "runner", positive, 1)
         check_at_least(self, "runner", ("eval_interval", "eval_episodes"), 0)
-        if self.resume is not None and not os.path.isdir(self.resume):
-            raise ConfigError(f"runner.resume: {self.resume!r} is not a run folder")
+        check_resumable(self.resume, "iter")
 
 
 @dataclass

@@ -68,50 +68,55 @@ class EmbodiedRunner:
         policy = dict(job.policy, seed=seed)
         env = dict(job.env, seed=job.env.get("seed", seed))
         self.channel = Channel.create(f"embodied-{id(self)}")
-        self.env = WorkerGroup(
-            cluster,
-            EnvWorker,
-            "env",
-            placement.of("env"),
-            args=(job.env_name, env, job.placement.stages),
-            wait=False,
-        )
-        self.rollout = WorkerGroup(
-            cluster,
-            RolloutWorker,
-            "rollout",
-            placement.of("rollout"),
-            args=(job.policy_name, policy, seed, job.algo.autocast),
-            wait=False,
-        )
-        self.actor = WorkerGroup(
-            cluster,
-            ActorWorker,
-            "actor",
-            placement.of("actor"),
-            args=(job.policy_name, policy, _algo_dict(job), seed),
-            wait=False,
-        )
-        # The groups start at once: a worker's start is mostly imports and model building.
-        wait_started([self.env, self.rollout, self.actor])
-        create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
-        # Actor ranks: FSDP2 shards over a default process group, or replicas all-reduce grads.
-        self.fsdp = job.algo.fsdp and self.actor.world_size > 1
-        if self.fsdp:
-            create_collective(DATA_PARALLEL, [(self.actor, None)], as_default=True)
-            self.actor.shard().wait()
-        elif self.actor.world_size > 1:
-            create_collective(DATA_PARALLEL, [(self.actor, None)])
-            self.actor.join_data_parallel(DATA_PARALLEL).wait()
-        # With FSDP every actor rank takes part in gathering the full weights.
-        self._gather_ranks = None if self.fsdp else [0]
-        # Env stage (rank, s) -> rollout worker and actor rank, fixed for the whole run.
-        stages = job.placement.stages
-        self.sources = [(r, s) for r in range(self.env.world_size) for s in range(stages)]
-        self.start_iteration = 0
         self._eval: tuple[Any, Any] | None = None  # the evaluation's (policy, env), made lazily
-        if job.runner.resume:
-            self.start_iteration = self._restore(Path(job.runner.resume))
+        try:
+            self.env = WorkerGroup(
+                cluster,
+                EnvWorker,
+                "env",
+                placement.of("env"),
+                args=(job.env_name, env, job.placement.stages),
+                wait=False,
+            )
+            self.rollout = WorkerGroup(
+                cluster,
+                RolloutWorker,
+                "rollout",
+                placement.of("rollout"),
+                args=(job.policy_name, policy, seed, job.algo.autocast),
+                wait=False,
+            )
+            self.actor = WorkerGroup(
+                cluster,
+                ActorWorker,
+                "actor",
+                placement.of("actor"),
+                args=(job.policy_name, policy, _algo_dict(job), seed),
+                wait=False,
+            )
+            # The groups start at once: a worker's start is mostly imports and model building.
+            wait_started([self.env, self.rollout, self.actor])
+            create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
+            # Actor ranks: FSDP2 shards over a default process group, or replicas all-reduce grads.
+            self.fsdp = job.algo.fsdp and self.actor.world_size > 1
+            if self.fsdp:
+                create_collective(DATA_PARALLEL, [(self.actor, None)], as_default=True)
+                self.actor.shard().wait()
+            elif self.actor.world_size > 1:
+                create_collective(DATA_PARALLEL, [(self.actor, None)])
+                self.actor.join_data_parallel(DATA_PARALLEL).wait()
+            # With FSDP every actor rank takes part in gathering the full weights.
+            self._gather_ranks = None if self.fsdp else [0]
+            # Env stage (rank, s) -> rollout worker and actor rank, fixed for the whole run.
+            stages = job.placement.stages
+            self.sources = [(r, s) for r in range(self.env.world_size) for s in range(stages)]
+            self.start_iteration = 0
+            if job.runner.resume:
+                self.start_iteration = self._restore(Path(job.runner.resume))
+        except BaseException:
+            # Nothing outlives a failed start (on a long-lived Ray cluster).
+            self.shutdown()
+            raise
 
     def _output_dir(self) -> Path:
         r = self.job.runner
@@ -256,8 +261,9 @@ class EmbodiedRunner:
     def shutdown(self) -> None:
         if self._eval is not None:
             self._eval[1].close()
-        for group in (self.env, self.rollout, self.actor):
-            group.shutdown()
+        for name in ("env", "rollout", "actor"):
+            if name in self.__dict__:  # all of them unless the start failed
+                self.__dict__[name].shutdown()
         self.channel.close()
 
 

@@ -67,6 +67,21 @@ def run_folder(name: str, output_dir: str | None, resume: str | None) -> Path:
     return Path("runs") / f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
+def check_resumable(resume: str | None, prefix: str) -> None:
+    """``runner.resume`` names a run folder with a complete checkpoint (``ConfigError`` if not),
+    so that a run that cannot resume fails before any worker starts."""
+    if resume is None:
+        return
+    if not os.path.isdir(resume):
+        raise ConfigError(f"runner.resume: {resume!r} is not a run folder")
+    if last_checkpoint(Path(resume), prefix) is None:
+        raise ConfigError(
+            f"runner.resume: {resume!r} has no complete checkpoint "
+            f"(checkpoints/{prefix}_N with a COMPLETE file): the run stopped before its first "
+            "save; start it again instead"
+        )
+
+
 def complete_checkpoints(run_dir: Path, prefix: str = "iter") -> list[Path]:
     """The complete ``<run_dir>/checkpoints/<prefix>_N`` folders (each holding a ``COMPLETE``
     marker, written last), oldest first."""

@@ -8,13 +8,12 @@ Sections: ``model`` (:class:`~rlinf_vla.reasoning.model.ModelConfig`), ``data``
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlinf_vla.algos import ALGORITHMS, KL_ESTIMATORS
 from rlinf_vla.config import ConfigError, check_at_least, from_section
-from rlinf_vla.pipelines.tracking import LoggingConfig
+from rlinf_vla.pipelines.tracking import LoggingConfig, check_resumable
 from rlinf_vla.reasoning.data import DataConfig
 from rlinf_vla.reasoning.model import ModelConfig
 from rlinf_vla.runtime.cluster import ClusterConfig
@@ -203,8 +202,7 @@ class MathRunnerConfig:
         positive = ("max_steps", "save_interval", "eval_batch_size", "max_nan_updates")
         check_at_least(self, "runner", positive, 1)
         check_at_least(self, "runner", ("eval_interval", "keep_checkpoints"), 0)
-        if self.resume is not None and not os.path.isdir(self.resume):
-            raise ConfigError(f"runner.resume: {self.resume!r} is not a run folder")
+        check_resumable(self.resume, "step")
 
 
 @dataclass

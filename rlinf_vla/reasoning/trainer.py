@@ -60,44 +60,49 @@ class MathGrpoRunner:
         offload = job.placement.mode == "collocated"
         model = to_dict(job.model)
         self.output_dir = run_folder(r.name, r.output_dir, r.resume)
-        self.actor = WorkerGroup(
-            cluster,
-            ActorWorker,
-            "actor",
-            placement.of("actor"),
-            args=(model, to_dict(a), r.seed, offload),
-            wait=False,
-        )
-        self.rollout = WorkerGroup(
-            cluster,
-            RolloutWorker,
-            "rollout",
-            placement.of("rollout"),
-            args=(model, r.seed, offload),
-            wait=False,
-        )
-        self.reward = WorkerGroup(
-            cluster,
-            RewardWorker,
-            "reward",
-            placement.of("reward"),
-            args=(a.format_weight, a.fallback_last_number),
-            wait=False,
-        )
-        # The groups start at once: a worker's start is mostly imports and model building.
-        wait_started([self.actor, self.rollout, self.reward])
-        create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
-        if self.actor.world_size > 1:
-            create_collective(DATA_PARALLEL, [(self.actor, None)])
-            self.actor.join_data_parallel(DATA_PARALLEL).wait()
-        self.pad_id = self.rollout.pad_id(ranks=[0]).wait()[0]
-        self.sampler = PromptSampler(train, r.seed)
-        self.shuffle = random.Random(r.seed + 1)
-        self.start_step = 0
-        if r.resume:
-            self.start_step = self._restore(Path(r.resume))
-        self.version = self.start_step
-        self._sync()
+        try:
+            self.actor = WorkerGroup(
+                cluster,
+                ActorWorker,
+                "actor",
+                placement.of("actor"),
+                args=(model, to_dict(a), r.seed, offload),
+                wait=False,
+            )
+            self.rollout = WorkerGroup(
+                cluster,
+                RolloutWorker,
+                "rollout",
+                placement.of("rollout"),
+                args=(model, r.seed, offload),
+                wait=False,
+            )
+            self.reward = WorkerGroup(
+                cluster,
+                RewardWorker,
+                "reward",
+                placement.of("reward"),
+                args=(a.format_weight, a.fallback_last_number),
+                wait=False,
+            )
+            # The groups start at once: a worker's start is mostly imports and model building.
+            wait_started([self.actor, self.rollout, self.reward])
+            create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
+            if self.actor.world_size > 1:
+                create_collective(DATA_PARALLEL, [(self.actor, None)])
+                self.actor.join_data_parallel(DATA_PARALLEL).wait()
+            self.pad_id = self.rollout.pad_id(ranks=[0]).wait()[0]
+            self.sampler = PromptSampler(train, r.seed)
+            self.shuffle = random.Random(r.seed + 1)
+            self.start_step = 0
+            if r.resume:
+                self.start_step = self._restore(Path(r.resume))
+            self.version = self.start_step
+            self._sync()
+        except BaseException:
+            # Nothing outlives a failed start (on a long-lived Ray cluster).
+            self.shutdown()
+            raise
 
     # ----------------------------------------------------------------- pieces
     def _sync(self) -> float:
@@ -407,8 +412,9 @@ class MathGrpoRunner:
         return int(state["step"])
 
     def shutdown(self) -> None:
-        for group in (self.rollout, self.reward, self.actor):
-            group.shutdown()
+        for name in ("rollout", "reward", "actor"):
+            if name in self.__dict__:  # all of them unless the start failed
+                self.__dict__[name].shutdown()
 
 
 def _rollout_metrics(stats: dict[str, Any], max_new_tokens: int) -> dict[str, float]:

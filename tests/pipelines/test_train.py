@@ -1,6 +1,7 @@
 """`rlinf-vla train` end to end on the toy env with the tiny OpenVLA."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -155,15 +156,45 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
         ),
     ],
 )
-def test_invalid_train_configs_fail_before_start(capsys, monkeypatch, overrides, message):
-    import ray
-
-    def no_ray(*args, **kwargs):
-        raise AssertionError("Ray was started for an invalid config")
-
-    monkeypatch.setattr(ray, "init", no_ray)
+def test_invalid_train_configs_fail_before_start(capsys, nothing_starts, overrides, message):
     assert cli.main(["train", *overrides]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_resuming_a_run_without_a_complete_checkpoint_fails_before_start(
+    tmp_path, capsys, nothing_starts
+):
+    (tmp_path / "checkpoints" / "iter_2").mkdir(parents=True)  # no COMPLETE: an unfinished save
+    assert cli.main(["train", *SMALL, f"runner.resume={tmp_path}"]) == 2
+    assert "has no complete checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_failed_start_leaves_no_worker_or_channel(tmp_path, monkeypatch):
+    """On a Ray instance that outlives the run (here the test session's; for users a cluster
+    they connect to), a start that fails after the workers are up removes all of them."""
+    import ray
+
+    from rlinf_vla.pipelines import runner
+
+    def named_actors() -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+
+    def no_weight_sync(*args, **kwargs):
+        raise RuntimeError("the weight-sync group could not form")
+
+    before = named_actors()
+    monkeypatch.setattr(runner, "create_collective", no_weight_sync)
+    args = ["cluster.devices_per_node=1", *SMALL, f"runner.output_dir={tmp_path}"]
+    with pytest.raises(RuntimeError, match="the weight-sync group could not form") as info:
+        cli.main(["train", *args])
+    # The traceback (kept here, as an interactive session keeps the last one) holds the
+    # half-built runner, so its worker handles are alive: the runner must kill them itself.
+    deadline = time.monotonic() + 60  # ray.kill returns before the actor is gone
+    while (left := named_actors() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left
+    assert info.traceback
 
 
 MODES = {

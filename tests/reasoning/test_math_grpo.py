@@ -316,4 +316,7 @@ def test_invalid_configs_fail_before_anything_starts(tiny_model_dir: Path, tmp_p
         job("algo=ppo")
     with pytest.raises(ConfigError, match=r"neither a model folder nor a \.gguf file"):
         job(f"model.path={tmp_path / 'nothing'}")
+    (tmp_path / "run" / "checkpoints" / "step_2").mkdir(parents=True)  # no COMPLETE: unfinished
+    with pytest.raises(ConfigError, match="has no complete checkpoint"):
+        job(f"runner.resume={tmp_path / 'run'}")
     assert job("algo=dapo").algo.overlong_tokens == round(0.2 * 96)
