@@ -245,10 +245,7 @@ class EmbodiedRunner:
 
     def _restore(self, run_dir: Path) -> int:
         path = last_checkpoint(run_dir)
-        if path is None:
-            raise FileNotFoundError(
-                f"runner.resume: no complete checkpoint in {run_dir / 'checkpoints'}"
-            )
+        assert path is not None, "RunnerConfig checks runner.resume (check_resumable)"
         iteration = int(path.name.split("_")[1])
         self.actor.load(str(path)).wait()
         state = torch.load(path / "runner.pt", weights_only=False)

@@ -396,10 +396,7 @@ class MathGrpoRunner:
 
     def _restore(self, run_dir: Path) -> int:
         path = last_checkpoint(run_dir, "step")
-        if path is None:
-            raise FileNotFoundError(
-                f"runner.resume: no complete checkpoint in {run_dir / 'checkpoints'}"
-            )
+        assert path is not None, "MathRunnerConfig checks runner.resume (check_resumable)"
         self.actor.load(str(path)).wait()
         state = torch.load(path / "runner.pt", weights_only=False)
         order, epoch, rng = state["sampler"]

@@ -387,7 +387,7 @@ class WorkerGroup(Generic[W]):
         )
         self._start_timeout = timeout
         if wait:
-            wait_started([self])
+            self._wait_started()
 
     @property
     def world_size(self) -> int:
@@ -398,8 +398,7 @@ class WorkerGroup(Generic[W]):
     ) -> GroupResult:
         """Call ``method(*args, **kwargs)`` on ``ranks`` (default: all); returns futures."""
         self._check_method(method)
-        if self._starting is not None:
-            wait_started([self])
+        self._wait_started()
         chosen = list(range(self.world_size)) if ranks is None else list(ranks)
         bad = [r for r in chosen if not 0 <= r < self.world_size]
         if bad:
@@ -444,10 +443,13 @@ class WorkerGroup(Generic[W]):
         if method.startswith("_") or not callable(getattr(self.worker_cls, method, None)):
             raise AttributeError(f"{self.worker_cls.__name__} has no public method {method!r}")
 
-    def actor(self, rank: int) -> Any:
-        """The Ray actor handle of a rank (for advanced uses such as collectives)."""
+    def _wait_started(self) -> None:
         if self._starting is not None:
             wait_started([self])
+
+    def actor(self, rank: int) -> Any:
+        """The Ray actor handle of a rank (for advanced uses such as collectives)."""
+        self._wait_started()
         return self._actors[rank]
 
     def shutdown(self) -> None:

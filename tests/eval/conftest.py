@@ -1,4 +1,5 @@
-"""Fixtures of the evaluation tests: one local Ray instance per module, composed eval jobs."""
+"""Fixtures of the evaluation tests: a ``Cluster`` per module (on the suite's shared Ray instance),
+composed eval jobs."""
 
 from __future__ import annotations
 

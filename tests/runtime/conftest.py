@@ -1,4 +1,5 @@
-"""Fixtures for runtime tests: one local Ray instance per test module."""
+"""Fixtures for runtime tests: a ``Cluster`` per test module, on the suite's shared Ray instance
+(tests/conftest.py)."""
 
 from __future__ import annotations
 
