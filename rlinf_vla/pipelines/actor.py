@@ -57,7 +57,9 @@ class AlgoConfig:
             the action logits and the value head, the rest frozen), compute the frozen part's
             features once per iteration and run only the read-out in the update epochs
             (``Policy.frozen_features``); the same losses, without recomputing the backbone in
-            every epoch. Policies that cannot split, and FSDP, always run the whole pass.
+            every epoch. Where the policy computes them while acting (OpenVLA), the rollout
+            workers send them with the trajectories and the actor skips that pass too.
+            Policies that cannot split, and FSDP, always run the whole pass.
         autocast: mixed precision of the policy's forward passes in the rollout and the
             update: ``auto`` (bf16 on CUDA devices, off on CPU), ``bf16`` (also on CPU) or
             ``off``. Weights, optimizer state and losses stay float32.
@@ -124,6 +126,7 @@ class Batch:
     advantages: Tensor  # [N]
     returns: Tensor  # [N]
     mask: Tensor  # bool [N]: the sample enters the loss
+    features: Tensor | None = None  # [N, ...] frozen features sent by the rollout workers
 
     def __len__(self) -> int:
         return self.old_value.shape[0]
@@ -137,6 +140,7 @@ class Batch:
             advantages=self.advantages[idx],
             returns=self.returns[idx],
             mask=self.mask[idx],
+            features=None if self.features is None else self.features[idx],
         )
 
 
@@ -191,6 +195,7 @@ def build_batch(trajectories: list[Any], algo: AlgoConfig) -> Batch:
         adv.append(a.flatten(0, 1))
         ret.append(r.flatten(0, 1))
         mask.append(m.flatten(0, 1))
+    shipped = all(traj.features is not None for traj in trajectories)
     return Batch(
         obs=cat_obs(obs),
         replay={k: torch.cat([r[k] for r in replay]) for k in replay[0]},
@@ -199,6 +204,7 @@ def build_batch(trajectories: list[Any], algo: AlgoConfig) -> Batch:
         advantages=torch.cat(adv),
         returns=torch.cat(ret),
         mask=torch.cat(mask),
+        features=torch.cat([t.features.flatten(0, 1) for t in trajectories]) if shipped else None,
     )
 
 
@@ -510,10 +516,13 @@ class ActorWorker(Worker):
         return result
 
     def _frozen_features(self, batch: Batch) -> Tensor | None:
-        """The policy's frozen features of every sample of ``batch`` (``[N, ...]``, computed
-        micro-batch by micro-batch), or ``None`` when it cannot split off its read-out."""
+        """The policy's frozen features of every sample of ``batch`` (``[N, ...]``: those the
+        rollout workers sent, else computed micro-batch by micro-batch), or ``None`` when it
+        cannot split off its read-out."""
         if self.fsdp:  # the sharded policy gathers its weights for ``evaluate`` only
             return None
+        if batch.features is not None and self.policy.trains_readout_only():
+            return batch.features.to(self.device)  # computed by the rollout workers
         parts = []
         for start in range(0, len(batch), self.algo.micro_batch_size):
             mb = batch.select(

@@ -9,8 +9,8 @@ and one forward/backward pass over those samples, all on one device. That gives 
   observations; a call on ``b`` envs costs ``f + (i - f) b / B``);
 - ``u``: one update over an iteration's ``B * T`` samples (``update_epochs`` passes), seconds.
   When only the read-out trains and ``algo.cache_frozen_features`` is on, the actor computes
-  the frozen features once per iteration and runs the read-out in every pass, and ``u`` is
-  measured the same way. With ``algo.fsdp`` the actor shards over several actor workers, and
+  the frozen features once per iteration (or takes those the rollout computed while acting)
+  and runs the read-out in every pass, and ``u`` is measured the same way. With ``algo.fsdp`` the actor shards over several actor workers, and
   sharded it runs the whole pass in every epoch: ``u`` is then measured both ways, the cached
   update for plans with one actor device and the whole one for plans with several.
 
@@ -180,12 +180,15 @@ def choose(plans: list[Plan]) -> Plan:
     return min(close, key=lambda p: (_SIMPLICITY[p.mode], p.stages, p.iteration_s))
 
 
-def profile(job: Any, chunks: int = 3, sharded: bool = False) -> Costs:
+def profile(job: Any, chunks: int = 3, sharded: bool = False, threads: int | None = 1) -> Costs:
     """Measure ``e``, ``i`` and ``u`` (module docstring) in this process on one device.
 
     ``sharded``: plans may shard the actor with FSDP (``algo.fsdp`` on several devices), which
     always runs the whole ``evaluate`` (no feature cache); the update is then also profiled
     that way, as ``Costs.train_sharded_s``.
+    ``threads``: the torch threads of a worker on one of the cluster's CPU devices
+    (``Device.threads``), used while measuring on CPU; the driver may have more, which would
+    flatter inference and update.
     """
     from rlinf_vla.envs import make_env
     from rlinf_vla.policies import make_policy
@@ -193,35 +196,38 @@ def profile(job: Any, chunks: int = 3, sharded: bool = False) -> Costs:
     seed = job.runner.seed
     policy = make_policy(job.policy_name, **dict(job.policy, seed=seed))
     env = make_env(job.env_name, **dict(job.env, seed=job.env.get("seed", seed)))
-    # A worker on a CPU device computes with one thread (the runtime starts it with
-    # OMP_NUM_THREADS=1); the driver may have more, which would flatter inference and update.
-    with torch_threads(1 if policy.device.type == "cpu" else None), closing(env):
+    with torch_threads(threads if policy.device.type == "cpu" else None), closing(env):
+        cache = job.algo.cache_frozen_features
+
+        def act(obs: Any) -> tuple[Any, torch.Tensor | None]:
+            # what a rollout worker runs (it sends the features an actor caches)
+            with torch.no_grad():
+                if cache:
+                    return policy.act_with_features(obs)
+                return policy.act(obs), None
+
         obs = env.reset()
         for _ in range(2):  # the first calls pay one-off kernel and allocator set-up
-            with torch.no_grad():
-                out = policy.act(obs)
+            out, shipped = act(obs)
             obs = env.chunk_step(out.actions).obs
-        cache = job.algo.cache_frozen_features
         # Both paths when a sharded actor would differ from a single one.
         paths = (cache, False) if sharded and cache else (cache,)
         for path in paths:
-            _update_cost(policy, obs, out.replay, path)
+            _update_cost(policy, obs, out.replay, path, shipped)
         half = torch.arange(max(1, env.num_envs // 2))
         env_s = infer_s = half_s = 0.0
         for _ in range(chunks):
             t0 = time.perf_counter()
-            with torch.no_grad():
-                out = policy.act(obs)
+            out, shipped = act(obs)
             t1 = time.perf_counter()
             next_obs = env.chunk_step(out.actions).obs
             t2 = time.perf_counter()
-            with torch.no_grad():
-                policy.act(obs.select(half))
+            act(obs.select(half))
             half_s += time.perf_counter() - t2
             infer_s += t1 - t0
             env_s += t2 - t1
             last_obs, obs = obs, next_obs
-        updates = [_update_cost(policy, last_obs, out.replay, path) for path in paths]
+        updates = [_update_cost(policy, last_obs, out.replay, path, shipped) for path in paths]
     # the update was timed on one chunk step of all B envs; an iteration has T of them
     update_s = [
         (once_s + pass_s * job.algo.update_epochs) * job.runner.rollout_chunks
@@ -241,15 +247,22 @@ def profile(job: Any, chunks: int = 3, sharded: bool = False) -> Costs:
 
 
 def _update_cost(
-    policy: Any, obs: Any, replay: dict[str, torch.Tensor], cache: bool
+    policy: Any,
+    obs: Any,
+    replay: dict[str, torch.Tensor],
+    cache: bool,
+    shipped: torch.Tensor | None = None,
 ) -> tuple[float, float]:
     """Seconds of the update's parts over ``obs``: ``(once, per_pass)``. ``per_pass`` is one
     forward/backward pass of the PPO objective's parts; ``once`` the frozen features computed
     before the passes when ``cache`` is on and the policy can split off its read-out (else 0,
-    and each pass runs the whole ``evaluate``)."""
+    and each pass runs the whole ``evaluate``), 0 as well when acting computed them
+    (``shipped``, what the rollout sends the actor)."""
     once = 0.0
     features = None
-    if cache:
+    if cache and shipped is not None:
+        features = shipped
+    elif cache:
         t0 = time.perf_counter()
         with torch.no_grad():
             features = policy.frozen_features(obs, replay)
@@ -279,15 +292,21 @@ def plan_table(plans: list[Plan], chosen: Plan, env_steps: int) -> str:
     return "\n".join(lines)
 
 
-def resolve_auto(job: Any, num_devices: int, log: Any = print) -> Any:
-    """A copy of ``job`` whose ``placement`` is the plan chosen by profiling (module docstring)."""
+def resolve_auto(job: Any, num_devices: int, log: Any = print, threads: int | None = 1) -> Any:
+    """A copy of ``job`` whose ``placement`` is the plan chosen by profiling (module docstring);
+    ``threads``: a CPU device's torch threads (:func:`profile`)."""
     from rlinf_vla.envs import env_config
 
     env_cfg = env_config(job.env_name, **job.env)
     log(f"placement=auto: profiling {job.placement.profile_chunks} chunk steps and one update ...")
     # The runner shards (algo.fsdp) only over several actor workers: on one device never; on
     # several, plans with one actor device keep the cache and the others do not.
-    costs = profile(job, job.placement.profile_chunks, sharded=job.algo.fsdp and num_devices > 1)
+    costs = profile(
+        job,
+        job.placement.profile_chunks,
+        sharded=job.algo.fsdp and num_devices > 1,
+        threads=threads,
+    )
     plans = candidate_plans(
         costs,
         num_devices,

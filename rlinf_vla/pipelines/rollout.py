@@ -73,6 +73,9 @@ class Trajectory:
         invalid: ``bool [T, b]`` the episode that ended at ``t`` crashed (drop from metrics).
         source: ``(env_rank, stage)``.
         policy_version: the weights version that produced the actions.
+        features: ``[T, b, ...]`` the policy's frozen features of the sampled actions, when
+            the rollout worker was asked for them and the policy computed them while acting
+            (``Policy.act_with_features``); else ``None``.
     """
 
     obs: list[Observation]
@@ -87,6 +90,7 @@ class Trajectory:
     invalid: Tensor
     source: tuple[int, int]
     policy_version: int = 0
+    features: Tensor | None = None
 
     @property
     def num_steps(self) -> int:
@@ -110,6 +114,7 @@ class _TrajectoryBuilder:
     terminated: list[Tensor] = field(default_factory=list)
     truncated: list[Tensor] = field(default_factory=list)
     invalid: list[Tensor] = field(default_factory=list)
+    features: list[Tensor] = field(default_factory=list)
 
     def build(self, version: int) -> Trajectory:
         return Trajectory(
@@ -125,6 +130,7 @@ class _TrajectoryBuilder:
             invalid=torch.stack(self.invalid),
             source=self.source,
             policy_version=version,
+            features=torch.stack(self.features) if self.features else None,
         )
 
 
@@ -220,6 +226,11 @@ class RolloutWorker(Worker):
     Args:
         policy_name: a registered policy (``rlinf_vla.policies.POLICIES``).
         policy_config: the policy's config fields.
+        seed: seeds the action sampler (with the worker's rank).
+        autocast: ``algo.autocast``.
+        features: send the frozen features the policy computes while acting with each
+            trajectory (``Policy.act_with_features``), for an actor that caches them
+            (``algo.cache_frozen_features``); it then skips its own frozen pass.
     """
 
     def __init__(
@@ -228,6 +239,7 @@ class RolloutWorker(Worker):
         policy_config: dict[str, Any],
         seed: int = 0,
         autocast: str = "off",
+        features: bool = False,
     ) -> None:
         from rlinf_vla.policies import make_policy
 
@@ -237,6 +249,7 @@ class RolloutWorker(Worker):
         ).eval()
         self.version = 0
         self.autocast = autocast  # algo.autocast: the same precision as the actor's update
+        self.features = features
 
     def sync_from(self, collective_name: str, version: int) -> None:
         """Receive the actor's weights (broadcast from collective rank 0)."""
@@ -282,8 +295,13 @@ class RolloutWorker(Worker):
                     b.final_value.append(self._final_values(msg))
                 if t < num_chunks:
                     with autocast(self.device, self.autocast):
-                        out = self.policy.act(msg.obs, greedy=greedy)
+                        if self.features and not greedy:
+                            out, features = self.policy.act_with_features(msg.obs)
+                        else:
+                            out, features = self.policy.act(msg.obs, greedy=greedy), None
                     pending = (act_key(*src), out.actions.cpu())
+                    if features is not None:
+                        b.features.append(features.cpu())
                     b.obs.append(msg.obs)
                     b.replay.append({k: v.cpu() for k, v in out.replay.items()})
                     b.actions.append(out.actions.cpu())

@@ -63,6 +63,7 @@ class EmbodiedRunner:
         self.job, self.cluster = job, cluster
         placement = resolve_placement(job.placement, cluster.num_devices)
         check_env_split(job, len(placement.of("env")), len(placement.of("actor")))
+        sharded = job.algo.fsdp and len(placement.of("actor")) > 1
         self.output_dir = self._output_dir()
         seed = job.runner.seed
         policy = dict(job.policy, seed=seed)
@@ -84,6 +85,9 @@ class EmbodiedRunner:
                 "rollout",
                 placement.of("rollout"),
                 args=(job.policy_name, policy, seed, job.algo.autocast),
+                # An actor that caches frozen features takes them from the rollout (FSDP never
+                # caches: it runs the whole pass).
+                kwargs={"features": job.algo.cache_frozen_features and not sharded},
                 wait=False,
             )
             self.actor = WorkerGroup(
@@ -98,7 +102,7 @@ class EmbodiedRunner:
             wait_started([self.env, self.rollout, self.actor])
             create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
             # Actor ranks: FSDP2 shards over a default process group, or replicas all-reduce grads.
-            self.fsdp = job.algo.fsdp and self.actor.world_size > 1
+            self.fsdp = sharded
             if self.fsdp:
                 create_collective(DATA_PARALLEL, [(self.actor, None)], as_default=True)
                 self.actor.shard().wait()
@@ -288,7 +292,7 @@ def run(job: TrainJob) -> Path:
         if job.placement.mode == "auto":
             from rlinf_vla.pipelines.auto import resolve_auto
 
-            job = resolve_auto(job, cluster.num_devices)
+            job = resolve_auto(job, cluster.num_devices, threads=cluster.devices[0].threads)
             job.raw["placement"] = _placement_dict(job)
         runner = EmbodiedRunner(job, cluster)
         try:

@@ -234,6 +234,21 @@ class Policy(nn.Module, ABC):
         """The family's supervised loss (a scalar) for demonstration ``actions [B, K, A]``."""
 
     # -- read-out-only training ------------------------------------------------------------
+    def trains_readout_only(self) -> bool:
+        """Whether this family splits off its read-out (:meth:`frozen_features`) and every
+        trainable parameter lies in it. ``False`` by default."""
+        return False
+
+    def act_with_features(
+        self, obs: Observation, greedy: bool = False
+    ) -> tuple[ActOutput, Tensor | None]:
+        """:meth:`act`, plus the :meth:`frozen_features` of the sampled actions when acting
+        computes them anyway (``None`` otherwise, the default).
+
+        A rollout worker sends them with the trajectory, so an actor that caches frozen
+        features does not run the frozen part of the policy again."""
+        return self.act(obs, greedy=greedy), None
+
     def frozen_features(self, obs: Observation, replay: dict[str, Tensor]) -> Tensor | None:
         """The output of the frozen part of the policy for the replayed actions, or ``None``.
 

@@ -39,7 +39,8 @@ class ModelConfig:
         lora_alpha, lora_dropout: LoRA scaling and dropout.
         gradient_checkpointing: recompute activations in the backward pass (less memory).
         logprob_chunk_tokens: tokens per chunk of the output-layer log-prob computation.
-        num_threads: torch CPU threads per worker (``None``: torch's default).
+        num_threads: torch CPU threads per worker (``None``: its CPU device's share of the
+            node's cores, ``Device.threads``).
     """
 
     path: str | None = None

@@ -3,7 +3,8 @@
 ``Cluster()`` starts an embedded local Ray instance (the default); ``Cluster(address="auto")``
 or ``Cluster(address="ray://host:10001")`` connects to a running one. The cluster numbers
 its devices globally, node by node: the GPUs of each node when it has any, otherwise CPU
-"slots" (by default one per CPU core, configurable). Workers are pinned to a device's node
+"slots" (by default one per CPU core, configurable; a worker on a slot computes with the slot's
+share of the node's cores as torch threads). Workers are pinned to a device's node
 and see only that device (``CUDA_VISIBLE_DEVICES``); Ray's own GPU accounting is not used,
 so several workers may share a device (collocated placement).
 """
@@ -68,6 +69,8 @@ class Device:
         node_ip: the node's IP address.
         local_index: the device's index on its node (the CUDA ordinal for GPUs).
         kind: ``"cuda"`` or ``"cpu"``.
+        threads: for a CPU slot, the torch threads a worker on it computes with: the node's
+            CPUs divided evenly among its slots (at least 1). ``None`` for a GPU.
     """
 
     rank: int
@@ -76,6 +79,7 @@ class Device:
     node_ip: str
     local_index: int
     kind: str
+    threads: int | None = None
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.local_index}@node{self.node_rank}"
@@ -157,13 +161,13 @@ class Cluster:
         for node_rank, node in enumerate(nodes):
             resources = node.get("Resources", {})
             gpus = int(resources.get("GPU", 0))
+            cpus = max(1, int(resources.get("CPU", 1)))
+            threads = None
             if gpus > 0:
                 kind, count = "cuda", gpus if cap is None else min(cap, gpus)
             else:
-                kind, count = (
-                    "cpu",
-                    cap if cap is not None else max(1, int(resources.get("CPU", 1))),
-                )
+                kind, count = "cpu", cap if cap is not None else cpus
+                threads = max(1, cpus // count)
             for local in range(count):
                 devices.append(
                     Device(
@@ -173,6 +177,7 @@ class Cluster:
                         node_ip=node["NodeManagerAddress"],
                         local_index=local,
                         kind=kind,
+                        threads=threads,
                     )
                 )
         if not devices:

@@ -149,6 +149,12 @@ class _WorkerHost:
 
     def init(self, cls: type[Worker], ctx: WorkerContext, args: tuple, kwargs: dict) -> Any:
         def build() -> None:
+            if ctx.device.threads is not None:
+                # Ray starts the process with OMP_NUM_THREADS=1; a CPU slot of several cores
+                # computes with all of them (subprocesses keep the variable: one thread).
+                import torch
+
+                torch.set_num_threads(ctx.device.threads)
             worker = cls.__new__(cls)
             worker._ctx = ctx
             worker.__init__(*args, **kwargs)

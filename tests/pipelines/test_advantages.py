@@ -1,4 +1,7 @@
-"""Advantages of a rollout as the actor computes them, against numbers worked out by hand."""
+"""The actor's batch: advantages of a rollout as the actor computes them, against numbers worked
+out by hand, and the frozen features the rollout sends with it."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -106,3 +109,56 @@ def test_build_batch_flattens_time_and_envs():
     assert len(batch) == 12
     assert batch.obs.batch_size == 12
     assert batch.replay["tokens"].tolist() == [0, 1, 2, 3, 4, 5] * 2
+
+
+def test_build_batch_keeps_the_rollouts_features_in_sample_order():
+    reward = torch.zeros(2, 3, 1)
+    flags = torch.zeros(2, 3, 1, dtype=torch.bool)
+    traj = _trajectory(reward, flags, flags, torch.zeros(3, 3), torch.zeros(2, 3))
+    assert build_batch([traj], AlgoConfig()).features is None
+    with_features = [
+        dataclasses.replace(traj, features=torch.arange(12.0).reshape(2, 3, 2) + 100 * i)
+        for i in range(2)
+    ]
+    batch = build_batch(with_features, AlgoConfig())
+    # sample n = (trajectory, t, env) in the order of the replay's tokens
+    expected = [[100 * i + 2 * n, 100 * i + 2 * n + 1] for i in range(2) for n in range(6)]
+    assert batch.features.tolist() == expected
+    assert batch.select(torch.tensor([7, 0])).features.tolist() == [expected[7], expected[0]]
+    # one trajectory without them (a policy that does not compute them): none at all
+    assert build_batch([with_features[0], traj], AlgoConfig()).features is None
+
+
+def test_the_actor_takes_the_frozen_features_the_rollout_sent():
+    from rlinf_vla.pipelines.actor import ActorWorker, Batch
+    from rlinf_vla.runtime import Device
+    from rlinf_vla.runtime.worker import WorkerContext
+
+    actor = ActorWorker.__new__(ActorWorker)
+    actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
+    policy = {"preset": "tiny", "lora_rank": 4, "lora_target_modules": ".*lm_head", "seed": 0}
+    actor.__init__("openvla", policy, {"name": "ppo"}, seed=0)
+    obs = Observation(
+        images={"main": torch.randint(0, 256, (3, 32, 32, 3), dtype=torch.uint8)},
+        state=None,
+        instruction=["pick up the cube"] * 3,
+    )
+    out, sent = actor.policy.act_with_features(obs)
+    batch = Batch(
+        obs=obs,
+        replay=out.replay,
+        old_logprob=out.logprob,
+        old_value=out.value,
+        advantages=torch.zeros(3),
+        returns=torch.zeros(3),
+        mask=torch.ones(3, dtype=torch.bool),
+    )
+    computed = actor._frozen_features(batch)  # none sent: the actor's own pass
+    assert torch.equal(computed, sent)
+
+    def frozen_pass(*args):
+        raise AssertionError("the actor ran the frozen pass although the rollout sent it")
+
+    actor.policy.frozen_features = frozen_pass
+    marked = sent + 1.0
+    assert torch.equal(actor._frozen_features(dataclasses.replace(batch, features=marked)), marked)

@@ -118,6 +118,15 @@ def test_the_profiled_update_takes_the_path_the_actor_takes():
     readout.evaluate = whole_pass
     once, per_pass = _update_cost(readout, obs, replay, cache=True)
     assert once > 0 and per_pass > 0
+    # Features the rollout sent (OpenVLA computes them while acting): no frozen pass at all.
+    shipped = readout.frozen_features(obs, replay)
+
+    def frozen_pass(*args):
+        raise AssertionError("the frozen pass ran although acting computed the features")
+
+    readout.frozen_features = frozen_pass
+    once, per_pass = _update_cost(readout, obs, replay, cache=True, shipped=shipped)
+    assert once == 0.0 and per_pass > 0
     full = make_policy("openvla", preset="tiny", chunk_size=2, seed=0)
     calls = []
     full.evaluate_features = lambda *args: calls.append(args)
@@ -137,7 +146,7 @@ def test_fsdp_profiles_the_cache_only_where_the_actor_cannot_shard(monkeypatch, 
 
     seen = []
 
-    def update_cost(policy, obs, replay, cache):
+    def update_cost(policy, obs, replay, cache, shipped=None):
         seen.append(cache)
         return 0.0, 0.01 if cache else 0.05  # the whole pass costs 5x the read-out
 

@@ -237,3 +237,41 @@ def test_frozen_features_only_when_the_read_out_alone_trains():
         "openvla_oft", preset="tiny", seed=0, lora_rank=4, lora_target_modules=".*lm_head"
     )
     assert oft.frozen_features(obs, {}) is None
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_acting_returns_the_frozen_features_of_its_sample(exact):
+    """What a rollout worker sends an actor that caches frozen features: the hidden states
+    ``act`` read its log-probs from. With ``exact_logprob`` they are the teacher-forced pass's,
+    the very features ``frozen_features`` computes; without, the decoding steps' (the same up
+    to float rounding)."""
+    obs = make_obs(3)
+    lora = {"lora_rank": 4, "lora_target_modules": ".*lm_head"}
+    policy = make_policy(
+        "openvla", preset="tiny", chunk_size=2, seed=0, exact_logprob=exact, **lora
+    )
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    torch.manual_seed(0)
+    out, features = policy.act_with_features(obs)
+    torch.manual_seed(0)
+    plain = policy.act(obs)  # the same sample
+    assert torch.equal(plain.replay["action_tokens"], out.replay["action_tokens"])
+    assert torch.equal(plain.logprob, out.logprob)
+    recomputed = policy.frozen_features(obs, out.replay)
+    assert features.shape == recomputed.shape == (3, 2 * 7, 64)
+    if exact:
+        assert torch.equal(features, recomputed)
+    else:
+        torch.testing.assert_close(features, recomputed, rtol=1e-5, atol=1e-5)
+    # The read-out on them gives back the log-probs and value acting recorded.
+    scored = policy.evaluate_features(features, out.replay)
+    torch.testing.assert_close(scored.logprob, out.logprob, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(scored.value, out.value, rtol=1e-6, atol=1e-6)
+    # A whole model that trains, or OFT (its own scoring pass), sends none.
+    full = make_policy("openvla", preset="tiny", chunk_size=2, seed=0, exact_logprob=exact)
+    assert full.act_with_features(obs)[1] is None
+    oft = make_policy("openvla_oft", preset="tiny", seed=0, **lora)
+    assert oft.act_with_features(make_obs(3, ("main", "wrist"), 8))[1] is None

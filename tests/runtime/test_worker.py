@@ -38,6 +38,11 @@ class Scaler(Worker):
     def count(self):
         return self.calls
 
+    def threads(self):
+        import torch
+
+        return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
     async def async_scale(self, x):
         return self.factor * x
 
@@ -99,6 +104,23 @@ def test_workers_know_their_place(cluster):
     # CPU devices: the runtime leaves GPU visibility alone (there is no GPU on such a node).
     assert {c["cuda_visible"] for c in contexts} == {os.environ.get("CUDA_VISIBLE_DEVICES")}
     assert contexts[0]["pid"] != contexts[1]["pid"] != os.getpid()
+
+
+@pytest.mark.parametrize(("slots", "threads"), [(None, 1), (2, 1), (1, 2)])
+def test_a_cpu_worker_computes_with_its_slots_share_of_the_cores(cluster, slots, threads):
+    """The shared Ray instance has 2 CPUs: one slot per core (the default) or 2 slots give one
+    thread each; a single slot holds both cores."""
+    from rlinf_vla.runtime import Cluster, ClusterConfig
+
+    on_ray = Cluster(ClusterConfig(devices_per_node=slots))  # uses the running instance
+    assert [d.threads for d in on_ray.devices] == [threads] * (2 // threads)
+    group = WorkerGroup(on_ray, Scaler, "threads", devices=[0], args=(1,))
+    try:
+        [(torch_threads, omp)] = group.threads().wait()
+    finally:
+        group.shutdown()
+    assert torch_threads == threads
+    assert omp == "1"  # what subprocesses of the worker inherit
 
 
 def test_unknown_method_and_bad_ranks(cluster):

@@ -417,8 +417,21 @@ class OpenVLAPolicy(Policy):
         return x.view(x.shape[0], self.config.chunk_size, self.config.action_dim)
 
     # -- the contract --------------------------------------------------------------------------
-    @torch.no_grad()
     def act(self, obs: Observation, greedy: bool = False) -> ActOutput:
+        return self._act(obs, greedy)[0]
+
+    def act_with_features(
+        self, obs: Observation, greedy: bool = False
+    ) -> tuple[ActOutput, Tensor | None]:
+        """:meth:`act` and, when only the read-out trains, the hidden states that predicted
+        the sampled tokens: ``act`` computes them anyway (:meth:`frozen_features`)."""
+        out, hidden = self._act(obs, greedy)
+        return out, hidden if self.trains_readout_only() else None
+
+    @torch.no_grad()
+    def _act(self, obs: Observation, greedy: bool) -> tuple[ActOutput, Tensor]:
+        """:meth:`act`, and the hidden states ``[B, n, D]`` its log-probs were read from: the
+        teacher-forced pass's with ``exact_logprob``, else the decoding steps'."""
         from transformers import DynamicCache
 
         prefix = self._prefix(obs)
@@ -428,8 +441,9 @@ class OpenVLAPolicy(Policy):
         hidden = out.last_hidden_state[:, -1]
         value = self._value(hidden)
         position = positions[:, -1:]
-        tokens, logps = [], []
+        tokens, logps, hiddens = [], [], []
         for i in range(self.num_action_tokens):
+            hiddens.append(hidden)
             logits = self.action_logits(hidden)
             index = (
                 logits.argmax(-1)
@@ -455,14 +469,17 @@ class OpenVLAPolicy(Policy):
         if self.config.exact_logprob:
             # Score the sampled tokens with the same teacher-forced pass as ``evaluate``, so the
             # first PPO ratio is exactly 1 (the decoding logits differ by float rounding).
-            scored = self._score(prefix, ids)
+            hidden, flat = self._teacher_forced(prefix, ids)
+            scored = self._score_hidden(hidden, flat)
             logprob, value = scored.logprob, scored.value
         else:
             logprob = self.reduce(logprob)
+            hidden = torch.stack(hiddens, dim=1)
         actions = self.processor.tokens_to_actions(ids.cpu()).to(ids.device)
-        return ActOutput(
+        out = ActOutput(
             actions=actions.float(), logprob=logprob, value=value, replay={"action_tokens": ids}
         )
+        return out, hidden
 
     def _teacher_forced(
         self, prefix: tuple[Tensor, Tensor, Tensor], ids: Tensor
@@ -507,12 +524,18 @@ class OpenVLAPolicy(Policy):
     #: Parameter-name prefixes of the read-out: the action logits and the value head.
     _READOUT = ("vla.language_model.lm_head.", "value_head.")
 
+    def trains_readout_only(self) -> bool:
+        """Only ``lm_head`` (or its LoRA) and the value head train."""
+        return not any(
+            p.requires_grad and not name.startswith(self._READOUT)
+            for name, p in self.named_parameters()
+        )
+
     def frozen_features(self, obs: Observation, replay: dict[str, Tensor]) -> Tensor | None:
         """The teacher-forced hidden states ``[B, n, D]`` that predict the replayed action
         tokens, when only ``lm_head`` (or its LoRA) and the value head train; else ``None``."""
-        for name, p in self.named_parameters():
-            if p.requires_grad and not name.startswith(self._READOUT):
-                return None
+        if not self.trains_readout_only():
+            return None
         with torch.no_grad():
             return self._teacher_forced(self._prefix(obs), replay["action_tokens"])[0]
 

@@ -219,10 +219,15 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             actions=actions.float(), logprob=self.reduce(logp), value=value, replay=replay
         )
 
-    def frozen_features(self, obs: Observation, replay: dict[str, Tensor]) -> Tensor | None:
-        """``None``: OFT scores its actions with its own pass (:meth:`evaluate`), not with the
-        parent's teacher-forced one, so the actor always calls :meth:`evaluate`."""
-        return None
+    def trains_readout_only(self) -> bool:
+        """``False``: OFT scores its actions with its own pass (:meth:`evaluate`), not with
+        the parent's teacher-forced one, so the actor always calls :meth:`evaluate`."""
+        return False
+
+    def act_with_features(
+        self, obs: Observation, greedy: bool = False
+    ) -> tuple[ActOutput, Tensor | None]:
+        return self.act(obs, greedy=greedy), None
 
     def evaluate(self, obs: Observation, replay: dict[str, Tensor]) -> EvalOutput:
         hidden = self._action_hidden(obs)
