@@ -247,7 +247,8 @@ def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(
     Measured (2 cores): greedy success 0.00 -> 1.00, 1.00, 0.98, 1.00 for runner seeds 0-3,
     sampled success 0.94-0.97 at the end; about 2 minutes after the warm start. Without the discount
     and the decay: 0.98, 0.95, 0.84, 0.61 (docs/training.md has every run). The floats depend
-    on the CPU: on an AVX2 AMD EPYC seed 0 gives 0.83 (sampled 0.87 at the end), in every run.
+    on the CPU: on an AVX2 AMD EPYC seed 0 gives 0.83 (sampled 0.87 at the end), in every run;
+    on an AVX512 Xeon 0.88 with one torch thread per worker and 0.83 with two (docs/training.md).
     """
     env = {**OPENVLA_ENV, "num_envs": 128}
     algo = {
