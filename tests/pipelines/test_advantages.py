@@ -153,8 +153,8 @@ def test_the_actor_takes_the_frozen_features_the_rollout_sent():
         returns=torch.zeros(3),
         mask=torch.ones(3, dtype=torch.bool),
     )
-    computed = actor._frozen_features(batch)  # none sent: the actor's own pass
-    assert torch.equal(computed, sent)
+    computed = actor._frozen_features(batch)  # none sent: the actor's own (teacher-forced) pass
+    torch.testing.assert_close(computed, sent, rtol=1e-5, atol=1e-5)
 
     def frozen_pass(*args):
         raise AssertionError("the actor ran the frozen pass although the rollout sent it")

@@ -240,11 +240,11 @@ def test_frozen_features_only_when_the_read_out_alone_trains():
 
 
 @pytest.mark.parametrize("exact", [True, False])
-def test_acting_returns_the_frozen_features_of_its_sample(exact):
-    """What a rollout worker sends an actor that caches frozen features: the hidden states
-    ``act`` read its log-probs from. With ``exact_logprob`` they are the teacher-forced pass's,
-    the very features ``frozen_features`` computes; without, the decoding steps' (the same up
-    to float rounding)."""
+def test_acting_returns_the_frozen_features_of_its_sample(exact, monkeypatch):
+    """What a rollout worker sends an actor that caches frozen features: the hidden states the
+    decoding steps read the sampled tokens' log-probs from, the features ``frozen_features``
+    computes teacher-forced up to float rounding. The actor scores the read-out on these very
+    features, so acting skips the teacher-forced re-scoring even with ``exact_logprob``."""
     obs = make_obs(3)
     lora = {"lora_rank": 4, "lora_target_modules": ".*lm_head"}
     policy = make_policy(
@@ -255,17 +255,20 @@ def test_acting_returns_the_frozen_features_of_its_sample(exact):
             if "lora_B" in name:
                 p.normal_(0, 0.5)
     torch.manual_seed(0)
-    out, features = policy.act_with_features(obs)
-    torch.manual_seed(0)
-    plain = policy.act(obs)  # the same sample
+    plain = policy.act(obs)
+    with monkeypatch.context() as m:
+
+        def teacher_forced(*args):
+            raise AssertionError("acting re-scored the sample although it sends the features")
+
+        m.setattr(policy, "_teacher_forced", teacher_forced)
+        torch.manual_seed(0)
+        out, features = policy.act_with_features(obs)  # the same sample
     assert torch.equal(plain.replay["action_tokens"], out.replay["action_tokens"])
-    assert torch.equal(plain.logprob, out.logprob)
+    torch.testing.assert_close(out.logprob, plain.logprob, rtol=1e-5, atol=1e-5)
     recomputed = policy.frozen_features(obs, out.replay)
     assert features.shape == recomputed.shape == (3, 2 * 7, 64)
-    if exact:
-        assert torch.equal(features, recomputed)
-    else:
-        torch.testing.assert_close(features, recomputed, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(features, recomputed, rtol=1e-5, atol=1e-5)
     # The read-out on them gives back the log-probs and value acting recorded.
     scored = policy.evaluate_features(features, out.replay)
     torch.testing.assert_close(scored.logprob, out.logprob, rtol=1e-6, atol=1e-6)

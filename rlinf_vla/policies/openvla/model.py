@@ -418,20 +418,23 @@ class OpenVLAPolicy(Policy):
 
     # -- the contract --------------------------------------------------------------------------
     def act(self, obs: Observation, greedy: bool = False) -> ActOutput:
-        return self._act(obs, greedy)[0]
+        return self._act(obs, greedy, self.config.exact_logprob)[0]
 
     def act_with_features(
         self, obs: Observation, greedy: bool = False
     ) -> tuple[ActOutput, Tensor | None]:
         """:meth:`act` and, when only the read-out trains, the hidden states that predicted
-        the sampled tokens: ``act`` computes them anyway (:meth:`frozen_features`)."""
-        out, hidden = self._act(obs, greedy)
-        return out, hidden if self.trains_readout_only() else None
+        the sampled tokens (:meth:`frozen_features`): the decoding steps' own. The actor then
+        scores the read-out on these very features, so its first ratio is 1 without the
+        teacher-forced re-scoring of ``exact_logprob``, which is skipped."""
+        if not self.trains_readout_only():
+            return self.act(obs, greedy), None
+        return self._act(obs, greedy, rescore=False)
 
     @torch.no_grad()
-    def _act(self, obs: Observation, greedy: bool) -> tuple[ActOutput, Tensor]:
+    def _act(self, obs: Observation, greedy: bool, rescore: bool) -> tuple[ActOutput, Tensor]:
         """:meth:`act`, and the hidden states ``[B, n, D]`` its log-probs were read from: the
-        teacher-forced pass's with ``exact_logprob``, else the decoding steps'."""
+        teacher-forced pass's with ``rescore`` (``exact_logprob``), else the decoding steps'."""
         from transformers import DynamicCache
 
         prefix = self._prefix(obs)
@@ -466,7 +469,7 @@ class OpenVLAPolicy(Policy):
                 hidden = out.last_hidden_state[:, -1]
         ids = self._shape_tokens(torch.stack(tokens, dim=1))
         logprob = self._shape_tokens(torch.stack(logps, dim=1))
-        if self.config.exact_logprob:
+        if rescore:
             # Score the sampled tokens with the same teacher-forced pass as ``evaluate``, so the
             # first PPO ratio is exactly 1 (the decoding logits differ by float rounding).
             hidden, flat = self._teacher_forced(prefix, ids)
