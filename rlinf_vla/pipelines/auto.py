@@ -10,9 +10,10 @@ and one forward/backward pass over those samples, all on one device. That gives 
 - ``u``: one update over an iteration's ``B * T`` samples (``update_epochs`` passes), seconds.
   When only the read-out trains and ``algo.cache_frozen_features`` is on, the actor computes
   the frozen features once per iteration (or takes those the rollout computed while acting)
-  and runs the read-out in every pass, and ``u`` is measured the same way. With ``algo.fsdp`` the actor shards over several actor workers, and
-  sharded it runs the whole pass in every epoch: ``u`` is then measured both ways, the cached
-  update for plans with one actor device and the whole one for plans with several.
+  and runs the read-out in every pass, and ``u`` is measured the same way. With
+  ``algo.fsdp`` the actor shards over several actor workers, and sharded it runs the whole
+  pass in every epoch: ``u`` is then measured both ways, the cached update for plans with one
+  actor device and the whole one for plans with several.
 
 The cost model of one iteration of ``T`` chunk steps on ``N`` devices, with the envs splitting
 evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor devices) and
