@@ -433,8 +433,8 @@ class OpenVLAPolicy(Policy):
 
     @torch.no_grad()
     def _act(self, obs: Observation, greedy: bool, rescore: bool) -> tuple[ActOutput, Tensor]:
-        """:meth:`act`, and the hidden states ``[B, n, D]`` its log-probs were read from: the
-        teacher-forced pass's with ``rescore`` (``exact_logprob``), else the decoding steps'."""
+        """:meth:`act` (re-scored teacher-forced with ``rescore``, ``exact_logprob``), and the
+        decoding steps' hidden states ``[B, n, D]`` that predicted the sampled tokens."""
         from transformers import DynamicCache
 
         prefix = self._prefix(obs)
@@ -472,17 +472,15 @@ class OpenVLAPolicy(Policy):
         if rescore:
             # Score the sampled tokens with the same teacher-forced pass as ``evaluate``, so the
             # first PPO ratio is exactly 1 (the decoding logits differ by float rounding).
-            hidden, flat = self._teacher_forced(prefix, ids)
-            scored = self._score_hidden(hidden, flat)
+            scored = self._score(prefix, ids)
             logprob, value = scored.logprob, scored.value
         else:
             logprob = self.reduce(logprob)
-            hidden = torch.stack(hiddens, dim=1)
         actions = self.processor.tokens_to_actions(ids.cpu()).to(ids.device)
         out = ActOutput(
             actions=actions.float(), logprob=logprob, value=value, replay={"action_tokens": ids}
         )
-        return out, hidden
+        return out, torch.stack(hiddens, dim=1)
 
     def _teacher_forced(
         self, prefix: tuple[Tensor, Tensor, Tensor], ids: Tensor

@@ -224,11 +224,6 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         the parent's teacher-forced one, so the actor always calls :meth:`evaluate`."""
         return False
 
-    def act_with_features(
-        self, obs: Observation, greedy: bool = False
-    ) -> tuple[ActOutput, Tensor | None]:
-        return self.act(obs, greedy=greedy), None
-
     def evaluate(self, obs: Observation, replay: dict[str, Tensor]) -> EvalOutput:
         hidden = self._action_hidden(obs)
         if self.config.action_head == "discrete":
