@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlinf_vla import provenance
 from rlinf_vla.eval.config import EvalJob, Trial
 from rlinf_vla.eval.report import (
     TrialLog,
@@ -199,6 +200,9 @@ def run(job: EvalJob) -> dict[str, Any]:
     check_identity(out, job.identity)
     log = TrialLog(out)
     todo = [t for t in job.trials if t.key not in log]
+    changes = provenance.record(out, provenance.collect(start=len(job.trials) - len(todo)))
+    if changes and len(todo) < len(job.trials):
+        provenance.warn(console, changes, "the evaluation started")
     console.print(
         f"[bold]rlinf-vla eval[/]: {len(job.trials)} trials planned, "
         f"{len(job.trials) - len(todo)} already in {out}, {len(todo)} to run"

@@ -3,7 +3,9 @@
 A trainer supplies what one iteration does, how to save a checkpoint and what its progress bar
 shows; :class:`RunLoop` does the rest, the same way for every command:
 
-- writes ``config.yaml`` into the run folder and opens the :class:`MetricsLogger` (which, on a
+- writes ``config.yaml`` into the run folder, appends this start's software and machine to
+  ``run_info.jsonl`` (:mod:`rlinf_vla.provenance`; a resumed run prints what changed since the
+  run started) and opens the :class:`MetricsLogger` (which, on a
   resumed run, truncates ``metrics.jsonl`` back to the checkpoint);
 - shows a progress bar (iterations done, the trainer's status line, time remaining);
 - logs each iteration's metrics, warns about skipped non-finite updates and aborts after
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlinf_vla import provenance
 from rlinf_vla.config import RunAborted
 from rlinf_vla.pipelines.tracking import LoggingConfig, MetricsLogger, last_checkpoint
 
@@ -49,6 +52,7 @@ class RunLoop:
         total: iterations of the whole run.
         save_interval: checkpoint every this many iterations (and after the last).
         max_nan_updates: abort after this many skipped (non-finite) updates in a row.
+        devices: the cluster's devices, recorded in ``run_info.jsonl``.
     """
 
     output_dir: Path
@@ -59,6 +63,7 @@ class RunLoop:
     total: int
     save_interval: int
     max_nan_updates: int
+    devices: list[str] | None = None
     last_checkpoint: Path | None = None
 
     def run(
@@ -92,6 +97,9 @@ class RunLoop:
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
+        changes = provenance.record(
+            self.output_dir, provenance.collect(start=start, devices=self.devices)
+        )
         logger = MetricsLogger(
             self.output_dir,
             self.logging,
@@ -100,6 +108,8 @@ class RunLoop:
             full_config=self.config,
         )
         console = Console(stderr=True)
+        if changes:
+            provenance.warn(console, changes, "the run started")
         columns = [
             TextColumn(f"[bold]{self.unit} {{task.completed}}/{{task.total}}"),
             BarColumn(),

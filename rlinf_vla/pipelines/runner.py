@@ -144,6 +144,7 @@ class EmbodiedRunner:
             total=r.max_iterations,
             save_interval=r.save_interval,
             max_nan_updates=r.max_nan_updates,
+            devices=[str(d) for d in self.cluster.devices],
         )
 
         def iteration(it: int, logger: MetricsLogger, say: Say) -> dict[str, Any]:

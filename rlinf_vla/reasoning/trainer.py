@@ -55,6 +55,7 @@ class MathGrpoRunner:
         self, job: MathGrpoJob, cluster: Cluster, train: list[Problem], held_out: list[Problem]
     ) -> None:
         self.job, self.held_out = job, held_out
+        self.devices = [str(d) for d in cluster.devices]
         r, a = job.runner, job.algo
         placement = job.placement.resolve(cluster.num_devices)
         offload = job.placement.mode == "collocated"
@@ -355,6 +356,7 @@ class MathGrpoRunner:
             total=r.max_steps,
             save_interval=r.save_interval,
             max_nan_updates=r.max_nan_updates,
+            devices=self.devices,
         )
 
         def before(logger: MetricsLogger, say: Say) -> str | None:

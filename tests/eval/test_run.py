@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlinf_vla import provenance
 from rlinf_vla.eval import run
 from rlinf_vla.eval.report import TrialLog
 from tests.eval.conftest import eval_job
@@ -54,6 +55,7 @@ def test_interrupted_run_resumes_to_the_same_results(ray_cluster, tmp_path, monk
     assert resumed == ref
     keys = [(r["task"], r["init_state"]) for r in _lines(out)]
     assert len(keys) == 8 and len(set(keys)) == 8, "no trial ran twice"
+    assert [r["start"] for r in provenance.read(out)] == [0, 3]  # trials done at each start
     # A finished folder runs nothing; other settings are refused.
     again = run(eval_job(*args, f"eval.output_dir={out}"))
     assert again == ref and len(_lines(out)) == 8

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from rlinf_vla import cli
+from rlinf_vla import cli, provenance
 
 REQUIRED = {
     "iteration",
@@ -124,6 +124,10 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
                 assert (a[key] is None and b[key] is None) or a[key] == pytest.approx(
                     b[key], rel=1e-6, abs=1e-9
                 ), key
+    # Both starts are on record, the resume from its checkpoint's iteration, on the same device.
+    starts = provenance.read(part)
+    assert [r["start"] for r in starts] == [0, 2]
+    assert [r["devices"] for r in starts] == [["cpu:0@node0"]] * 2
 
 
 @pytest.mark.parametrize(
