@@ -268,6 +268,12 @@ def _evaluate_in(
         f"{total_slots} env(s) in {num_workers} worker(s); policy {job.policy_name} on "
         f"{_policy_device(job)} ({threads} CPU thread(s))"
     )
+    if not job.policy.get("checkpoint"):
+        console.print(
+            "[yellow]warning:[/] policy.checkpoint is not set: this evaluates a randomly "
+            f"initialised {job.policy_name} (pass policy.checkpoint=PATH to load weights)",
+            highlight=False,
+        )
     with Cluster(job.cluster) as cluster:
         group = WorkerGroup(
             cluster,

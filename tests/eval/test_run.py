@@ -66,7 +66,7 @@ def test_interrupted_run_resumes_to_the_same_results(ray_cluster, tmp_path, monk
 
 @pytest.mark.sim
 @pytest.mark.slow
-def test_libero_two_tasks_end_to_end(ray_cluster, tmp_path) -> None:
+def test_libero_two_tasks_end_to_end(ray_cluster, tmp_path, capsys) -> None:
     """OpenVLA-OFT (tiny checkpoint) on 2 libero_goal tasks x 3 init states, 2 envs in
     parallel, failure videos; every (task, init state) exactly once."""
     pytest.importorskip("libero.libero")
@@ -108,6 +108,7 @@ def test_libero_two_tasks_end_to_end(ray_cluster, tmp_path) -> None:
     assert results["suites"]["libero_goal"]["valid"] == 6
     rows = (out / "results.csv").read_text().splitlines()
     assert len(rows) == 7 and rows[0].startswith("suite,task,task_index,init_state")
+    assert "policy.checkpoint is not set" not in capsys.readouterr().err
 
 
 @pytest.mark.sim
@@ -141,7 +142,7 @@ def test_crashed_env_is_retried_once_then_an_error(ray_cluster, tmp_path) -> Non
 
 @pytest.mark.sim
 @pytest.mark.slow
-def test_maniskill_two_tasks_end_to_end(ray_cluster, tmp_path) -> None:
+def test_maniskill_two_tasks_end_to_end(ray_cluster, tmp_path, capsys) -> None:
     pytest.importorskip("mani_skill")
     results = run(
         eval_job(
@@ -168,6 +169,8 @@ def test_maniskill_two_tasks_end_to_end(ray_cluster, tmp_path) -> None:
     assert "red cube" in instructions["PickCube-v1"] and "push" in instructions["PushCube-v1"]
     assert all(t["error"] is None and 1 <= t["steps"] <= 4 for t in results["trials"])
     assert [t["task"] for t in results["tasks"]] == ["PickCube-v1", "PushCube-v1"]
+    # No checkpoint: the console says that the weights are random.
+    assert "policy.checkpoint is not set" in capsys.readouterr().err
 
 
 @pytest.mark.slow

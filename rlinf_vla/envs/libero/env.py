@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +36,15 @@ class LiberoTask:
     bddl_file: str
 
 
+def _skip_macro_advice(record: logging.LogRecord) -> bool:
+    """robosuite warns at import that it has no private macro file and how to write one; the
+    defaults are the ones LIBERO needs, so that advice is noise in every env worker's log."""
+    message = record.getMessage()
+    return "macro file" not in message and "setup_macros.py" not in message
+
+
 def _import_benchmark() -> Any:
+    logging.getLogger("robosuite_logs").addFilter(_skip_macro_advice)
     try:
         from libero.libero import benchmark
     except ImportError as e:
