@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from rlinf_vla.config import ConfigError, RunAborted
+from rlinf_vla.config import ConfigError, RunAborted, SectionErrors
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -156,21 +156,64 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
     overrides = list(overrides)
     if Path(config_dir) != CONFIG_DIR:
         overrides.append(f"hydra.searchpath=[file://{CONFIG_DIR}]")
-    try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-            return hydra_compose(config_name=config_name, overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_explain(e)) from None
+    # Hydra stops at the first unknown key: drop its override and compose again, so that one
+    # run names every unknown key (with the closest known one).
+    unknown: list[str] = []
+    while True:
+        try:
+            with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+                cfg = hydra_compose(config_name=config_name, overrides=overrides)
+            break
+        except (HydraException, OmegaConfBaseException) as e:
+            key = _unknown_key(e)
+            rest = [o for o in overrides if key is None or not _sets(o, key)]
+            if key is None or len(rest) == len(overrides):
+                raise ConfigError(_explain(e)) from None
+            unknown.append(key)
+            overrides = rest
+    if unknown:
+        errors = SectionErrors()
+        errors.messages = [f"unknown config key: {k}{_did_you_mean(cfg, k)}" for k in unknown]
+        errors.raise_any()
+    return cfg
 
 
-def _explain(error: BaseException) -> str:
-    """A one-line reason from Hydra/OmegaConf's nested errors."""
+def _sets(override: str, key: str) -> bool:
+    """Whether ``override`` sets ``key`` or a key inside it."""
+    target = override.partition("=")[0].lstrip("+~")
+    return target == key or target.startswith(key + ".")
+
+
+def _unknown_key(error: BaseException) -> str | None:
+    """The key of a "not in struct" error (an override of a key the config does not have)."""
     cause: BaseException | None = error
     while cause is not None:
         full_key = getattr(cause, "full_key", None)
         if full_key and "not in struct" in str(cause):
-            return f"unknown config key: {full_key}"
+            return str(full_key)
         cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _did_you_mean(cfg: Any, key: str) -> str:
+    """`` (did you mean <section>.<known key>?)`` for the closest key of the same section."""
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig):
+        return ""
+    close = difflib.get_close_matches(leaf, [str(k) for k in node], n=1, cutoff=0.6)
+    return f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
+
+
+def _explain(error: BaseException) -> str:
+    """A one-line reason from Hydra/OmegaConf's nested errors."""
+    key = _unknown_key(error)
+    if key is not None:
+        return f"unknown config key: {key}"
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 

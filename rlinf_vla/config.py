@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -23,6 +23,38 @@ class ConfigError(ValueError):
 
 class RunAborted(RuntimeError):
     """A run stopped on purpose (e.g. too many non-finite updates); the message says why."""
+
+
+class SectionErrors:
+    """Builds independent config sections, keeping each one's :class:`ConfigError`, so that a
+    config with several mistakes names all of them at once.
+
+    Example::
+
+        errors = SectionErrors()
+        algo = errors.build(lambda: from_section(AlgoConfig, cfg["algo"], "algo"))
+        runner = errors.build(lambda: from_section(RunnerConfig, cfg["runner"], "runner"))
+        errors.raise_any()  # one ConfigError naming every bad section
+    """
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def build(self, make: Callable[[], T]) -> T:
+        """``make()``, or ``None`` (typed as its result) after recording its ``ConfigError``."""
+        try:
+            return make()
+        except ConfigError as e:
+            self.messages.append(str(e))
+            return None  # type: ignore[return-value]  # raise_any() raises before any use
+
+    def raise_any(self) -> None:
+        """Raise one :class:`ConfigError` holding every recorded message (none: return)."""
+        if len(self.messages) == 1:
+            raise ConfigError(self.messages[0])
+        if self.messages:
+            listed = "".join(f"\n  - {m}" for m in self.messages)
+            raise ConfigError(f"{len(self.messages)} problems:{listed}")
 
 
 def check_at_least(obj: Any, section: str, keys: tuple[str, ...], minimum: int) -> None:

@@ -56,6 +56,27 @@ def test_bad_config_fails_before_anything_starts(capsys, nothing_starts, overrid
     assert message in capsys.readouterr().err
 
 
+def test_every_unknown_key_is_named_at_once_with_the_closest_known_key(capsys, nothing_starts):
+    args = ["train", "runner.max_iteration=5", "algo.lr=3e-4", "algo.lrr=1", "env.bogus.x=3"]
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err == (
+        "rlinf-vla train: invalid config: 3 problems:\n"
+        "  - unknown config key: runner.max_iteration (did you mean runner.max_iterations?)\n"
+        "  - unknown config key: algo.lrr (did you mean algo.lr?)\n"
+        "  - unknown config key: env.bogus\n"
+    )
+
+
+def test_invalid_values_of_several_sections_are_named_at_once(capsys, nothing_starts):
+    args = ["train", "algo.lr=-1", "runner.max_iterations=0", "env.num_envs=0"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlinf-vla train: invalid config: 3 problems:\n")
+    assert "num_envs must be >= 1" in err
+    assert "algo.lr and algo.value_lr must be > 0" in err
+    assert "runner.max_iterations must be >= 1, got 0" in err
+
+
 def test_every_config_group_choice_composes_and_validates():
     for command in cli.COMMANDS.values():
         validate, _ = command.load()

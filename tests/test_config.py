@@ -76,3 +76,26 @@ def test_check_at_least_names_every_offending_key_and_skips_unset_ones():
     assert str(e.value) == "runner.a must be >= 1, got 0; runner.c must be >= 1, got -2"
     check_at_least(obj, "runner", ("b", "d"), 1)  # 5 and None pass
     check_at_least(obj, "runner", ("a",), 0)
+
+
+def test_section_errors_collect_every_sections_error_and_raise_them_together():
+    from rlinf_vla.config import SectionErrors
+
+    errors = SectionErrors()
+    good = errors.build(lambda: from_section(Outer, {"name": "x"}, "algo"))
+    assert good == Outer(name="x")
+    errors.raise_any()  # nothing recorded yet
+    assert errors.build(lambda: from_section(Outer, {"name": "x", "steps": 0}, "algo")) is None
+    errors.build(lambda: from_section(Inner, {"lr": "fast"}, "optim"))
+    with pytest.raises(ConfigError) as e:
+        errors.raise_any()
+    assert str(e.value) == (
+        "2 problems:\n"
+        "  - algo: steps must be >= 1, got 0\n"
+        "  - optim.lr: expected a number, got 'fast'"
+    )
+    one = SectionErrors()
+    one.build(lambda: from_section(Inner, {"lr": "fast"}, "optim"))
+    with pytest.raises(ConfigError) as e:
+        one.raise_any()
+    assert str(e.value) == "optim.lr: expected a number, got 'fast'"

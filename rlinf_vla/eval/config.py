@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlinf_vla.config import ConfigError, check_at_least, from_section
+from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
 from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 
@@ -257,7 +257,10 @@ def validate(cfg: Any) -> EvalJob:
     policy_name = policy.pop("name", None)
     if env_name not in ENVS:
         raise ConfigError(f"env.name: unknown env {env_name!r}; known envs: {sorted(ENVS)}")
-    ev = from_section(EvalConfig, cfg.get("eval"), "eval")
+    errors = SectionErrors()  # the independent sections are all checked before raising
+    ev = errors.build(lambda: from_section(EvalConfig, cfg.get("eval"), "eval"))
+    cluster = errors.build(lambda: from_section(ClusterConfig, cfg["cluster"], "cluster"))
+    errors.raise_any()
     if env_name == "libero":
         _check_libero(env, ev)
     elif env_name != "maniskill" and ev.tasks is not None:
@@ -277,7 +280,7 @@ def validate(cfg: Any) -> EvalJob:
     if env_name == "maniskill":
         _check_maniskill_tasks(ev.tasks or [env_cfg.task])
     job = EvalJob(
-        cluster=from_section(ClusterConfig, cfg["cluster"], "cluster"),
+        cluster=cluster,
         env_name=env_name,
         env=env,
         policy_name=policy_name,

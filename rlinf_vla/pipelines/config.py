@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlinf_vla.config import ConfigError, check_at_least, from_section
+from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
 from rlinf_vla.pipelines.actor import AlgoConfig
 from rlinf_vla.pipelines.tracking import LoggingConfig, check_resumable
 from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
@@ -150,22 +150,38 @@ def validate(cfg: Any) -> TrainJob:
         raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
     env_name, env = _named(cfg["env"], "env")
     policy_name, policy = _named(cfg["policy"], "policy")
-    try:
-        env_cfg = env_config(env_name, **env)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
-    if policy.get("checkpoint"):  # its own config decides what the YAML left at defaults
-        policy = checkpoint_settings(policy_name, policy)
-    pol_cfg = policy_config_for(policy_name, policy)
+
+    def make_env_config() -> Any:
+        try:
+            return env_config(env_name, **env)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
+
+    def resolve_policy() -> tuple[dict[str, Any], Any]:
+        # A checkpoint's own config decides what the YAML left at defaults.
+        settings = checkpoint_settings(policy_name, policy) if policy.get("checkpoint") else policy
+        return settings, policy_config_for(policy_name, settings)
+
+    # Every section is checked before any error is raised, so that one run names them all.
+    errors = SectionErrors()
+    env_cfg = errors.build(make_env_config)
+    policy, pol_cfg = errors.build(resolve_policy) or (policy, None)
+    sections = {
+        "cluster": ClusterConfig,
+        "algo": AlgoConfig,
+        "placement": TrainPlacementConfig,
+        "runner": RunnerConfig,
+    }
+    built = {
+        k: errors.build(lambda k=k, c=c: from_section(c, cfg[k], k)) for k, c in sections.items()
+    }
+    errors.raise_any()
     job = TrainJob(
-        cluster=from_section(ClusterConfig, cfg["cluster"], "cluster"),
         env_name=env_name,
         env=env,
         policy_name=policy_name,
         policy=policy,
-        algo=from_section(AlgoConfig, cfg["algo"], "algo"),
-        placement=from_section(TrainPlacementConfig, cfg["placement"], "placement"),
-        runner=from_section(RunnerConfig, cfg["runner"], "runner"),
+        **built,
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
     env_action_dim = getattr(env_cfg, "action_dim", None)

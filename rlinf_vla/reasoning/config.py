@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlinf_vla.algos import ALGORITHMS, KL_ESTIMATORS
-from rlinf_vla.config import ConfigError, check_at_least, from_section
+from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
 from rlinf_vla.pipelines.tracking import LoggingConfig, check_resumable
 from rlinf_vla.reasoning.data import DataConfig
 from rlinf_vla.reasoning.model import ModelConfig
@@ -229,15 +229,20 @@ def validate(cfg: Any) -> MathGrpoJob:
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
-    job = MathGrpoJob(
-        cluster=from_section(ClusterConfig, cfg["cluster"], "cluster"),
-        model=from_section(ModelConfig, cfg["model"], "model"),
-        data=from_section(DataConfig, cfg["data"], "data"),
-        algo=from_section(MathAlgoConfig, cfg["algo"], "algo"),
-        placement=from_section(MathPlacementConfig, cfg["placement"], "placement"),
-        runner=from_section(MathRunnerConfig, cfg["runner"], "runner"),
-        raw=OmegaConf.to_container(cfg, resolve=True),
-    )
+    sections = {
+        "cluster": ClusterConfig,
+        "model": ModelConfig,
+        "data": DataConfig,
+        "algo": MathAlgoConfig,
+        "placement": MathPlacementConfig,
+        "runner": MathRunnerConfig,
+    }
+    errors = SectionErrors()  # every section is checked, so that one run names them all
+    built = {
+        k: errors.build(lambda k=k, c=c: from_section(c, cfg[k], k)) for k, c in sections.items()
+    }
+    errors.raise_any()
+    job = MathGrpoJob(**built, raw=OmegaConf.to_container(cfg, resolve=True))
     job.model.source()  # the weights exist
     a = job.algo
     if a.minibatch_size and a.batch_size % a.minibatch_size:
