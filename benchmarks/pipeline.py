@@ -19,6 +19,13 @@ For each workload, in one run on the same hardware:
 The toy workload adds a sleep per env step (``step_time_per_env_s``) chosen from the measured
 inference time so that ``e == i`` (balanced; the sleep stands for a simulator running on its
 own hardware). ManiSkill PickCube runs its CPU simulator in one subprocess per env.
+
+On a CUDA machine the devices are GPUs: the sync loop runs the policy there under
+``algo.autocast`` (bf16), and a mode that needs more GPUs than the machine has is listed as
+skipped. GPU simulation and the published model sizes (random weights)::
+
+    python benchmarks/pipeline.py --workloads maniskill --maniskill-backend gpu \
+        --maniskill-envs 64 --policy-preset full --devices 1
 """
 
 from __future__ import annotations
@@ -33,14 +40,19 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
 from rlinf_vla import cli
 from rlinf_vla.envs import make_env
+from rlinf_vla.pipelines.actor import autocast
 from rlinf_vla.pipelines.config import validate
 from rlinf_vla.policies import make_policy
+
+#: Where the sync loop runs the policy: where the Ray modes' devices are.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -68,23 +80,35 @@ def env_overrides(w: Workload) -> list[str]:
     return [f"env={w.env}", f"env.num_envs={w.num_envs}", *extra]
 
 
-def sync_loop(w: Workload, chunk_size: int, chunks: int) -> tuple[float, float, float]:
+def policy_overrides(preset: str, chunk_size: int) -> list[str]:
+    """The ``rlinf-vla train`` overrides of the policy (OpenVLA) the benchmark runs."""
+    return ["policy=openvla", f"policy.preset={preset}", f"policy.chunk_size={chunk_size}"]
+
+
+def sync_loop(w: Workload, policy_args: list[str], chunks: int) -> tuple[float, float, float]:
     """The synchronous loop in this process: returns (env steps/s, e, i), e and i per chunk."""
-    policy = make_policy("openvla", preset="tiny", chunk_size=chunk_size, seed=0)
-    # The env exactly as `rlinf-vla train` builds it: the env group's defaults, then the workload.
-    job = validate(cli.compose("train", env_overrides(w)))
+    # Env and policy exactly as `rlinf-vla train` builds them: the groups' defaults, then ours.
+    job = validate(cli.compose("train", [*env_overrides(w), *policy_args]))
+    device = torch.device(DEVICE)
+    policy = make_policy(job.policy_name, **{**job.policy, "seed": 0, "device": DEVICE})
+    policy.eval()
     env = make_env(job.env_name, **job.env)
+
+    def act(obs: Any) -> torch.Tensor:
+        with torch.no_grad(), autocast(device, job.algo.autocast):
+            actions = policy.act(obs).actions
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return actions
+
     try:
         obs = env.reset()
         for _ in range(2):  # warm-up
-            with torch.no_grad():
-                actions = policy.act(obs).actions
-            obs = env.chunk_step(actions).obs
+            obs = env.chunk_step(act(obs)).obs
         e = i = 0.0
         for _ in range(chunks):
             t0 = time.perf_counter()
-            with torch.no_grad():
-                actions = policy.act(obs).actions
+            actions = act(obs)
             t1 = time.perf_counter()
             obs = env.chunk_step(actions).obs
             t2 = time.perf_counter()
@@ -92,15 +116,18 @@ def sync_loop(w: Workload, chunk_size: int, chunks: int) -> tuple[float, float, 
             e += t2 - t1
     finally:
         env.close()
-    steps = w.num_envs * chunk_size * chunks
+    steps = w.num_envs * job.policy.get("chunk_size", 1) * chunks
     return steps / (e + i), e / chunks, i / chunks
 
 
-def mode_rate(w: Workload, mode: list[str], devices: int, iterations: int, out: Path) -> float:
+def mode_rate(
+    w: Workload, mode: list[str], policy_args: list[str], devices: int, iterations: int, out: Path
+) -> float:
     """Median rollout env steps/s of ``rlinf-vla train`` in ``mode`` (iterations after the first)."""
     args = [
         "train",
         *env_overrides(w),
+        *policy_args,
         *mode,
         f"cluster.devices_per_node={devices}",
         f"runner.rollout_chunks={w.chunks}",
@@ -124,6 +151,16 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=2)
     parser.add_argument("--toy-envs", type=int, default=64, help="envs of the toy workload")
+    parser.add_argument("--maniskill-envs", type=int, default=4, help="envs of ManiSkill")
+    parser.add_argument(
+        "--maniskill-backend", choices=("cpu", "gpu"), default="cpu", help="ManiSkill simulation"
+    )
+    parser.add_argument(
+        "--policy-preset",
+        choices=("tiny", "full"),
+        default="tiny",
+        help="OpenVLA size: tiny, or full (openvla-7b's dims, random weights)",
+    )
     parser.add_argument("--output", default="benchmarks/results/pipeline.json")
     args = parser.parse_args()
 
@@ -131,8 +168,12 @@ def main() -> int:
     if "toy" in args.workloads:
         workloads.append(Workload("toy (balanced)", "toy", {}, args.toy_envs, 16))
     if "maniskill" in args.workloads:
-        maniskill = {"task": "PickCube-v1", "sim_backend": "cpu", "wrist": False}
-        workloads.append(Workload("maniskill PickCube", "maniskill", maniskill, 4, 8))
+        backend = args.maniskill_backend
+        maniskill = {"task": "PickCube-v1", "sim_backend": backend, "wrist": False}
+        name = f"maniskill PickCube{' (GPU sim)' if backend == 'gpu' else ''}"
+        workloads.append(Workload(name, "maniskill", maniskill, args.maniskill_envs, 8))
+    policy_args = policy_overrides(args.policy_preset, args.chunk_size)
+    gpus = torch.cuda.device_count() if DEVICE == "cuda" else None
     d = args.devices
     modes = {
         "collocated": ["placement=collocated"],
@@ -145,20 +186,30 @@ def main() -> int:
     torch.set_num_threads(1)  # the sync loop gets one device, like each Ray component
     results: list[Row] = []
     meta = {}
+    skipped: dict[str, str] = {}
     for w in workloads:
         if w.env == "toy":
             # Balance: pick the per-env sleep so that a chunk of env steps costs what inference does.
-            _, _, i = sync_loop(w, args.chunk_size, 4)
+            _, _, i = sync_loop(w, policy_args, 4)
             w.env_config["step_time_per_env_s"] = round(i / (args.chunk_size * w.num_envs), 5)
-        sync, e, i = sync_loop(w, args.chunk_size, w.chunks)
+        sync, e, i = sync_loop(w, policy_args, w.chunks)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()  # the sync loop's policy is gone; the workers need the memory
         bound = w.num_envs * args.chunk_size / max(e, i)
         meta[w.name] = {"env_chunk_s": e, "infer_chunk_s": i, "config": w.env_config}
         results.append(Row(w.name, "sync loop", round(sync, 1), 1.0, round(sync / bound, 3)))
         print(f"{w.name}: sync loop {sync:.1f} env steps/s, overlap bound {bound:.1f}", flush=True)
         for mode, overrides in modes.items():
             devices = d + 1 if mode == "disaggregated" else d
+            if mode != "collocated" and d < 2:
+                skipped[mode] = "needs env and rollout on different devices (--devices 2)"
+            elif gpus is not None and devices > gpus:
+                skipped[mode] = f"needs {devices} GPUs, the machine has {gpus}"
+            if mode in skipped:
+                print(f"{w.name}: {mode} skipped: {skipped[mode]}", flush=True)
+                continue
             with tempfile.TemporaryDirectory() as tmp:
-                rate = mode_rate(w, overrides, devices, args.iterations, Path(tmp))
+                rate = mode_rate(w, overrides, policy_args, devices, args.iterations, Path(tmp))
             results.append(
                 Row(w.name, mode, round(rate, 1), round(rate / sync, 2), round(rate / bound, 3))
             )
@@ -176,6 +227,8 @@ def main() -> int:
             f"{name}: env chunk {m['env_chunk_s'] * 1e3:.1f} ms, inference "
             f"{m['infer_chunk_s'] * 1e3:.1f} ms per chunk (sync loop)"
         )
+    for mode, why in skipped.items():
+        print(f"{mode}: skipped ({why})")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(
         json.dumps(
@@ -186,8 +239,12 @@ def main() -> int:
                     "python": sys.version.split()[0],
                     "torch": torch.__version__,
                     "load_avg": os.getloadavg(),
+                    "gpus": [torch.cuda.get_device_name(k) for k in range(gpus or 0)],
                 },
                 "devices": d,
+                "policy_preset": args.policy_preset,
+                "chunk_size": args.chunk_size,
+                "skipped": skipped,
                 "iterations": args.iterations,
                 "workloads": meta,
                 "rows": [asdict(r) for r in results],
