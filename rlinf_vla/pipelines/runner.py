@@ -32,6 +32,7 @@ from rlinf_vla.runtime import (
     wait_all,
     wait_started,
 )
+from rlinf_vla.runtime.memory import group_memory_metrics
 
 WEIGHTS = "weights"
 DATA_PARALLEL = "actor-dp"
@@ -191,6 +192,8 @@ class EmbodiedRunner:
             ]
         )
         t3 = time.perf_counter()
+        groups = {"env": self.env, "rollout": self.rollout, "actor": self.actor}
+        memory = wait_all([g.memory() for g in groups.values()])
         train_metrics = _average([result[0] for result in train])
         stats = {k: [x for s in env_stats for x in s[k]] for k in ("return", "success", "invalid")}
         num_envs = self.job.env["num_envs"]
@@ -207,6 +210,7 @@ class EmbodiedRunner:
             "time/rollout_s": t2 - t1,
             "time/train_s": t3 - t2,
             "throughput/env_steps_per_s": env_steps / (t2 - t1),
+            **group_memory_metrics(dict(zip(groups, memory, strict=True))),
         }
 
     def evaluate(self, iteration: int, logger: MetricsLogger) -> dict[str, float]:

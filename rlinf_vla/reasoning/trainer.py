@@ -43,6 +43,7 @@ from rlinf_vla.runtime import (
     wait_all,
     wait_started,
 )
+from rlinf_vla.runtime.memory import group_memory_metrics
 
 WEIGHTS = "math-weights"
 DATA_PARALLEL = "math-data-parallel"
@@ -318,6 +319,9 @@ class MathGrpoRunner:
             stats["gen_s"], 1e-9
         )
         metrics["train/groups"] = float(len(groups))
+        workers = {"rollout": self.rollout, "reward": self.reward, "actor": self.actor}
+        memory = wait_all([g.memory() for g in workers.values()])
+        metrics.update(group_memory_metrics(dict(zip(workers, memory, strict=True))))
         return metrics
 
     # ----------------------------------------------------------------- evaluation

@@ -1,4 +1,4 @@
-"""Tensor transport between workers over torch.distributed (NCCL on GPU, gloo on CPU).
+"""Tensor transport between workers over torch.distributed (NCCL between GPUs, gloo otherwise).
 
 The driver forms a collective from ranks of one or more worker groups::
 
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from rlinf_vla.runtime.cluster import Device
     from rlinf_vla.runtime.worker import WorkerGroup
 
 _COLLECTIVES: dict[str, Collective] = {}
@@ -170,6 +171,17 @@ def join(
     _COLLECTIVES[name] = Collective(name, rank, world_size, backend, pg, store)
 
 
+def auto_backend(devices: Sequence[Device]) -> str:
+    """``"nccl"`` when every member is on a GPU and no two share one, else ``"gloo"``.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), which is what collocated
+    components are (the actor and the rollout worker on GPU 0 share the weights collective);
+    gloo carries their tensors through host memory instead.
+    """
+    gpus = [(d.node_id, d.local_index) for d in devices if d.kind == "cuda"]
+    return "nccl" if len(gpus) == len(devices) and len(set(gpus)) == len(gpus) else "gloo"
+
+
 def create_collective(
     name: str,
     members: Sequence[tuple[WorkerGroup, Sequence[int] | None]],
@@ -179,7 +191,8 @@ def create_collective(
 ) -> None:
     """Form the collective ``name`` from ``(group, ranks)`` pairs (``None``: all ranks).
 
-    ``backend="auto"`` picks NCCL when every member is on a GPU, gloo otherwise.
+    ``backend="auto"`` picks NCCL when every member is on a GPU of its own, gloo otherwise
+    (see :func:`auto_backend`).
     ``as_default=True`` also makes it each member's torch.distributed default process group
     (what FSDP2 and DTensor use); a process can have only one.
 
@@ -196,7 +209,7 @@ def create_collective(
     if len(set((id(g), r) for g, r in flat)) != len(flat):
         raise ValueError(f"collective {name!r} lists a worker twice")
     if backend == "auto":
-        backend = "nccl" if all(g.devices[r].kind == "cuda" for g, r in flat) else "gloo"
+        backend = auto_backend([g.devices[r] for g, r in flat])
     import ray
 
     first_group, first_rank = flat[0]

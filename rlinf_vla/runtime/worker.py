@@ -130,6 +130,14 @@ class Worker:
     def logger(self) -> logging.Logger:
         return logging.getLogger(f"rlinf_vla.worker.{self.group_name}.{self.rank}")
 
+    def memory(self) -> dict[str, float]:
+        """This worker's memory in GiB: ``rss``, the resident RAM of its process and its
+        subprocesses, and on a GPU ``gpu_peak``, the most torch allocated since the previous
+        call (see :mod:`rlinf_vla.runtime.memory`)."""
+        from rlinf_vla.runtime.memory import worker_memory
+
+        return worker_memory(self.device)
+
     def collective(self, name: str):
         """The :class:`~rlinf_vla.runtime.collective.Collective` named ``name`` this worker joined."""
         from rlinf_vla.runtime import collective

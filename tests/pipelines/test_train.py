@@ -102,6 +102,8 @@ def test_grpo_two_iterations(tmp_path):
     rows = _metrics(tmp_path)
     assert [r["iteration"] for r in rows] == [1, 2]
     assert "train/value_loss" not in rows[0]  # GRPO has no critic
+    for group in ("env", "rollout", "actor"):  # each worker holds at least its Python and torch
+        assert 0.1 < rows[0][f"memory/{group}_rss_gib"] < 24, group
     # Envs reset every rollout: each of the 4 envs ends exactly one 8-step episode in 4 chunks of 2.
     assert all(r["env/episodes"] == 4 for r in rows)
 

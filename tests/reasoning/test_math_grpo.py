@@ -284,6 +284,8 @@ def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) 
     assert step["response/length_max"] <= 6
     for key in ("time/generation_s", "time/train_s", "throughput/tokens_per_s", "eval/accuracy"):
         assert key in rows[2], key
+    for group in ("rollout", "reward", "actor"):
+        assert 0.1 < step[f"memory/{group}_rss_gib"] < 24, group
     assert (run / "checkpoints" / "step_2" / "COMPLETE").exists()
     assert (run / "checkpoints" / "step_1").exists()  # runner.keep_checkpoints=2
     saved = run / "checkpoints" / "step_2" / "model"

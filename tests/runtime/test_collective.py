@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from rlinf_vla.runtime import Worker, WorkerError, WorkerGroup, create_collective
+from rlinf_vla.runtime import Device, Worker, WorkerError, WorkerGroup, create_collective
+from rlinf_vla.runtime.collective import auto_backend
 
 
 class Peer(Worker):
@@ -31,6 +32,12 @@ class Peer(Worker):
             state = model.state_dict()
         received = coll.broadcast_tensors(state, src=0)
         return {k: v.clone() for k, v in received.items()}
+
+    def sync_on_device(self, name):
+        coll = self.collective(name)
+        state = {"w": torch.arange(4.0, device=self.device)} if coll.rank == 0 else None
+        received = coll.broadcast_tensors(state, src=0)
+        return coll.backend, {k: v.cpu() for k, v in received.items()}
 
     def objects(self, name):
         coll = self.collective(name)
@@ -95,11 +102,25 @@ def test_collective_needs_two_distinct_members(cluster):
         group.shutdown()
 
 
+def test_auto_picks_nccl_only_when_every_member_has_a_gpu_of_its_own():
+    def gpu(node, index):
+        return Device(0, 0, node, "10.0.0.1", index, "cuda")
+
+    cpu = Device(0, 0, "n0", "10.0.0.1", 0, "cpu", threads=1)
+    assert auto_backend([gpu("n0", 0), gpu("n0", 1)]) == "nccl"
+    assert auto_backend([gpu("n0", 0), gpu("n1", 0)]) == "nccl"  # GPU 0 of two nodes
+    # collocated: actor and rollout on one GPU, which NCCL refuses ("Duplicate GPU detected")
+    assert auto_backend([gpu("n0", 0), gpu("n0", 0)]) == "gloo"
+    assert auto_backend([gpu("n0", 0), gpu("n0", 1), gpu("n0", 1)]) == "gloo"
+    assert auto_backend([gpu("n0", 0), cpu]) == "gloo"
+    assert auto_backend([cpu, cpu]) == "gloo"
+
+
 @pytest.mark.gpu
 def test_nccl_broadcast_between_gpu_workers(cluster):
-    if cluster.devices[0].kind != "cuda":
-        pytest.skip("the cluster has no GPU device")
-    group = WorkerGroup(cluster, Peer, "gpu-peers", devices=[0, 0])
+    if sum(d.kind == "cuda" for d in cluster.devices) < 2:
+        pytest.skip("NCCL needs two GPUs: it refuses two ranks on one")
+    group = WorkerGroup(cluster, Peer, "gpu-peers", devices=[0, 1])
     try:
         create_collective("gpu-pair", [(group, None)], backend="nccl")
         results = group.broadcast("gpu-pair").wait(timeout=120)
@@ -108,3 +129,19 @@ def test_nccl_broadcast_between_gpu_workers(cluster):
     for _, t in results:
         assert t.device.type == "cpu" or t.is_cuda
         assert torch.equal(t.cpu(), torch.arange(6, dtype=torch.float32).reshape(2, 3) * 10)
+
+
+@pytest.mark.gpu
+def test_collocated_gpu_workers_share_weights_over_gloo(cluster):
+    # The collocated layout on one GPU: the weight sync must not ask NCCL for two ranks there.
+    if cluster.devices[0].kind != "cuda":
+        pytest.skip("the cluster has no GPU device")
+    group = WorkerGroup(cluster, Peer, "gpu-collocated", devices=[0, 0])
+    try:
+        create_collective("gpu-shared", [(group, None)])
+        results = group.sync_on_device("gpu-shared").wait(timeout=120)
+    finally:
+        group.shutdown()
+    for backend, state in results:
+        assert backend == "gloo"
+        assert torch.equal(state["w"], torch.arange(4.0))

@@ -1,0 +1,87 @@
+"""How much memory a worker holds: resident RAM of its process tree, peak GPU memory.
+
+Every :class:`~rlinf_vla.runtime.Worker` answers :meth:`~rlinf_vla.runtime.Worker.memory`;
+the trainers log the largest value over each group's ranks as ``memory/<group>_<kind>_gib``
+every iteration, so a run that creeps towards an out-of-memory error shows it in its metrics
+before it happens, and which component is to blame.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["group_memory_metrics", "process_tree_rss", "worker_memory"]
+
+_GIB = 2**30
+
+
+def _children_of() -> dict[int, list[int]]:
+    """Parent pid -> child pids, from ``/proc/<pid>/stat`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # the process ended meanwhile
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after it.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of one process (0 if it ended meanwhile)."""
+    try:
+        resident = int((Path("/proc") / str(pid) / "statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return resident * os.sysconf("SC_PAGE_SIZE")
+
+
+def process_tree_rss(pid: int | None = None) -> float | None:
+    """Resident memory in GiB of process ``pid`` (default: this one) and all its descendants
+    (e.g. the simulator subprocesses of an env worker). Pages shared between the processes
+    count once per process. ``None`` where ``/proc`` is missing (not Linux)."""
+    if not Path("/proc/self/statm").exists():
+        return None
+    pid = os.getpid() if pid is None else pid
+    children = _children_of()
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, ()))
+    return sum(_rss(p) for p in tree) / _GIB
+
+
+def worker_memory(device: object) -> dict[str, float]:
+    """A worker's memory in GiB: ``rss`` (see :func:`process_tree_rss`) and, on a CUDA
+    ``device`` this process has used, ``gpu_peak``: the most torch allocated there since the
+    previous call, which resets it."""
+    out: dict[str, float] = {}
+    rss = process_tree_rss()
+    if rss is not None:
+        out["rss"] = rss
+    import torch
+
+    if getattr(device, "type", None) == "cuda" and torch.cuda.is_initialized():
+        out["gpu_peak"] = torch.cuda.max_memory_allocated(device) / _GIB
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+def group_memory_metrics(groups: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[str, float]:
+    """``memory/<group>_<kind>_gib``: the largest value over each group's ranks.
+
+    Args:
+        groups: group name -> the :func:`worker_memory` of each rank.
+    """
+    metrics: dict[str, float] = {}
+    for name, ranks in groups.items():
+        for kind in sorted({k for r in ranks for k in r}):
+            metrics[f"memory/{name}_{kind}_gib"] = max(r[kind] for r in ranks if kind in r)
+    return metrics

@@ -1,0 +1,101 @@
+"""Worker memory: resident RAM of a process tree, peak GPU memory, the memory/* metrics."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlinf_vla.runtime import Worker, WorkerGroup
+from rlinf_vla.runtime.memory import group_memory_metrics, process_tree_rss
+
+linux = pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc")
+
+
+def _vm_rss_gib(pid: int) -> float:
+    """VmRSS of /proc/<pid>/status, which the kernel reports in kB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    raise AssertionError("no VmRSS line")
+
+
+@linux
+def test_the_tree_of_a_childless_process_is_its_own_resident_memory():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.5)
+        assert process_tree_rss(child.pid) == pytest.approx(_vm_rss_gib(child.pid), rel=0.05)
+    finally:
+        child.kill()
+
+
+@linux
+def test_the_memory_of_subprocesses_counts_towards_their_parent():
+    code = "import time; x = b'\\x01' * (300 * 2**20); print('ready', flush=True); time.sleep(30)"
+    before = process_tree_rss()
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        held = _vm_rss_gib(child.pid)
+        assert held > 300 / 1024  # the 300 MiB it wrote, and the interpreter
+        assert process_tree_rss() - before == pytest.approx(held, abs=0.05)
+    finally:
+        child.kill()
+
+
+def test_the_metrics_take_the_largest_value_of_each_groups_ranks():
+    groups = {
+        "env": [{"rss": 1.0}, {"rss": 3.0}],
+        "actor": [{"rss": 2.0, "gpu_peak": 5.0}, {"rss": 2.5, "gpu_peak": 4.0}],
+    }
+    assert group_memory_metrics(groups) == {
+        "memory/env_rss_gib": 3.0,
+        "memory/actor_gpu_peak_gib": 5.0,
+        "memory/actor_rss_gib": 2.5,
+    }
+
+
+class Holder(Worker):
+    def __init__(self):
+        self.held = None
+
+    def hold(self, mib):
+        self.held = torch.ones(mib * 2**18, device=self.device)  # float32: 4 bytes each
+        return os.getpid()
+
+    def drop(self):
+        self.held = None
+
+
+@linux
+def test_a_worker_reports_its_resident_memory(cluster):
+    group = WorkerGroup(cluster, Holder, "holder", devices=[0])
+    try:
+        [pid] = group.hold(256).wait()
+        [memory] = group.memory().wait()
+        assert memory["rss"] == pytest.approx(_vm_rss_gib(pid), rel=0.05)
+        assert memory["rss"] > 0.25
+        if cluster.devices[0].kind == "cpu":
+            assert "gpu_peak" not in memory
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.gpu
+def test_a_gpu_worker_reports_its_peak_since_the_last_call(cluster):
+    if cluster.devices[0].kind != "cuda":
+        pytest.skip("the cluster has no GPU device")
+    group = WorkerGroup(cluster, Holder, "gpu-holder", devices=[0])
+    try:
+        group.hold(512).wait()
+        group.drop().wait()
+        [first] = group.memory().wait()
+        assert first["gpu_peak"] == pytest.approx(0.5, abs=0.01)  # freed, but it was the peak
+        [second] = group.memory().wait()
+        assert second["gpu_peak"] < 0.01  # the call reset it and nothing was allocated since
+    finally:
+        group.shutdown()
