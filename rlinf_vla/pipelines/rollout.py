@@ -19,7 +19,9 @@ bootstraps the value of the state the rollout stopped in. Envs keep running acro
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -250,12 +252,46 @@ class RolloutWorker(Worker):
         self.version = 0
         self.autocast = autocast  # algo.autocast: the same precision as the actor's update
         self.features = features
+        self._eval_env: Any = None  # the greedy evaluation's env, made on first use
 
     def sync_from(self, collective_name: str, version: int) -> None:
         """Receive the actor's weights (broadcast from collective rank 0)."""
         state = self.collective(collective_name).broadcast_tensors(None, src=0)
         self.policy.load_state_dict(state)
         self.version = version
+
+    def evaluate(
+        self, env_name: str, env_config: dict[str, Any], episodes: int, videos: bool
+    ) -> tuple[dict[str, float], dict[str, bytes]]:
+        """Greedy evaluation of the current weights (:func:`greedy_eval`, held-out scenes).
+
+        Runs where the policy already is (its device, ``algo.autocast``), on an env of its own
+        made on the first call and kept. The sampler's random state is left as it was, so
+        evaluating does not change the training that follows.
+
+        Returns:
+            The ``eval/*`` metrics, and the videos as file name -> MP4 bytes (the driver
+            writes them into the run folder, which may be on another node).
+        """
+        from rlinf_vla.envs import make_env
+        from rlinf_vla.pipelines.evaluation import greedy_eval
+
+        if self._eval_env is None:
+            self._eval_env = make_env(env_name, **env_config)
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        with tempfile.TemporaryDirectory() as tmp, torch.random.fork_rng(devices=cuda):
+            with autocast(self.device, self.autocast):
+                result = greedy_eval(
+                    self.policy, self._eval_env, episodes, video_dir=tmp if videos else None
+                )
+            files = {Path(v).name: Path(v).read_bytes() for v in result.videos}
+        return result.metrics(), files
+
+    def close(self) -> None:
+        """Close the evaluation env (its simulator subprocesses), if one was made."""
+        if self._eval_env is not None:
+            self._eval_env.close()
+            self._eval_env = None
 
     def rng_state(self) -> Tensor:
         return torch.get_rng_state()

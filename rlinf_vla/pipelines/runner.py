@@ -12,6 +12,7 @@ pipeline stages each env worker has; the loop never changes.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ class EmbodiedRunner:
         policy = dict(job.policy, seed=seed)
         env = dict(job.env, seed=job.env.get("seed", seed))
         self.channel = Channel.create(f"embodied-{id(self)}")
-        self._eval: tuple[Any, Any] | None = None  # the evaluation's (policy, env), made lazily
+        self._synced: int | None = None  # the weights version the rollout workers hold
         try:
             self.env = WorkerGroup(
                 cluster,
@@ -161,13 +162,7 @@ class EmbodiedRunner:
         """One rollout and one update; returns the iteration's metrics."""
         r = self.job.runner
         t0 = time.perf_counter()
-        version = it
-        wait_all(
-            [
-                self.actor.sync_to(WEIGHTS, ranks=self._gather_ranks),
-                self.rollout.sync_from(WEIGHTS, version),
-            ]
-        )
+        self._sync(version=it)
         t1 = time.perf_counter()
         calls = [self.env.interact(self.channel, r.rollout_chunks)]
         actor_ranks = self.actor.world_size
@@ -213,30 +208,41 @@ class EmbodiedRunner:
             **group_memory_metrics(dict(zip(groups, memory, strict=True))),
         }
 
+    def _sync(self, version: int) -> None:
+        """Send the actor's weights (``version``: updates done) to the rollout workers, unless
+        they have them already (an evaluation after the previous update sent them)."""
+        if self._synced == version:
+            return
+        wait_all(
+            [
+                self.actor.sync_to(WEIGHTS, ranks=self._gather_ranks),
+                self.rollout.sync_from(WEIGHTS, version),
+            ]
+        )
+        self._synced = version
+
     def evaluate(self, iteration: int, logger: MetricsLogger) -> dict[str, float]:
-        """Greedy episodes of the current weights on held-out scenes (``eval/*`` metrics).
+        """Greedy episodes of the weights after ``iteration`` updates on held-out scenes
+        (``eval/*`` metrics).
 
-        Runs in the driver on its own env and policy copy, so the training envs' reset-id
-        cursors (and hence a resumed run's metrics) are untouched.
+        Rollout worker 0 runs them where its policy is (on its GPU, not in the driver), on an
+        env of its own, so the training envs' reset-id cursors (and hence a resumed run's
+        metrics) are untouched; the weights it receives here serve the next iteration too.
         """
-        from rlinf_vla.envs import make_env
-        from rlinf_vla.pipelines.evaluation import greedy_eval
-        from rlinf_vla.policies import make_policy
-
         r = self.job.runner
-        if self._eval is None:
-            policy = make_policy(self.job.policy_name, **dict(self.job.policy, device="cpu"))
-            env_cfg = dict(self.job.env, seed=r.seed, group_size=1)
-            env_cfg["num_envs"] = min(env_cfg.get("num_envs", 1), r.eval_episodes)
-            self._eval = (policy, make_env(self.job.env_name, **env_cfg))
-        policy, env = self._eval
-        policy.load_state_dict(self.actor.state_dict(ranks=self._gather_ranks).wait()[0])
         t0 = time.perf_counter()
-        video_dir = self.output_dir / "videos" / f"iter_{iteration}" if r.eval_videos else None
-        result = greedy_eval(policy, env, r.eval_episodes, video_dir=video_dir)
-        for video in result.videos:
-            logger.log_video("eval/video", Path(video), iteration)
-        return {**result.metrics(), "time/eval_s": time.perf_counter() - t0}
+        self._sync(version=iteration)
+        env_cfg = dict(self.job.env, seed=r.seed, group_size=1)
+        env_cfg["num_envs"] = min(env_cfg.get("num_envs", 1), r.eval_episodes)
+        [(metrics, videos)] = self.rollout.evaluate(
+            self.job.env_name, env_cfg, r.eval_episodes, r.eval_videos, ranks=[0]
+        ).wait()
+        video_dir = self.output_dir / "videos" / f"iter_{iteration}"
+        for name, data in videos.items():
+            video_dir.mkdir(parents=True, exist_ok=True)
+            (video_dir / name).write_bytes(data)
+            logger.log_video("eval/video", video_dir / name, iteration)
+        return {**metrics, "time/eval_s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, iteration: int) -> Path:
@@ -265,8 +271,10 @@ class EmbodiedRunner:
         return iteration
 
     def shutdown(self) -> None:
-        if self._eval is not None:
-            self._eval[1].close()
+        if "rollout" in self.__dict__:
+            # The evaluation env's simulator subprocesses (a crashed worker's die with it).
+            with contextlib.suppress(Exception):
+                self.rollout.close().wait(timeout=60)
         for name in ("env", "rollout", "actor"):
             if name in self.__dict__:  # all of them unless the start failed
                 self.__dict__[name].shutdown()

@@ -122,7 +122,7 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
     assert [r["iteration"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(expected, resumed, strict=True):
         for key in a:
-            if not key.startswith(("time/", "throughput/")):
+            if not key.startswith(("time/", "throughput/", "memory/")):  # measurements
                 assert (a[key] is None and b[key] is None) or a[key] == pytest.approx(
                     b[key], rel=1e-6, abs=1e-9
                 ), key
@@ -130,6 +130,27 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
     starts = provenance.read(part)
     assert [r["start"] for r in starts] == [0, 2]
     assert [r["devices"] for r in starts] == [["cpu:0@node0"]] * 2
+
+
+@pytest.mark.slow
+def test_evaluating_leaves_the_training_unchanged(tmp_path):
+    # The rollout worker evaluates with the weights of the next iteration and its own env,
+    # with its sampler's random state set aside: the training takes the same steps.
+    common = ["cluster.devices_per_node=1", *SMALL, "runner.seed=4", "runner.max_iterations=3"]
+    runs = {}
+    for interval in (0, 1):
+        out = tmp_path / f"eval{interval}"
+        extra = [f"runner.eval_interval={interval}", "runner.eval_episodes=3"]
+        assert cli.main(["train", *common, *extra, f"runner.output_dir={out}"]) == 0
+        runs[interval] = _metrics(out)
+    for a, b in zip(runs[0], runs[1], strict=True):
+        for key in a:
+            if key.startswith(("env/", "train/")):
+                assert (a[key] is None and b[key] is None) or a[key] == pytest.approx(
+                    b[key], rel=1e-6, abs=1e-9
+                ), key
+    assert all(r["eval/episodes"] == 3 for r in runs[1])
+    assert len(list((tmp_path / "eval1" / "videos").glob("iter_*/*.mp4"))) == 3
 
 
 @pytest.mark.parametrize(
