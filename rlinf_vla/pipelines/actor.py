@@ -17,6 +17,7 @@ from torch import Tensor
 
 from rlinf_vla.config import ConfigError, check_at_least
 from rlinf_vla.runtime import Channel, Worker
+from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
 from rlinf_vla.types import EvalOutput, Observation
 
 #: ``algo.gamma`` when it is not given: PPO discounts, GRPO scores the plain episode return.
@@ -289,7 +290,7 @@ class ActorWorker(Worker):
             self.policy.save_pretrained(Path(path) / "policy")
         state = {
             "optimizer": self._optimizer_state(),
-            "torch_rng": torch.get_rng_state(),
+            "torch_rng": get_rng_state(self.device),
             "generator": self.generator.get_state(),
             "version": self.version,
             "nan_streak": self.nan_streak,
@@ -333,7 +334,7 @@ class ActorWorker(Worker):
         ):
             group["base_lr"] = group["lr"] = base_lr
             group["weight_decay"] = self.algo.weight_decay
-        torch.set_rng_state(state["torch_rng"])
+        set_rng_state(state["torch_rng"], self.device)
         self.generator.set_state(state["generator"])
         self.version = state["version"]
         self.nan_streak = state.get("nan_streak", 0)

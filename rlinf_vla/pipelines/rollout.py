@@ -29,6 +29,7 @@ from torch import Tensor
 
 from rlinf_vla.pipelines.actor import autocast
 from rlinf_vla.runtime import Channel, Worker
+from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
 from rlinf_vla.types import Observation
 
 
@@ -293,11 +294,12 @@ class RolloutWorker(Worker):
             self._eval_env.close()
             self._eval_env = None
 
-    def rng_state(self) -> Tensor:
-        return torch.get_rng_state()
+    def rng_state(self) -> dict[str, Any]:
+        """The action sampler's random state (CPU, and the GPU's when on one)."""
+        return get_rng_state(self.device)
 
-    def set_rng_state(self, state: Tensor) -> None:
-        torch.set_rng_state(state)
+    def set_rng_state(self, state: dict[str, Any] | Tensor) -> None:
+        set_rng_state(state, self.device)
 
     @torch.no_grad()
     def generate(
