@@ -60,8 +60,9 @@ def process_tree_rss(pid: int | None = None) -> float | None:
 
 def worker_memory(device: object) -> dict[str, float]:
     """A worker's memory in GiB: ``rss`` (see :func:`process_tree_rss`) and, on a CUDA
-    ``device`` this process has used, ``gpu_peak``: the most torch allocated there since the
-    previous call, which resets it."""
+    ``device`` this process has used, ``gpu``: what torch has allocated there now (an
+    offloaded model holds none), and ``gpu_peak``: the most it allocated since the previous
+    call, which resets it."""
     out: dict[str, float] = {}
     rss = process_tree_rss()
     if rss is not None:
@@ -69,6 +70,7 @@ def worker_memory(device: object) -> dict[str, float]:
     import torch
 
     if getattr(device, "type", None) == "cuda" and torch.cuda.is_initialized():
+        out["gpu"] = torch.cuda.memory_allocated(device) / _GIB
         out["gpu_peak"] = torch.cuda.max_memory_allocated(device) / _GIB
         torch.cuda.reset_peak_memory_stats(device)
     return out

@@ -132,8 +132,8 @@ class Worker:
 
     def memory(self) -> dict[str, float]:
         """This worker's memory in GiB: ``rss``, the resident RAM of its process and its
-        subprocesses, and on a GPU ``gpu_peak``, the most torch allocated since the previous
-        call (see :mod:`rlinf_vla.runtime.memory`)."""
+        subprocesses, and on a GPU ``gpu`` (allocated now) and ``gpu_peak`` (the most
+        allocated since the previous call); see :mod:`rlinf_vla.runtime.memory`."""
         from rlinf_vla.runtime.memory import worker_memory
 
         return worker_memory(self.device)

@@ -290,11 +290,48 @@ def test_bf16_autocast_trains_with_float32_weights(tmp_path):
     assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float32}
 
 
+@pytest.mark.gpu
+def test_collocated_on_one_gpu_with_bf16_autocast(tmp_path):
+    # Env, rollout and actor on GPU 0: weights go over gloo (NCCL refuses two ranks on one
+    # GPU), forward passes in bf16, weights and the optimizer in float32; the rollout worker
+    # evaluates on the GPU.
+    args = [
+        "cluster.devices_per_node=1",
+        *SMALL,
+        "algo.autocast=auto",
+        "algo.minibatch_size=16",
+        "runner.eval_interval=1",
+        "runner.eval_episodes=4",
+    ]
+    assert (
+        cli.main(["train", *args, "runner.max_iterations=1", f"runner.output_dir={tmp_path}"]) == 0
+    )
+    [row] = _metrics(tmp_path)
+    assert row["train/skipped_updates"] == 0
+    assert abs(row["train/approx_kl"]) < 1e-2  # ratio 1 up to bf16 rounding, as on CPU
+    assert row["eval/episodes"] == 4
+    for group in ("rollout", "actor"):
+        assert row[f"memory/{group}_gpu_peak_gib"] > 0, group
+    assert provenance.read(tmp_path)[0]["devices"] == ["cuda:0@node0"]
+    from safetensors.torch import load_file
+
+    weights = load_file(
+        next((tmp_path / "checkpoints" / "iter_1" / "policy").glob("*.safetensors"))
+    )
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float32}
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu, id="cuda-nccl")]
+)
 @pytest.mark.slow
-def test_fsdp_matches_replicated_data_parallel_and_resumes(tmp_path):
+def test_fsdp_matches_replicated_data_parallel_and_resumes(tmp_path, device):
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("FSDP over NCCL needs two GPUs")
     # Two actor ranks: FSDP2 (sharded weights, reduce-scattered gradients) must take the same
     # steps as replicas with all-reduced gradients, up to float rounding.
     common = ["cluster.devices_per_node=2", *SMALL, "runner.save_interval=1", "runner.seed=5"]
+    common.append("algo.autocast=off")  # float32 on GPUs too: the comparison is to rounding
     runs = {}
     for name, extra in {"dp": [], "fsdp": ["algo.fsdp=true"]}.items():
         out = tmp_path / name

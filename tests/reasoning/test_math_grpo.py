@@ -295,6 +295,43 @@ def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) 
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
 
 
+@pytest.mark.gpu
+def test_collocated_on_one_gpu_offloads_the_idle_model(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Rollout, reward and actor on GPU 0: the rollout model moves to CPU memory while the actor
+    # trains, and the weights reach it over gloo (NCCL refuses two ranks on one GPU).
+    from rlinf_vla import cli
+    from rlinf_vla.pipelines.tracking import read_metrics
+
+    data = tmp_path / "train.jsonl"
+    rows = [{"q": f"What is {a} + {b}?", "a": str(a + b)} for a in range(6) for b in range(6)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    args = [
+        f"model.path={tiny_model_dir}",
+        f"data.path={data}",
+        "data.prompt_field=q",
+        "data.answer_field=a",
+        "data.eval_size=4",
+        "algo.group_size=4",
+        "algo.prompts_per_step=2",
+        "algo.max_new_tokens=6",
+        "placement=collocated",
+        "cluster.devices_per_node=1",
+        "runner.max_steps=2",
+        "runner.eval_interval=0",
+        f"runner.output_dir={run}",
+        "runner.logging.tensorboard=false",
+    ]
+    assert cli.main(["math-grpo", *args]) == 0
+    step = read_metrics(run)[-1]
+    assert step["iteration"] == 2 and step["response/tokens"] > 0
+    assert step["memory/rollout_gpu_peak_gib"] > 0  # it generated on the GPU ...
+    assert step["memory/rollout_gpu_gib"] < 0.01  # ... and holds nothing there now
+    assert step["memory/actor_gpu_peak_gib"] > 0
+
+
 def test_invalid_configs_fail_before_anything_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
     from rlinf_vla import cli
     from rlinf_vla.reasoning import validate

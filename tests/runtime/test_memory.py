@@ -92,10 +92,17 @@ def test_a_gpu_worker_reports_its_peak_since_the_last_call(cluster):
     group = WorkerGroup(cluster, Holder, "gpu-holder", devices=[0])
     try:
         group.hold(512).wait()
+        [held] = group.memory().wait()
+        assert held["gpu"] == pytest.approx(0.5, abs=0.01)
         group.drop().wait()
+        group.hold(256).wait()
         [first] = group.memory().wait()
-        assert first["gpu_peak"] == pytest.approx(0.5, abs=0.01)  # freed, but it was the peak
+        assert first["gpu"] == pytest.approx(0.25, abs=0.01)  # the 512 MiB were freed
+        assert first["gpu_peak"] == pytest.approx(0.5, abs=0.01)  # but they were the peak
+        group.drop().wait()
         [second] = group.memory().wait()
-        assert second["gpu_peak"] < 0.01  # the call reset it and nothing was allocated since
+        # the previous call reset the peak to the 256 MiB then held; now nothing is
+        assert second["gpu_peak"] == pytest.approx(0.25, abs=0.01)
+        assert second["gpu"] < 0.01
     finally:
         group.shutdown()
