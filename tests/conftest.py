@@ -74,12 +74,22 @@ def _one_ray_instance(request: pytest.FixtureRequest, _session_clusters: list) -
     """The tests that start Ray workers share one local Ray instance (a ``Cluster`` uses the
     instance it finds running): starting and stopping one costs about 6 s, and the suite starts
     dozens of runs. A test that shuts it down (the multi-node tests make their own) gets a
-    new one for the tests after it."""
+    new one for the tests after it.
+
+    The instance has 2 CPUs on every machine, and GPUs only for the tests marked ``gpu``: on a
+    CUDA machine the other tests still place their workers on CPU slots, as in CI. Between a
+    GPU test and a CPU test the instance is started again with the other devices."""
     if request.node.path.parent.name not in _RAY_TEST_DIRS:
         return
     import ray
 
+    gpus = "gpu" in request.node.keywords and _cuda_available()
+    if ray.is_initialized() and (ray.cluster_resources().get("GPU", 0) > 0) != gpus:
+        for cluster in _session_clusters:
+            cluster.shutdown()
+        _session_clusters.clear()
+        ray.shutdown()
     if not ray.is_initialized():
         from rlinf_vla.runtime import Cluster
 
-        _session_clusters.append(Cluster(num_cpus=2))  # the same devices on every machine
+        _session_clusters.append(Cluster(num_cpus=2, num_gpus=None if gpus else 0))
