@@ -251,17 +251,14 @@ def test_a_batch_without_signal_makes_no_optimizer_step(tiny_model_dir: Path) ->
 
 
 # --------------------------------------------------------------------------- end to end
-@pytest.mark.slow
-def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from rlinf_vla import cli
-    from rlinf_vla.pipelines.tracking import read_metrics
-
+def _small_run(model_dir: Path, tmp_path: Path) -> list[str]:
+    """``math-grpo`` overrides of a small run on 36 sums (prompts of 2 x 4 responses, 6 new
+    tokens) with the tiny model, into ``tmp_path / "run"``."""
     data = tmp_path / "train.jsonl"
     rows = [{"q": f"What is {a} + {b}?", "a": str(a + b)} for a in range(6) for b in range(6)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = tmp_path / "run"
-    common = [
-        f"model.path={tiny_model_dir}",
+    return [
+        f"model.path={model_dir}",
         f"data.path={data}",
         "data.prompt_field=q",
         "data.answer_field=a",
@@ -269,12 +266,23 @@ def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) 
         "algo.group_size=4",
         "algo.prompts_per_step=2",
         "algo.max_new_tokens=6",
+        f"runner.output_dir={tmp_path / 'run'}",
+        "runner.logging.tensorboard=false",
+    ]
+
+
+@pytest.mark.slow
+def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from rlinf_vla import cli
+    from rlinf_vla.pipelines.tracking import read_metrics
+
+    run = tmp_path / "run"
+    common = [
+        *_small_run(tiny_model_dir, tmp_path),
         "algo.micro_batch_size=4",
         "runner.eval_interval=2",
         "runner.save_interval=1",
-        f"runner.output_dir={run}",
         "cluster.num_cpus=2",
-        "runner.logging.tensorboard=false",
     ]
     assert cli.main(["math-grpo", *common, "runner.max_steps=2"]) == 0
     rows = read_metrics(run)
@@ -304,28 +312,15 @@ def test_collocated_on_one_gpu_offloads_the_idle_model(
     from rlinf_vla import cli
     from rlinf_vla.pipelines.tracking import read_metrics
 
-    data = tmp_path / "train.jsonl"
-    rows = [{"q": f"What is {a} + {b}?", "a": str(a + b)} for a in range(6) for b in range(6)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = tmp_path / "run"
     args = [
-        f"model.path={tiny_model_dir}",
-        f"data.path={data}",
-        "data.prompt_field=q",
-        "data.answer_field=a",
-        "data.eval_size=4",
-        "algo.group_size=4",
-        "algo.prompts_per_step=2",
-        "algo.max_new_tokens=6",
+        *_small_run(tiny_model_dir, tmp_path),
         "placement=collocated",
         "cluster.devices_per_node=1",
         "runner.max_steps=2",
         "runner.eval_interval=0",
-        f"runner.output_dir={run}",
-        "runner.logging.tensorboard=false",
     ]
     assert cli.main(["math-grpo", *args]) == 0
-    step = read_metrics(run)[-1]
+    step = read_metrics(tmp_path / "run")[-1]
     assert step["iteration"] == 2 and step["response/tokens"] > 0
     assert step["memory/rollout_gpu_peak_gib"] > 0  # it generated on the GPU ...
     assert step["memory/rollout_gpu_gib"] < 0.01  # ... and holds nothing there now
