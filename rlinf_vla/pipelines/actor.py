@@ -339,6 +339,12 @@ class ActorWorker(Worker):
         self.version = state["version"]
         self.nan_streak = state.get("nan_streak", 0)
 
+    def parameter_counts(self) -> dict[str, int]:
+        """``total`` and ``trained`` parameters of the policy (for the run's header)."""
+        from rlinf_vla.pipelines.loop import parameter_counts
+
+        return parameter_counts(self.policy)
+
     def state_dict(self) -> dict[str, Tensor]:
         """The full weights on CPU. With FSDP every rank must call it; only rank 0 gets them
         (the others get ``{}``)."""

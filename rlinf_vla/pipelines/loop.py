@@ -26,12 +26,68 @@ from rlinf_vla import provenance
 from rlinf_vla.config import RunAborted
 from rlinf_vla.pipelines.tracking import LoggingConfig, MetricsLogger, last_checkpoint
 
-__all__ = ["RunLoop", "TrainingAborted"]
+__all__ = [
+    "RunLoop",
+    "TrainingAborted",
+    "count_text",
+    "device_ranges",
+    "device_summary",
+    "parameter_counts",
+]
 
 #: ``say(text)``: show ``text`` as the progress bar's status (e.g. during an evaluation).
 Say = Callable[[str], None]
 
 _WORDS = {"iter": "iteration", "step": "step"}
+
+
+def parameter_counts(module: Any) -> dict[str, int]:
+    """``total`` and ``trained`` (``requires_grad``) parameters of a torch module."""
+    params = list(module.parameters())
+    return {
+        "total": sum(p.numel() for p in params),
+        "trained": sum(p.numel() for p in params if p.requires_grad),
+    }
+
+
+def count_text(n: int) -> str:
+    """A parameter count for people: ``7.54 B``, ``135 M``, ``0.43 M``, ``950``."""
+    if n >= 10**9:
+        return f"{n / 1e9:.2f} B"
+    if n >= 10**8:
+        return f"{n / 1e6:.0f} M"
+    if n >= 10**4:
+        return f"{n / 1e6:.2f} M"
+    return str(n)
+
+
+def device_ranges(indices: list[int]) -> str:
+    """Device indices as ranges, as placements write them: ``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    parts: list[str] = []
+    for i in indices:
+        if parts and parts[-1].split("-")[-1] == str(i - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{i}"
+        else:
+            parts.append(str(i))
+    return ",".join(parts)
+
+
+def device_summary(devices: list[Any]) -> str:
+    """``2 cpu slots (1 thread each)``, ``8 cuda GPUs on 2 nodes``, ... for a run's header."""
+    kinds = sorted({d.kind for d in devices})
+    nodes = len({d.node_id for d in devices})
+    parts = []
+    for kind in kinds:
+        mine = [d for d in devices if d.kind == kind]
+        if kind == "cpu":
+            threads = sorted({d.threads for d in mine if d.threads})
+            each = f" ({'/'.join(map(str, threads))} thread{'s' * (threads != [1])}"
+            each += " each)" if len(mine) > 1 else ")"
+            parts.append(f"{len(mine)} cpu slot{'s' * (len(mine) > 1)}{each if threads else ''}")
+        else:
+            parts.append(f"{len(mine)} GPU{'s' * (len(mine) > 1)}")
+    where = f" on {nodes} nodes" if nodes > 1 else ""
+    return " + ".join(parts) + where
 
 
 class TrainingAborted(RunAborted):
@@ -53,6 +109,8 @@ class RunLoop:
         save_interval: checkpoint every this many iterations (and after the last).
         max_nan_updates: abort after this many skipped (non-finite) updates in a row.
         devices: the cluster's devices, recorded in ``run_info.jsonl``.
+        header: lines printed before the first iteration: what runs where (see
+            :func:`parameter_counts`, :func:`device_summary`).
     """
 
     output_dir: Path
@@ -64,6 +122,7 @@ class RunLoop:
     save_interval: int
     max_nan_updates: int
     devices: list[str] | None = None
+    header: list[str] | None = None
     last_checkpoint: Path | None = None
 
     def run(
@@ -108,6 +167,12 @@ class RunLoop:
             full_config=self.config,
         )
         console = Console(stderr=True)
+        for line in self.header or []:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        console.print(f"run folder: {self.output_dir}", markup=False, highlight=False)
+        if start:
+            word = _WORDS.get(self.unit, self.unit)
+            console.print(f"resuming after {word} {start} of {self.total}", highlight=False)
         if changes:
             provenance.warn(console, changes, "the run started")
         columns = [

@@ -21,7 +21,7 @@ import torch
 
 from rlinf_vla.pipelines.actor import ActorWorker
 from rlinf_vla.pipelines.config import TrainJob, check_env_split
-from rlinf_vla.pipelines.loop import RunLoop, Say
+from rlinf_vla.pipelines.loop import RunLoop, Say, count_text, device_ranges, device_summary
 from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
 from rlinf_vla.pipelines.tracking import MetricsLogger, last_checkpoint, run_folder
 from rlinf_vla.runtime import (
@@ -63,7 +63,7 @@ class EmbodiedRunner:
 
     def __init__(self, job: TrainJob, cluster: Cluster) -> None:
         self.job, self.cluster = job, cluster
-        placement = resolve_placement(job.placement, cluster.num_devices)
+        placement = self.placement = resolve_placement(job.placement, cluster.num_devices)
         check_env_split(job, len(placement.of("env")), len(placement.of("actor")))
         sharded = job.algo.fsdp and len(placement.of("actor")) > 1
         self.output_dir = self._output_dir()
@@ -147,6 +147,7 @@ class EmbodiedRunner:
             save_interval=r.save_interval,
             max_nan_updates=r.max_nan_updates,
             devices=[str(d) for d in self.cluster.devices],
+            header=self.header(),
         )
 
         def iteration(it: int, logger: MetricsLogger, say: Say) -> dict[str, Any]:
@@ -157,6 +158,31 @@ class EmbodiedRunner:
             return metrics
 
         return loop.run(self.start_iteration, iteration, self.save, _status)
+
+    def header(self) -> list[str]:
+        """What this run trains, on what, where: printed before the first iteration."""
+        job, r = self.job, self.job.runner
+        counts = self.actor.parameter_counts(ranks=[0]).wait()[0]
+        chunk = job.policy.get("chunk_size", 1)
+        source = (
+            f"from {job.policy['checkpoint']}"
+            if job.policy.get("checkpoint")
+            else f"preset {job.policy.get('preset', 'full')}, random weights"
+        )
+        mode = self.placement.mode
+        stages = f", {job.placement.stages} stages" if mode == "hybrid" else ""
+        groups = ", ".join(
+            f"{c} {device_ranges(self.placement.of(c))}" for c in ("env", "rollout", "actor")
+        )
+        fsdp = " (FSDP)" if self.fsdp else ""
+        return [
+            f"rlinf-vla train: {job.algo.name} on {_env_text(job)}, {job.env['num_envs']} envs, "
+            f"{r.rollout_chunks} chunks of {chunk} steps per iteration, "
+            f"{r.max_iterations} iterations",
+            f"policy {job.policy_name} ({source}): {count_text(counts['total'])} parameters, "
+            f"{count_text(counts['trained'])} trained",
+            f"placement {mode}{stages}: {groups}{fsdp} on {device_summary(self.cluster.devices)}",
+        ]
 
     def iteration(self, it: int) -> dict[str, Any]:
         """One rollout and one update; returns the iteration's metrics."""
@@ -285,6 +311,15 @@ def _status(metrics: dict[str, Any]) -> str:
     success = metrics["env/success_rate"]
     rate = "-" if success is None else f"{success:.2f}"
     return f"{metrics['throughput/env_steps_per_s']:.0f} env steps/s  success {rate}"
+
+
+def _env_text(job: TrainJob) -> str:
+    """``maniskill PickCube-v1``, ``libero libero_goal tasks [2, 5]``, ``toy``."""
+    env = job.env
+    if job.env_name == "libero":
+        tasks = f" tasks {list(env['task_ids'])}" if env.get("task_ids") else ""
+        return f"libero {env.get('suite', 'libero_spatial')}{tasks}"
+    return f"{job.env_name} {env['task']}" if env.get("task") else job.env_name
 
 
 def _placement_dict(job: TrainJob) -> dict[str, Any]:

@@ -25,7 +25,13 @@ import torch
 
 from rlinf_vla.algos import compute_advantages, dynamic_sampling, overlong_penalty
 from rlinf_vla.config import ConfigError, to_dict
-from rlinf_vla.pipelines.loop import RunLoop, Say
+from rlinf_vla.pipelines.loop import (
+    RunLoop,
+    Say,
+    count_text,
+    device_ranges,
+    device_summary,
+)
 from rlinf_vla.pipelines.tracking import (
     MetricsLogger,
     complete_checkpoints,
@@ -55,10 +61,11 @@ class MathGrpoRunner:
     def __init__(
         self, job: MathGrpoJob, cluster: Cluster, train: list[Problem], held_out: list[Problem]
     ) -> None:
-        self.job, self.held_out = job, held_out
+        self.job, self.held_out, self.num_train = job, held_out, len(train)
+        self.cluster_devices = cluster.devices
         self.devices = [str(d) for d in cluster.devices]
         r, a = job.runner, job.algo
-        placement = job.placement.resolve(cluster.num_devices)
+        placement = self.placement = job.placement.resolve(cluster.num_devices)
         offload = job.placement.mode == "collocated"
         model = to_dict(job.model)
         self.output_dir = run_folder(r.name, r.output_dir, r.resume)
@@ -346,6 +353,28 @@ class MathGrpoRunner:
             "time/eval_s": time.perf_counter() - t,
         }
 
+    def header(self) -> list[str]:
+        """What this run trains, on what, where: printed before the first step."""
+        job, a = self.job, self.job.algo
+        counts = self.actor.parameter_counts(ranks=[0]).wait()[0]
+        folder, gguf = job.model.source()
+        model = Path(gguf).name if gguf else folder
+        lora = f", LoRA rank {job.model.lora_rank}" if job.model.lora_rank else ""
+        data = job.data.path or f"{job.data.source} problems"
+        groups = ", ".join(
+            f"{c} {device_ranges(self.placement.of(c))}" for c in ("rollout", "reward", "actor")
+        )
+        mode = self.job.placement.mode
+        return [
+            f"rlinf-vla math-grpo: {a.name}, {a.prompts_per_step} prompts x {a.group_size} "
+            f"responses per step (up to {a.max_new_tokens} new tokens), {job.runner.max_steps} "
+            "steps",
+            f"model {model}{lora}: {count_text(counts['total'])} parameters, "
+            f"{count_text(counts['trained'])} trained",
+            f"data {data}: {self.num_train} train, {len(self.held_out)} held-out problems",
+            f"placement {mode}: {groups} on {device_summary(self.cluster_devices)}",
+        ]
+
     # ----------------------------------------------------------------- loop
     def run(self) -> Path:
         """Train from ``start_step`` to ``runner.max_steps``; returns the run folder (the
@@ -361,6 +390,7 @@ class MathGrpoRunner:
             save_interval=r.save_interval,
             max_nan_updates=r.max_nan_updates,
             devices=self.devices,
+            header=self.header(),
         )
 
         def before(logger: MetricsLogger, say: Say) -> str | None:

@@ -202,6 +202,12 @@ class ActorWorker(Worker):
         self.synced_once = False
         self.nan_streak = 0
 
+    def parameter_counts(self) -> dict[str, int]:
+        """``total`` and ``trained`` parameters of the model (for the run's header)."""
+        from rlinf_vla.pipelines.loop import parameter_counts
+
+        return parameter_counts(self.model)
+
     # ----------------------------------------------------------------- weights
     def join_data_parallel(self, collective_name: str) -> None:
         self.dp = self.collective(collective_name)

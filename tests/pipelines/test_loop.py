@@ -105,3 +105,46 @@ def test_a_crash_before_any_checkpoint_says_so_and_reraises(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "training stopped in iteration 1: RuntimeError" in err
     assert "no checkpoint was saved yet" in err
+
+
+def test_header_helpers_write_counts_ranges_and_devices_for_people():
+    from rlinf_vla.pipelines.loop import count_text, device_ranges, device_summary
+    from rlinf_vla.runtime import Device
+
+    assert [count_text(n) for n in (950, 20_130, 435_201, 135_000_000, 7_541_237_184)] == [
+        "950",
+        "0.02 M",
+        "0.44 M",
+        "135 M",
+        "7.54 B",
+    ]
+    assert device_ranges([0, 1, 2, 5]) == "0-2,5"
+    assert device_ranges([3]) == "3" and device_ranges([0, 2, 3]) == "0,2-3"
+
+    def cpu(i, threads):
+        return Device(i, 0, "n0", "10.0.0.1", i, "cpu", threads=threads)
+
+    def gpu(i, node):
+        return Device(i, node, f"n{node}", "10.0.0.1", i % 4, "cuda")
+
+    assert device_summary([cpu(0, 1), cpu(1, 1)]) == "2 cpu slots (1 thread each)"
+    assert device_summary([cpu(0, 2)]) == "1 cpu slot (2 threads)"
+    assert device_summary([gpu(i, i // 4) for i in range(8)]) == "8 GPUs on 2 nodes"
+
+
+def test_the_header_and_the_run_folder_come_before_the_first_iteration(tmp_path, capsys):
+    loop = _loop(tmp_path, total=2)
+    loop.header = ["rlinf-vla train: ppo on toy", "policy openvla: 950 parameters"]
+    seen = []
+
+    def iteration(i, logger, say):
+        seen.append(capsys.readouterr().err)
+        return _metrics(i, logger, say)
+
+    loop.run(0, iteration, _save(loop), lambda m: "")
+    first = seen[0]
+    assert first.index("rlinf-vla train: ppo on toy") < first.index("policy openvla")
+    assert f"run folder: {tmp_path / 'run'}" in first
+    loop.total = 3
+    loop.run(2, iteration, _save(loop), lambda m: "")  # resumed after iteration 2
+    assert "resuming after iteration 2 of 3" in seen[-1]

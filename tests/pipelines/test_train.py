@@ -88,7 +88,7 @@ def test_two_iterations_in_each_mode(tmp_path, placement):
 
 
 @pytest.mark.slow
-def test_grpo_two_iterations(tmp_path):
+def test_grpo_two_iterations(tmp_path, capsys):
     args = [
         "algo=grpo",
         "algo.group_size=2",
@@ -104,6 +104,15 @@ def test_grpo_two_iterations(tmp_path):
     assert "train/value_loss" not in rows[0]  # GRPO has no critic
     for group in ("env", "rollout", "actor"):  # each worker holds at least its Python and torch
         assert 0.1 < rows[0][f"memory/{group}_rss_gib"] < 24, group
+    # The header says what ran: the tiny OpenVLA's parameters counted here independently.
+    from rlinf_vla.pipelines.loop import count_text
+    from rlinf_vla.policies import make_policy
+
+    params = sum(p.numel() for p in make_policy("openvla", preset="tiny").parameters())
+    err = capsys.readouterr().err
+    assert "rlinf-vla train: grpo on toy, 4 envs, 4 chunks of 2 steps per iteration" in err
+    assert f"policy openvla (preset tiny, random weights): {count_text(params)} parameters" in err
+    assert "placement collocated: env 0, rollout 0, actor 0 on 1 cpu slot" in err
     # Envs reset every rollout: each of the 4 envs ends exactly one 8-step episode in 4 chunks of 2.
     assert all(r["env/episodes"] == 4 for r in rows)
 
