@@ -3,7 +3,8 @@
 Reads ``<run>/metrics.jsonl`` and draws one panel per metric against environment steps (a
 ``train`` run: success rate and return from training episodes, the greedy evaluation when the
 run has one, the PPO losses, KL and clip fraction, and the throughput) or against sampled
-responses (a ``math-grpo`` run: accuracy, held-out accuracy, reward, response length).
+responses (a ``math-grpo`` run: accuracy, held-out accuracy, reward, response length); both
+with the workers' memory, where a leak or a creep towards out-of-memory shows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from rlinf_vla.pipelines.tracking import read_metrics
+
+#: The worker groups whose memory the trainers log (``memory/<group>_*``).
+_GROUPS = ("env", "rollout", "reward", "actor")
 
 # (panel title, metrics drawn in it)
 PANELS: list[tuple[str, list[str]]] = [
@@ -28,6 +32,8 @@ PANELS: list[tuple[str, list[str]]] = [
     ("reward", ["reward/mean"]),
     ("response length (tokens)", ["response/length_mean", "eval/response_length"]),
     ("generated tokens / s", ["throughput/tokens_per_s"]),
+    ("resident memory (GiB)", [f"memory/{g}_rss_gib" for g in _GROUPS]),
+    ("GPU memory peak (GiB)", [f"memory/{g}_gpu_peak_gib" for g in _GROUPS]),
 ]
 
 

@@ -89,6 +89,14 @@ def test_plot_writes_a_png_with_the_logged_panels(tmp_path):
     assert h == round(2 * 3.2 * 110)
     assert plot_run(tmp_path, tmp_path / "other.png") == tmp_path / "other.png"
     assert (tmp_path / "other.png").stat().st_size > 1000
+    # The workers' memory adds a fifth panel: 3 rows.
+    with (tmp_path / "metrics.jsonl").open("w") as f:
+        for row in _rows(6):
+            f.write(
+                json.dumps({**row, "memory/actor_rss_gib": 1.5, "memory/env_rss_gib": 2}) + "\n"
+            )
+    h = matplotlib.image.imread(plot_run(tmp_path)).shape[0]
+    assert h == round(3 * 3.2 * 110)
 
 
 def test_plot_of_a_folder_without_metrics_fails_clearly(tmp_path, capsys):
