@@ -77,6 +77,16 @@ def test_invalid_values_of_several_sections_are_named_at_once(capsys, nothing_st
     assert "runner.max_iterations must be >= 1, got 0" in err
 
 
+def test_the_checks_across_sections_are_named_at_once(capsys, nothing_starts):
+    args = ["train", "env=toy", "algo=grpo", "env.group_size=2", "policy.action_dim=3"]
+    assert cli.main([*args, "placement=hybrid", "placement.stages=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlinf-vla train: invalid config: 3 problems:\n")
+    assert "policy.action_dim=3 does not match the env's action size env.action_dim=7" in err
+    assert "algo.group_size=4 must equal env.group_size=2" in err
+    assert "cannot be split evenly over 1 env worker(s) x placement.stages=3" in err
+
+
 def test_every_config_group_choice_composes_and_validates():
     for command in cli.COMMANDS.values():
         validate, _ = command.load()

@@ -184,9 +184,11 @@ def validate(cfg: Any) -> TrainJob:
         **built,
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
+    # Checks across sections: every one that fails is named.
+    problems: list[str] = []
     env_action_dim = getattr(env_cfg, "action_dim", None)
     if env_action_dim is not None and pol_cfg.action_dim != env_action_dim:
-        raise ConfigError(
+        problems.append(
             f"policy.action_dim={pol_cfg.action_dim} does not match the env's action size "
             f"env.action_dim={env_action_dim}"
         )
@@ -198,31 +200,40 @@ def validate(cfg: Any) -> TrainJob:
             if env_name == "maniskill"
             else ""
         )
-        raise ConfigError(
+        problems.append(
             f"policy.image_keys={list(image_keys)} asks for camera(s) {missing} that env "
             f"{env_name!r} does not provide (its cameras: {list(env_cfg.cameras)}){hint}"
         )
     if job.algo.name == "grpo":
         if job.algo.group_size != env_cfg.group_size:
-            raise ConfigError(
+            problems.append(
                 f"algo.group_size={job.algo.group_size} must equal env.group_size={env_cfg.group_size}: "
                 "GRPO compares the episodes of envs that share a reset id"
             )
         steps = job.runner.rollout_chunks * pol_cfg.chunk_size
         if env_cfg.max_episode_steps is not None and steps < env_cfg.max_episode_steps:
-            raise ConfigError(
+            problems.append(
                 f"GRPO scores whole episodes: runner.rollout_chunks x policy.chunk_size = {steps} env steps "
                 f"is shorter than env.max_episode_steps={env_cfg.max_episode_steps}"
             )
     devices = local_device_count(job.cluster)
-    if devices is not None and job.placement.mode == "auto":
-        from rlinf_vla.pipelines.auto import Costs, candidate_plans, choose
 
-        groups = env_cfg.num_envs // env_cfg.group_size
-        choose(candidate_plans(Costs(1.0, 1.0, 1.0), devices, groups, 1, job.placement.max_stages))
-    elif devices is not None:
-        job.resolved = resolve_placement(job.placement, devices)
-        check_env_split(job, len(job.resolved.of("env")), len(job.resolved.of("actor")))
+    def check_placement() -> None:
+        if devices is not None and job.placement.mode == "auto":
+            from rlinf_vla.pipelines.auto import Costs, candidate_plans, choose
+
+            groups = env_cfg.num_envs // env_cfg.group_size
+            plans = candidate_plans(
+                Costs(1.0, 1.0, 1.0), devices, groups, 1, job.placement.max_stages
+            )
+            choose(plans)
+        elif devices is not None:
+            job.resolved = resolve_placement(job.placement, devices)
+            check_env_split(job, len(job.resolved.of("env")), len(job.resolved.of("actor")))
+
+    errors.messages.extend(problems)
+    errors.build(check_placement)
+    errors.raise_any()
     return job
 
 
