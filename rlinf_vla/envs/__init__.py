@@ -35,6 +35,7 @@ __all__ = [
     "StepOutput",
     "VectorEnv",
     "env_config",
+    "for_device",
     "group_reset_ids",
     "make_env",
     "make_stage_envs",
@@ -58,6 +59,17 @@ def env_config(name: str, config: EnvConfig | None = None, **overrides: Any) -> 
             f"env {name!r} takes a {cls.config_cls.__name__}, got {type(config).__name__}"
         )
     return replace_config(config, **overrides) if overrides else config
+
+
+def for_device(config: dict[str, Any], device: Any) -> dict[str, Any]:
+    """``config`` (keyword settings) with ``sim_backend="auto"`` (ManiSkill) decided by the
+    torch ``device`` of the worker that builds the env: the GPU simulator on a GPU, CPU
+    processes on a CPU slot, also on a machine whose GPUs a run leaves out
+    (``cluster.num_gpus=0``). Without a worker, ``auto`` picks the GPU when CUDA is there."""
+    out = dict(config)
+    if out.get("sim_backend") == "auto":
+        out["sim_backend"] = "gpu" if device.type == "cuda" else "cpu"
+    return out
 
 
 def make_env(name: str, config: EnvConfig | None = None, **overrides: Any) -> VectorEnv:

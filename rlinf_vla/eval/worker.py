@@ -139,11 +139,12 @@ class EvalEnvWorker(Worker):
             slot.env_key = None
 
     def _env_for(self, slot: _Slot, env_key: tuple) -> Any:
-        from rlinf_vla.envs import make_env
+        from rlinf_vla.envs import for_device, make_env
 
         if slot.env is None or slot.env_key != env_key:
             self._drop_env(slot)
-            slot.env = make_env(self.env_name, **{**self.env_config, **dict(env_key)})
+            config = for_device({**self.env_config, **dict(env_key)}, self.device)
+            slot.env = make_env(self.env_name, **config)
             slot.env_key = env_key
         return slot.env
 

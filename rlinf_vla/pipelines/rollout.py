@@ -148,9 +148,9 @@ class EnvWorker(Worker):
     """
 
     def __init__(self, env_name: str, env_config: dict[str, Any], num_stages: int) -> None:
-        from rlinf_vla.envs import make_stage_envs
+        from rlinf_vla.envs import for_device, make_stage_envs
 
-        cfg = dict(env_config)
+        cfg = for_device(env_config, self.device)
         total = cfg.pop("num_envs")
         per_worker = total // self.world_size
         self.envs = make_stage_envs(
@@ -274,11 +274,11 @@ class RolloutWorker(Worker):
             The ``eval/*`` metrics, and the videos as file name -> MP4 bytes (the driver
             writes them into the run folder, which may be on another node).
         """
-        from rlinf_vla.envs import make_env
+        from rlinf_vla.envs import for_device, make_env
         from rlinf_vla.pipelines.evaluation import greedy_eval
 
         if self._eval_env is None:
-            self._eval_env = make_env(env_name, **env_config)
+            self._eval_env = make_env(env_name, **for_device(env_config, self.device))
         cuda = [self.device.index or 0] if self.device.type == "cuda" else []
         with tempfile.TemporaryDirectory() as tmp, torch.random.fork_rng(devices=cuda):
             with autocast(self.device, self.autocast):

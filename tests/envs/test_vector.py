@@ -128,3 +128,17 @@ def test_close_terminates_children() -> None:
     assert all(not p.is_alive() for p in procs)
     with pytest.raises(RuntimeError, match="closed"):
         pool.call("pid", {0: ()})
+
+
+def test_auto_simulation_follows_the_device_of_the_worker_that_builds_the_env():
+    import torch
+
+    from rlinf_vla.envs import for_device
+
+    auto = {"task": "PickCube-v1", "sim_backend": "auto", "num_envs": 4}
+    assert for_device(auto, torch.device("cuda", 0))["sim_backend"] == "gpu"
+    assert for_device(auto, torch.device("cpu"))["sim_backend"] == "cpu"
+    assert auto["sim_backend"] == "auto"  # the caller's dict is left as it was
+    chosen = {"sim_backend": "cpu"}
+    assert for_device(chosen, torch.device("cuda", 0)) == chosen  # a choice is kept
+    assert for_device({"num_envs": 2}, torch.device("cpu")) == {"num_envs": 2}  # other envs

@@ -76,7 +76,8 @@ class ManiSkillEnvConfig(EnvConfig):
             (as in LIBERO; ManiSkill's own sign is flipped for you); ``"native"`` -> as given.
         reward_mode: ``"sparse"`` (1 on success), ``"dense"`` or ``"normalized_dense"``.
         sim_backend: ``"gpu"`` runs all envs in one GPU-simulated process, ``"cpu"`` runs one
-            CPU-simulated env per subprocess, ``"auto"`` picks GPU when CUDA is available.
+            CPU-simulated env per subprocess, ``"auto"`` picks GPU when CUDA is available (in
+            a worker: when the worker is on a GPU, see :func:`rlinf_vla.envs.for_device`).
         device: torch device of the observations (GPU backend only; CPU is always ``"cpu"``).
         instruction: override the task's instruction.
         show_goal: show the goal markers ManiSkill hides from cameras (PickCube's green goal
