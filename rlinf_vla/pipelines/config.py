@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
 from rlinf_vla.pipelines.actor import AlgoConfig
-from rlinf_vla.pipelines.tracking import LoggingConfig, check_resumable
+from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
 from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, resolve_placement
@@ -59,7 +59,8 @@ class RunnerConfig:
         rollout_chunks: chunk steps per env per rollout (``T``).
         seed: seed of the policy init, the samplers and the envs' reset-id cursors.
         output_dir: the run folder (``None``: ``runs/<name>-<timestamp>``).
-        resume: a run folder to continue from its last checkpoint.
+        resume: a run folder to continue from its last checkpoint, or ``auto``: continue
+            ``output_dir`` if it has a checkpoint, else start it.
         save_interval: save a checkpoint every N iterations (and at the end).
         max_nan_updates: abort after this many optimizer updates in a row were skipped for a
             non-finite loss or gradient (each skip is warned about and counted in
@@ -89,7 +90,7 @@ class RunnerConfig:
         positive = ("max_iterations", "rollout_chunks", "save_interval", "max_nan_updates")
         check_at_least(self, "runner", positive, 1)
         check_at_least(self, "runner", ("eval_interval", "eval_episodes"), 0)
-        check_resumable(self.resume, "iter")
+        self.resume = resolve_resume(self.resume, self.output_dir, "iter")
 
 
 @dataclass

@@ -82,6 +82,25 @@ def check_resumable(resume: str | None, prefix: str) -> None:
         )
 
 
+def resolve_resume(resume: str | None, output_dir: str | None, prefix: str) -> str | None:
+    """``runner.resume`` as the run folder to continue, or ``None`` to start afresh.
+
+    ``auto`` continues ``runner.output_dir`` when it holds a complete checkpoint and starts it
+    otherwise, so that one command line serves the first start and every restart (a job
+    requeued after a preemption). Any other value must be a resumable run folder
+    (:func:`check_resumable`).
+    """
+    if resume != "auto":
+        check_resumable(resume, prefix)
+        return resume
+    if not output_dir:
+        raise ConfigError(
+            "runner.resume=auto continues runner.output_dir when it has a checkpoint: set "
+            "runner.output_dir too"
+        )
+    return output_dir if last_checkpoint(Path(output_dir), prefix) is not None else None
+
+
 def complete_checkpoints(run_dir: Path, prefix: str = "iter") -> list[Path]:
     """The complete ``<run_dir>/checkpoints/<prefix>_N`` folders (each holding a ``COMPLETE``
     marker, written last), oldest first."""

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from rlinf_vla.algos import ALGORITHMS, KL_ESTIMATORS
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
-from rlinf_vla.pipelines.tracking import LoggingConfig, check_resumable
+from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
 from rlinf_vla.reasoning.data import DataConfig
 from rlinf_vla.reasoning.model import ModelConfig
 from rlinf_vla.runtime.cluster import ClusterConfig
@@ -172,7 +172,8 @@ class MathRunnerConfig:
         max_steps: training steps (sample, score, update).
         seed: seed of sampling, the prompt order and the model init (random-init models).
         output_dir: the run folder (``None``: ``runs/<name>-<timestamp>``).
-        resume: a run folder to continue from its last checkpoint.
+        resume: a run folder to continue from its last checkpoint, or ``auto``: continue
+            ``output_dir`` if it has a checkpoint, else start it.
         save_interval: checkpoint every N steps (and at the end).
         keep_checkpoints: how many of the newest checkpoints to keep (older ones are deleted
             once a newer one is complete; ``0``: keep all). A SmolLM2-135M checkpoint takes
@@ -202,7 +203,7 @@ class MathRunnerConfig:
         positive = ("max_steps", "save_interval", "eval_batch_size", "max_nan_updates")
         check_at_least(self, "runner", positive, 1)
         check_at_least(self, "runner", ("eval_interval", "keep_checkpoints"), 0)
-        check_resumable(self.resume, "step")
+        self.resume = resolve_resume(self.resume, self.output_dir, "step")
 
 
 @dataclass

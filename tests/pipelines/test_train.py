@@ -126,7 +126,9 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
     # A crash after logging iteration 3 but before its checkpoint: that row must be replaced.
     with (part / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"iteration": 3, "env/success_rate": -1.0}) + "\n")
-    assert cli.main(["train", *common, "runner.max_iterations=4", f"runner.resume={part}"]) == 0
+    # runner.resume=auto: continue runner.output_dir, which has a checkpoint
+    again = ["runner.max_iterations=4", "runner.resume=auto", f"runner.output_dir={part}"]
+    assert cli.main(["train", *common, *again]) == 0
     expected, resumed = _metrics(full), _metrics(part)
     assert [r["iteration"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(expected, resumed, strict=True):
@@ -195,6 +197,22 @@ def test_evaluating_leaves_the_training_unchanged(tmp_path):
 def test_invalid_train_configs_fail_before_start(capsys, nothing_starts, overrides, message):
     assert cli.main(["train", *overrides]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_auto_resume_continues_a_folder_with_a_checkpoint_and_starts_any_other(tmp_path):
+    from rlinf_vla.config import ConfigError
+    from rlinf_vla.pipelines.tracking import resolve_resume
+
+    run = tmp_path / "run"
+    assert resolve_resume("auto", str(run), "iter") is None  # nothing there yet: start
+    (run / "checkpoints" / "iter_5").mkdir(parents=True)
+    assert resolve_resume("auto", str(run), "iter") is None  # interrupted while saving
+    (run / "checkpoints" / "iter_5" / "COMPLETE").touch()
+    assert resolve_resume("auto", str(run), "iter") == str(run)
+    assert resolve_resume(str(run), None, "iter") == str(run)
+    assert resolve_resume(None, str(run), "iter") is None
+    with pytest.raises(ConfigError, match=r"set runner\.output_dir too"):
+        resolve_resume("auto", None, "iter")
 
 
 def test_resuming_a_run_without_a_complete_checkpoint_fails_before_start(
