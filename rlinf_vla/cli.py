@@ -8,14 +8,21 @@ validated configs (pure: nothing is started), then runs::
     rlinf-vla bench benchmark.rounds=5 cluster.num_cpus=2
     rlinf-vla bench --cfg job                         # print the resolved config and exit
     rlinf-vla bench --help                            # its config groups and their choices
+
+Exit codes: 0 done, 1 the run stopped on an error (a crashed worker, too many non-finite
+updates), 2 invalid config, 130 Ctrl-C, 143 SIGTERM (both after the console named the last
+checkpoint and the command that resumes from it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,12 +298,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rlinf_vla.runtime import WorkerError
 
     try:
-        run(job)
+        with _sigterm_interrupts():
+            run(job)
     except (RunAborted, WorkerError) as e:
         # A worker's traceback or the reason for stopping, without the driver's own stack.
         print(f"rlinf-vla {command.name}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, SystemExit) as e:
+        # Ray's driver turns SIGTERM into SystemExit(15) once it has started.
+        sigterm = isinstance(e, Terminated) or (
+            isinstance(e, SystemExit) and e.code == signal.SIGTERM
+        )
+        if isinstance(e, SystemExit) and not sigterm:
+            raise
+        # The trainers have printed the last checkpoint and how to resume; the cluster is down.
+        print(
+            f"rlinf-vla {command.name}: stopped by {'SIGTERM' if sigterm else 'Ctrl-C'}",
+            file=sys.stderr,
+        )
+        return 143 if sigterm else 130
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's preemption, ``kill``), raised like Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """Turn SIGTERM into :class:`Terminated` while a job runs, so that it stops as on Ctrl-C:
+    the console names the last checkpoint, the workers and the local Ray instance are shut
+    down, and the exit code is 143. Only in the main thread (where Python handles signals).
+    Once Ray's driver starts it installs its own handler, which raises ``SystemExit(15)``:
+    :func:`main` takes that as SIGTERM too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

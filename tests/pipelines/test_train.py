@@ -199,6 +199,54 @@ def test_invalid_train_configs_fail_before_start(capsys, nothing_starts, overrid
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_sigterm_stops_the_run_naming_its_checkpoint_and_auto_resume_continues_it(tmp_path):
+    # A scheduler preempting the job sends SIGTERM: the run stops like on Ctrl-C (exit 143,
+    # the last checkpoint and the resume command on the console), and the same command line
+    # with runner.resume=auto continues it.
+    import signal
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    args = [
+        sys.executable,
+        "-m",
+        "rlinf_vla.cli",
+        "train",
+        *SMALL,
+        "cluster.devices_per_node=1",
+        "runner.save_interval=1",
+        "runner.eval_interval=0",
+        "runner.logging.tensorboard=false",
+        f"runner.output_dir={run}",
+        "runner.resume=auto",
+    ]
+    job = subprocess.Popen([*args, "runner.max_iterations=1000"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoints" / "iter_2" / "COMPLETE").exists():
+            assert job.poll() is None and time.monotonic() < deadline, "no second checkpoint"
+            time.sleep(0.5)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 143, err
+    assert "stopped by SIGTERM" in err
+    assert f"resume with: rlinf-vla train ... runner.resume={run}" in err
+    from rlinf_vla.pipelines.tracking import last_checkpoint
+
+    done = int(last_checkpoint(run).name.split("_")[1])
+    final = done + 1
+    resumed = subprocess.run(
+        [*args, f"runner.max_iterations={final}"], capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming after iteration {done} of {final}" in resumed.stderr
+    assert [r["iteration"] for r in _metrics(run)] == list(range(1, final + 1))
+
+
 def test_auto_resume_continues_a_folder_with_a_checkpoint_and_starts_any_other(tmp_path):
     from rlinf_vla.config import ConfigError
     from rlinf_vla.pipelines.tracking import resolve_resume
