@@ -259,6 +259,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", help="the run folder (it holds metrics.jsonl)")
     p.add_argument("-o", "--output", help="the PNG to write (default: <run_dir>/curves.png)")
+    from rlinf_vla.doctor import CHECKS
+
+    p = sub.add_parser(
+        "doctor",
+        help="check that this machine runs the simulators, Ray and the models",
+        description="Check, by doing each on a small scale, that this machine runs what "
+        "rlinf-vla needs; a failed check says how to fix it.\n\nchecks:\n"
+        + "\n".join(f"  {name:<10} {what}" for name, (what, _, _) in CHECKS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checks", nargs="*", metavar="check", help="checks to run (default: all)")
     return parser
 
 
@@ -282,6 +293,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "plot":
         return _plot(args.run_dir, args.output)
+    if args.command == "doctor":
+        from rlinf_vla.doctor import run_checks
+
+        try:
+            return run_checks(args.checks)
+        except ValueError as e:
+            print(f"rlinf-vla doctor: {e}", file=sys.stderr)
+            return 2
     command = COMMANDS[args.command]
     try:
         cfg = compose(command.config_name, args.overrides, command.config_dir)
