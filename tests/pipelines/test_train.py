@@ -325,6 +325,9 @@ MODES = {
 def test_two_iterations_on_a_simulator(tmp_path, env, module, mode):
     pytest.importorskip(module)
     args = [*env, *MODES[mode], "runner.rollout_chunks=2", "algo.update_epochs=1"]
+    if mode == "collocated":  # and a greedy evaluation by the rollout worker, with its video
+        limit = "env.max_episode_steps=6" if module == "mani_skill" else "+env.max_episode_steps=6"
+        args += ["runner.eval_interval=2", "runner.eval_episodes=1", limit]
     assert (
         cli.main(["train", *args, "runner.max_iterations=2", f"runner.output_dir={tmp_path}"]) == 0
     )
@@ -332,6 +335,9 @@ def test_two_iterations_on_a_simulator(tmp_path, env, module, mode):
     assert [r["iteration"] for r in rows] == [1, 2]
     assert [r["env_steps"] for r in rows] == [4, 8]  # 1 env x 2 chunks x 2 steps
     assert rows[-1]["train/samples"] == 2.0
+    if mode == "collocated":
+        assert rows[-1]["eval/episodes"] == 1 and 1 <= rows[-1]["eval/episode_length"] <= 6
+        assert len(list((tmp_path / "videos" / "iter_2").glob("*.mp4"))) == 1
 
 
 @pytest.mark.slow
