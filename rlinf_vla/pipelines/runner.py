@@ -27,13 +27,14 @@ from rlinf_vla.pipelines.tracking import MetricsLogger, last_checkpoint, run_fol
 from rlinf_vla.runtime import (
     Channel,
     Cluster,
+    WorkerError,
     WorkerGroup,
     create_collective,
     resolve_placement,
     wait_all,
     wait_started,
 )
-from rlinf_vla.runtime.memory import group_memory_metrics
+from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
 
 WEIGHTS = "weights"
 DATA_PARALLEL = "actor-dp"
@@ -72,6 +73,7 @@ class EmbodiedRunner:
         env = dict(job.env, seed=job.env.get("seed", seed))
         self.channel = Channel.create(f"embodied-{id(self)}")
         self._synced: int | None = None  # the weights version the rollout workers hold
+        self._memory: dict[str, list[dict[str, float]]] = {}  # the last memory readings
         try:
             self.env = WorkerGroup(
                 cluster,
@@ -151,7 +153,10 @@ class EmbodiedRunner:
         )
 
         def iteration(it: int, logger: MetricsLogger, say: Say) -> dict[str, Any]:
-            metrics = self.iteration(it)
+            try:
+                metrics = self.iteration(it)
+            except WorkerError as e:
+                raise with_memory_hint(e, self._memory, it) from None
             if r.eval_interval and (it + 1) % r.eval_interval == 0:
                 say("greedy evaluation ...")
                 metrics.update(self.evaluate(it + 1, logger))
@@ -215,6 +220,7 @@ class EmbodiedRunner:
         t3 = time.perf_counter()
         groups = {"env": self.env, "rollout": self.rollout, "actor": self.actor}
         memory = wait_all([g.memory() for g in groups.values()])
+        self._memory = dict(zip(groups, memory, strict=True))
         train_metrics = _average([result[0] for result in train])
         stats = {k: [x for s in env_stats for x in s[k]] for k in ("return", "success", "invalid")}
         num_envs = self.job.env["num_envs"]
@@ -231,7 +237,7 @@ class EmbodiedRunner:
             "time/rollout_s": t2 - t1,
             "time/train_s": t3 - t2,
             "throughput/env_steps_per_s": env_steps / (t2 - t1),
-            **group_memory_metrics(dict(zip(groups, memory, strict=True))),
+            **group_memory_metrics(self._memory),
         }
 
     def _sync(self, version: int) -> None:

@@ -43,13 +43,14 @@ from rlinf_vla.reasoning.data import Problem, PromptSampler, load_problems
 from rlinf_vla.reasoning.workers import ActorWorker, RewardWorker, RolloutWorker, Sequence
 from rlinf_vla.runtime import (
     Cluster,
+    WorkerError,
     WorkerGroup,
     create_collective,
     split_evenly,
     wait_all,
     wait_started,
 )
-from rlinf_vla.runtime.memory import group_memory_metrics
+from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
 
 WEIGHTS = "math-weights"
 DATA_PARALLEL = "math-data-parallel"
@@ -62,6 +63,7 @@ class MathGrpoRunner:
         self, job: MathGrpoJob, cluster: Cluster, train: list[Problem], held_out: list[Problem]
     ) -> None:
         self.job, self.held_out, self.num_train = job, held_out, len(train)
+        self._memory: dict[str, list[dict[str, float]]] = {}  # the last memory readings
         self.cluster_devices = cluster.devices
         self.devices = [str(d) for d in cluster.devices]
         r, a = job.runner, job.algo
@@ -328,7 +330,8 @@ class MathGrpoRunner:
         metrics["train/groups"] = float(len(groups))
         workers = {"rollout": self.rollout, "reward": self.reward, "actor": self.actor}
         memory = wait_all([g.memory() for g in workers.values()])
-        metrics.update(group_memory_metrics(dict(zip(workers, memory, strict=True))))
+        self._memory = dict(zip(workers, memory, strict=True))
+        metrics.update(group_memory_metrics(self._memory))
         return metrics
 
     # ----------------------------------------------------------------- evaluation
@@ -402,7 +405,10 @@ class MathGrpoRunner:
             return f"held-out accuracy before training: {first['eval/accuracy']:.3f}"
 
         def iteration(step: int, logger: MetricsLogger, say: Say) -> dict[str, Any]:
-            metrics = {"iteration": step + 1, **self.step(step)}
+            try:
+                metrics = {"iteration": step + 1, **self.step(step)}
+            except WorkerError as e:
+                raise with_memory_hint(e, self._memory, step) from None
             metrics["samples"] = (step + 1) * self.job.algo.batch_size
             if r.eval_interval and ((step + 1) % r.eval_interval == 0 or step + 1 == r.max_steps):
                 say("greedy evaluation ...")

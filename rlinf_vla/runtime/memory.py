@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["group_memory_metrics", "process_tree_rss", "worker_memory"]
+__all__ = ["group_memory_metrics", "process_tree_rss", "with_memory_hint", "worker_memory"]
 
 _GIB = 2**30
 
@@ -87,3 +87,36 @@ def group_memory_metrics(groups: Mapping[str, Sequence[Mapping[str, float]]]) ->
         for kind in sorted({k for r in ranks for k in r}):
             metrics[f"memory/{name}_{kind}_gib"] = max(r[kind] for r in ranks if kind in r)
     return metrics
+
+
+def with_memory_hint(
+    error: Exception, memory: Mapping[str, Sequence[Mapping[str, float]]], iteration: int
+) -> Exception:
+    """``error`` with the dead worker's last memory reading added, when it is a
+    :class:`~rlinf_vla.runtime.WorkerError` for a worker process that died (the kernel's or
+    Ray's out-of-memory killer leaves just that). Any other error comes back unchanged.
+
+    Args:
+        memory: group name -> the :func:`worker_memory` of each rank, read after ``iteration``.
+    """
+    from rlinf_vla.runtime.worker import WorkerError
+
+    if not isinstance(error, WorkerError) or "process died" not in error.remote_traceback:
+        return error
+    ranks = memory.get(error.group, ())
+    if error.rank >= len(ranks):
+        return error
+    reading = ranks[error.rank]
+    parts = [f"{reading['rss']:.1f} GiB resident"] if "rss" in reading else []
+    if "gpu_peak" in reading:
+        parts.append(f"{reading['gpu_peak']:.1f} GiB GPU peak")
+    if not parts:
+        return error
+    hint = (
+        f"\n(after iteration {iteration} this worker held {', '.join(parts)}; a process killed "
+        "for memory dies like this: see the memory/* metrics, and lower the envs or the batch "
+        "per worker, or give the component more devices)"
+    )
+    return WorkerError(
+        error.group, error.rank, error.node, error.method, error.remote_traceback + hint
+    )
