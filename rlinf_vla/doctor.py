@@ -18,6 +18,7 @@ Exit code 0 when every check that ran passed (``wandb`` is optional), 1 otherwis
 from __future__ import annotations
 
 import importlib
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -121,8 +122,6 @@ def check_libero() -> Result:
         obs = env.reset()
     finally:
         env.close()
-    import os
-
     shape = tuple(obs.images["main"].shape)
     gl = os.environ.get("MUJOCO_GL", "default")
     return Result(True, f"libero_goal task 0 reset, image {shape} (MUJOCO_GL={gl})")
