@@ -63,7 +63,7 @@ COMMANDS: dict[str, Command] = {
     for c in [
         Command(
             "train",
-            "RL post-training of a VLA policy in simulation (PPO; collocated, disaggregated or hybrid placement)",
+            "RL post-training of a VLA policy in simulation (PPO or GRPO; collocated, disaggregated, hybrid or auto placement)",
             "train",
             "rlinf_vla.pipelines",
         ),
