@@ -178,10 +178,10 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
                 raise ConfigError(_explain(e)) from None
             unknown.append(key)
             overrides = rest
-    if unknown:
-        errors = SectionErrors()
-        errors.messages = [f"unknown config key: {k}{_did_you_mean(cfg, k)}" for k in unknown]
-        errors.raise_any()
+    errors = SectionErrors()
+    for key in unknown:
+        errors.add(f"unknown config key: {key}{_did_you_mean(cfg, key)}")
+    errors.raise_any()
     return cfg
 
 

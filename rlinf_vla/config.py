@@ -48,6 +48,10 @@ class SectionErrors:
             self.messages.append(str(e))
             return None  # type: ignore[return-value]  # raise_any() raises before any use
 
+    def add(self, message: str) -> None:
+        """Record a problem found outside :meth:`build` (e.g. a check across sections)."""
+        self.messages.append(message)
+
     def raise_any(self) -> None:
         """Raise one :class:`ConfigError` holding every recorded message (none: return)."""
         if len(self.messages) == 1:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy
 import torch
@@ -22,8 +23,11 @@ def test_the_record_names_the_versions_python_and_cpus_of_this_process():
     assert info["packages"]["torch"] == torch.__version__.split("+")[0]  # without the build tag
     assert info["packages"]["numpy"] == numpy.__version__
     assert info["torch_cuda"] == torch.version.cuda
-    assert info["cpu"]["logical_cpus"] == os.cpu_count()
-    assert info["cpu"]["usable_cpus"] == len(os.sched_getaffinity(0))
+    # /proc/cpuinfo lists one "processor" per logical CPU; this process may use some of them
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    processors = sum(line.startswith("processor") for line in cpuinfo)
+    assert info["cpu"]["logical_cpus"] == processors
+    assert 1 <= info["cpu"]["usable_cpus"] <= processors
     assert info["source"]["version"] == "0.1.0"
     json.dumps(info)  # one line of run_info.jsonl
 

@@ -186,10 +186,9 @@ def validate(cfg: Any) -> TrainJob:
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
     # Checks across sections: every one that fails is named.
-    problems: list[str] = []
     env_action_dim = getattr(env_cfg, "action_dim", None)
     if env_action_dim is not None and pol_cfg.action_dim != env_action_dim:
-        problems.append(
+        errors.add(
             f"policy.action_dim={pol_cfg.action_dim} does not match the env's action size "
             f"env.action_dim={env_action_dim}"
         )
@@ -201,19 +200,19 @@ def validate(cfg: Any) -> TrainJob:
             if env_name == "maniskill"
             else ""
         )
-        problems.append(
+        errors.add(
             f"policy.image_keys={list(image_keys)} asks for camera(s) {missing} that env "
             f"{env_name!r} does not provide (its cameras: {list(env_cfg.cameras)}){hint}"
         )
     if job.algo.name == "grpo":
         if job.algo.group_size != env_cfg.group_size:
-            problems.append(
+            errors.add(
                 f"algo.group_size={job.algo.group_size} must equal env.group_size={env_cfg.group_size}: "
                 "GRPO compares the episodes of envs that share a reset id"
             )
         steps = job.runner.rollout_chunks * pol_cfg.chunk_size
         if env_cfg.max_episode_steps is not None and steps < env_cfg.max_episode_steps:
-            problems.append(
+            errors.add(
                 f"GRPO scores whole episodes: runner.rollout_chunks x policy.chunk_size = {steps} env steps "
                 f"is shorter than env.max_episode_steps={env_cfg.max_episode_steps}"
             )
@@ -232,7 +231,6 @@ def validate(cfg: Any) -> TrainJob:
             job.resolved = resolve_placement(job.placement, devices)
             check_env_split(job, len(job.resolved.of("env")), len(job.resolved.of("actor")))
 
-    errors.messages.extend(problems)
     errors.build(check_placement)
     errors.raise_any()
     return job

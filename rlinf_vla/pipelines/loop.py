@@ -73,7 +73,7 @@ def device_ranges(indices: list[int]) -> str:
 
 
 def device_summary(devices: list[Any]) -> str:
-    """``2 cpu slots (1 thread each)``, ``8 cuda GPUs on 2 nodes``, ... for a run's header."""
+    """``2 cpu slots (1 thread each)``, ``8 GPUs on 2 nodes``, ... for a run's header."""
     kinds = sorted({d.kind for d in devices})
     nodes = len({d.node_id for d in devices})
     parts = []

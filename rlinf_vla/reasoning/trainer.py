@@ -65,7 +65,6 @@ class MathGrpoRunner:
         self.job, self.held_out, self.num_train = job, held_out, len(train)
         self._memory: dict[str, list[dict[str, float]]] = {}  # the last memory readings
         self.cluster_devices = cluster.devices
-        self.devices = [str(d) for d in cluster.devices]
         r, a = job.runner, job.algo
         placement = self.placement = job.placement.resolve(cluster.num_devices)
         offload = job.placement.mode == "collocated"
@@ -392,7 +391,7 @@ class MathGrpoRunner:
             total=r.max_steps,
             save_interval=r.save_interval,
             max_nan_updates=r.max_nan_updates,
-            devices=self.devices,
+            devices=[str(d) for d in self.cluster_devices],
             header=self.header(),
         )
 
