@@ -161,8 +161,10 @@ class Knock(Worker):
     """Leaves a file, for :class:`AwaitKnock`."""
 
     def __init__(self, path):
-        with open(path, "w") as f:
+        # Written aside, then renamed: the waiter must never see the file before its text.
+        with open(path + ".part", "w") as f:
             f.write(f"knock from rank {self.rank}")
+        os.replace(path + ".part", path)
 
     def pid(self):
         return os.getpid()
