@@ -1,7 +1,10 @@
 """``placement=auto``: measure the workload once, then pick the execution mode and stage count.
 
-Profiling runs a few chunk steps of the env batch and of the policy's ``act`` in the driver,
-and one forward/backward pass over those samples, all on one device. That gives three costs:
+Profiling runs a few chunk steps of the env batch and of the policy's ``act``, and one
+forward/backward pass over those samples, in a worker of its own on the cluster's first device
+(as a rollout worker runs them: that device, its torch threads, ``algo.autocast``; the worker
+exits before the run's workers start, so the driver never holds a model or a GPU context).
+That gives three costs:
 
 - ``e``: one chunk step of all ``B`` envs, seconds;
 - ``i``: the policy's actions for all ``B`` observations, seconds, and ``f``, the part of it
@@ -40,7 +43,9 @@ lowest estimate wins (ties go to the simpler mode); the table of estimates is pr
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -49,6 +54,7 @@ import torch
 
 from rlinf_vla.config import ConfigError
 from rlinf_vla.runtime.threads import torch_threads
+from rlinf_vla.runtime.worker import Worker
 
 CHANNEL_ROUND_TRIP_S = 0.002  # measured small-message channel round trip (docs/runtime.md)
 
@@ -181,28 +187,49 @@ def choose(plans: list[Plan]) -> Plan:
     return min(close, key=lambda p: (_SIMPLICITY[p.mode], p.stages, p.iteration_s))
 
 
-def profile(job: Any, chunks: int = 3, sharded: bool = False, threads: int | None = 1) -> Costs:
+def profile(
+    job: Any,
+    chunks: int = 3,
+    sharded: bool = False,
+    threads: int | None = 1,
+    device: torch.device | None = None,
+) -> Costs:
     """Measure ``e``, ``i`` and ``u`` (module docstring) in this process on one device.
 
     ``sharded``: plans may shard the actor with FSDP (``algo.fsdp`` on several devices), which
     always runs the whole ``evaluate`` (no feature cache); the update is then also profiled
     that way, as ``Costs.train_sharded_s``.
-    ``threads``: the torch threads of a worker on one of the cluster's CPU devices
-    (``Device.threads``), used while measuring on CPU; the driver may have more, which would
-    flatter inference and update.
+    ``threads``: the torch threads to measure with on CPU (a worker's ``Device.threads``);
+    ``None`` keeps this process's setting.
+    ``device``: where the policy and a ManiSkill ``sim_backend=auto`` go (default: the
+    policy's own default); forward passes there run under ``algo.autocast``.
     """
-    from rlinf_vla.envs import make_env
+    from rlinf_vla.envs import for_device, make_env
+    from rlinf_vla.pipelines.actor import autocast
     from rlinf_vla.policies import make_policy
 
     seed = job.runner.seed
-    policy = make_policy(job.policy_name, **dict(job.policy, seed=seed))
-    env = make_env(job.env_name, **dict(job.env, seed=job.env.get("seed", seed)))
-    with torch_threads(threads if policy.device.type == "cpu" else None), closing(env):
+    placed = {} if device is None else {"device": str(device)}
+    policy = make_policy(job.policy_name, **{**job.policy, "seed": seed, **placed})
+    env_cfg = dict(job.env, seed=job.env.get("seed", seed))
+    env = make_env(job.env_name, **for_device(env_cfg, policy.device))
+    cuda = policy.device.type == "cuda"
+
+    def precision() -> Any:
+        return autocast(policy.device, job.algo.autocast)
+
+    def clock() -> float:
+        # CUDA kernels run asynchronously: a time is taken once the device is done
+        if cuda:
+            torch.cuda.synchronize(policy.device)
+        return time.perf_counter()
+
+    with torch_threads(None if cuda else threads), closing(env):
         cache = job.algo.cache_frozen_features
 
         def act(obs: Any) -> tuple[Any, torch.Tensor | None]:
             # what a rollout worker runs (it sends the features an actor caches)
-            with torch.no_grad():
+            with torch.no_grad(), precision():
                 if cache:
                     return policy.act_with_features(obs)
                 return policy.act(obs), None
@@ -214,21 +241,24 @@ def profile(job: Any, chunks: int = 3, sharded: bool = False, threads: int | Non
         # Both paths when a sharded actor would differ from a single one.
         paths = (cache, False) if sharded and cache else (cache,)
         for path in paths:
-            _update_cost(policy, obs, out.replay, path, shipped)
+            _update_cost(policy, obs, out.replay, path, shipped, precision, clock)
         half = torch.arange(max(1, env.num_envs // 2))
         env_s = infer_s = half_s = 0.0
         for _ in range(chunks):
-            t0 = time.perf_counter()
+            t0 = clock()
             out, shipped = act(obs)
-            t1 = time.perf_counter()
+            t1 = clock()
             next_obs = env.chunk_step(out.actions).obs
-            t2 = time.perf_counter()
+            t2 = clock()
             act(obs.select(half))
-            half_s += time.perf_counter() - t2
+            half_s += clock() - t2
             infer_s += t1 - t0
             env_s += t2 - t1
             last_obs, obs = obs, next_obs
-        updates = [_update_cost(policy, last_obs, out.replay, path, shipped) for path in paths]
+        updates = [
+            _update_cost(policy, last_obs, out.replay, path, shipped, precision, clock)
+            for path in paths
+        ]
     # the update was timed on one chunk step of all B envs; an iteration has T of them
     update_s = [
         (once_s + pass_s * job.algo.update_epochs) * job.runner.rollout_chunks
@@ -247,38 +277,50 @@ def profile(job: Any, chunks: int = 3, sharded: bool = False, threads: int | Non
     )
 
 
+class Profiler(Worker):
+    """Runs :func:`profile` on its device, with that device's threads, as a rollout worker
+    would; started for the measurement and shut down after it."""
+
+    def costs(self, job: Any, chunks: int, sharded: bool) -> Costs:
+        return profile(job, chunks, sharded=sharded, threads=None, device=self.device)
+
+
 def _update_cost(
     policy: Any,
     obs: Any,
     replay: dict[str, torch.Tensor],
     cache: bool,
     shipped: torch.Tensor | None = None,
+    precision: Callable[[], Any] = contextlib.nullcontext,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
     """Seconds of the update's parts over ``obs``: ``(once, per_pass)``. ``per_pass`` is one
     forward/backward pass of the PPO objective's parts; ``once`` the frozen features computed
     before the passes when ``cache`` is on and the policy can split off its read-out (else 0,
     and each pass runs the whole ``evaluate``), 0 as well when acting computed them
-    (``shipped``, what the rollout sends the actor)."""
+    (``shipped``, what the rollout sends the actor). Forward passes run in ``precision()``;
+    ``clock`` reads the time once the device is done."""
     once = 0.0
     features = None
     if cache and shipped is not None:
         features = shipped
     elif cache:
-        t0 = time.perf_counter()
-        with torch.no_grad():
+        t0 = clock()
+        with torch.no_grad(), precision():
             features = policy.frozen_features(obs, replay)
-        once = time.perf_counter() - t0 if features is not None else 0.0
-    t0 = time.perf_counter()
-    if features is None:
-        out = policy.evaluate(obs, replay)
-    else:
-        out = policy.evaluate_features(features, replay)
-    loss = out.logprob.float().mean() + out.entropy.float().mean()
-    if out.value is not None:
-        loss = loss + out.value.float().pow(2).mean()
+        once = clock() - t0 if features is not None else 0.0
+    t0 = clock()
+    with precision():
+        if features is None:
+            out = policy.evaluate(obs, replay)
+        else:
+            out = policy.evaluate_features(features, replay)
+        loss = out.logprob.float().mean() + out.entropy.float().mean()
+        if out.value is not None:
+            loss = loss + out.value.float().pow(2).mean()
     loss.backward()
     policy.zero_grad(set_to_none=True)
-    return once, time.perf_counter() - t0
+    return once, clock() - t0
 
 
 def plan_table(plans: list[Plan], chosen: Plan, env_steps: int) -> str:
@@ -293,21 +335,26 @@ def plan_table(plans: list[Plan], chosen: Plan, env_steps: int) -> str:
     return "\n".join(lines)
 
 
-def resolve_auto(job: Any, num_devices: int, log: Any = print, threads: int | None = 1) -> Any:
-    """A copy of ``job`` whose ``placement`` is the plan chosen by profiling (module docstring);
-    ``threads``: a CPU device's torch threads (:func:`profile`)."""
+def resolve_auto(job: Any, cluster: Any, log: Any = print) -> Any:
+    """A copy of ``job`` whose ``placement`` is the plan chosen by profiling on the first
+    device of ``cluster`` (a :class:`~rlinf_vla.runtime.Cluster`; module docstring)."""
     from rlinf_vla.envs import env_config
+    from rlinf_vla.runtime.worker import WorkerGroup
 
     env_cfg = env_config(job.env_name, **job.env)
-    log(f"placement=auto: profiling {job.placement.profile_chunks} chunk steps and one update ...")
-    # The runner shards (algo.fsdp) only over several actor workers: on one device never; on
-    # several, plans with one actor device keep the cache and the others do not.
-    costs = profile(
-        job,
-        job.placement.profile_chunks,
-        sharded=job.algo.fsdp and num_devices > 1,
-        threads=threads,
+    num_devices = cluster.num_devices
+    log(
+        f"placement=auto: profiling {job.placement.profile_chunks} chunk steps and one update "
+        f"on device {cluster.device(0)} ..."
     )
+    profiler = WorkerGroup(cluster, Profiler, name="profile", devices=[0])
+    try:
+        # The runner shards (algo.fsdp) only over several actor workers: on one device never;
+        # on several, plans with one actor device keep the cache and the others do not.
+        sharded = job.algo.fsdp and num_devices > 1
+        costs = profiler.costs(job, job.placement.profile_chunks, sharded).wait()[0]
+    finally:
+        profiler.shutdown()
     plans = candidate_plans(
         costs,
         num_devices,

@@ -346,7 +346,7 @@ def run(job: TrainJob) -> Path:
         if job.placement.mode == "auto":
             from rlinf_vla.pipelines.auto import resolve_auto
 
-            job = resolve_auto(job, cluster.num_devices, threads=cluster.devices[0].threads)
+            job = resolve_auto(job, cluster)
             job.raw["placement"] = _placement_dict(job)
         runner = EmbodiedRunner(job, cluster)
         try:

@@ -79,7 +79,15 @@ def test_only_plans_that_split_whole_groups_are_considered():
 
 
 @pytest.mark.slow
-def test_auto_profiles_prints_its_choice_and_trains(tmp_path, capsys):
+def test_auto_profiles_prints_its_choice_and_trains(tmp_path, capsys, monkeypatch):
+    """The profile runs in a worker on device 0: the driver (this process) builds no policy,
+    so it holds no model and, on a GPU machine, no CUDA context while the run trains."""
+    import rlinf_vla.policies
+
+    def no_policy_here(*args, **kwargs):
+        raise AssertionError("the driver built a policy")
+
+    monkeypatch.setattr(rlinf_vla.policies, "make_policy", no_policy_here)
     args = [
         "train",
         "env=toy",
@@ -95,7 +103,8 @@ def test_auto_profiles_prints_its_choice_and_trains(tmp_path, capsys):
     ]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "placement=auto: profiling" in out and "<- chosen" in out
+    assert "placement=auto: profiling" in out and "on device cpu:0@node0" in out
+    assert "<- chosen" in out
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["placement"]
     assert saved["mode"] in ("collocated", "hybrid", "disaggregated")
     assert saved["mode"] in out.split("<- chosen")[0].splitlines()[-1]
@@ -146,7 +155,7 @@ def test_fsdp_profiles_the_cache_only_where_the_actor_cannot_shard(monkeypatch, 
 
     seen = []
 
-    def update_cost(policy, obs, replay, cache, shipped=None):
+    def update_cost(policy, obs, replay, cache, shipped=None, *clock_and_precision):
         seen.append(cache)
         return 0.0, 0.01 if cache else 0.05  # the whole pass costs 5x the read-out
 
@@ -186,3 +195,30 @@ def test_each_plan_is_charged_the_update_its_actor_runs():
     assert h.components["actor"] == "0" and h.train_s == pytest.approx(1.0)
     assert plans[("disaggregated", "0", "1", 1)].train_s == pytest.approx(1.0)
     assert Costs(0.3, 0.1, 1.0).update_s(2) == pytest.approx(0.5)  # no FSDP: one update cost
+
+
+@pytest.mark.gpu
+def test_auto_profiles_on_the_gpu_its_workers_use(tmp_path, capsys):
+    """On a GPU machine the profile measures on GPU 0 (synchronised timing, ``algo.autocast``),
+    where the rollout and actor will run; one GPU leaves collocated as the only plan."""
+    args = [
+        "train",
+        "env=toy",
+        "env.num_envs=8",
+        "env.max_episode_steps=8",
+        "runner.rollout_chunks=2",
+        "algo.update_epochs=1",
+        "placement=auto",
+        "cluster.devices_per_node=1",
+        "runner.max_iterations=1",
+        "runner.eval_interval=0",
+        f"runner.output_dir={tmp_path}",
+    ]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "on device cuda:0@node0" in out
+    measured = out.split("measured on one device:")[1].splitlines()[0]
+    assert "inference" in measured and "update" in measured
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["placement"]["mode"] == (
+        "collocated"
+    )
