@@ -34,9 +34,18 @@ def _children_of() -> dict[int, list[int]]:
 
 
 def _rss(pid: int) -> int:
-    """Resident bytes of one process (0 if it ended meanwhile)."""
+    """Resident bytes of one process, a shared page counting for its share: the proportional
+    set size (``Pss`` of ``/proc/<pid>/smaps_rollup``), or the plain resident set size where
+    the kernel has no rollup (before Linux 4.14). 0 if the process ended meanwhile."""
+    proc = Path("/proc") / str(pid)
     try:
-        resident = int((Path("/proc") / str(pid) / "statm").read_text().split()[1])
+        for line in (proc / "smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        resident = int((proc / "statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):
         return 0
     return resident * os.sysconf("SC_PAGE_SIZE")
@@ -44,8 +53,10 @@ def _rss(pid: int) -> int:
 
 def process_tree_rss(pid: int | None = None) -> float | None:
     """Resident memory in GiB of process ``pid`` (default: this one) and all its descendants
-    (e.g. the simulator subprocesses of an env worker). Pages shared between the processes
-    count once per process. ``None`` where ``/proc`` is missing (not Linux)."""
+    (e.g. the simulator subprocesses of an env worker). A page shared by ``n`` processes counts
+    ``1/n`` in each (proportional set size), so the sum counts it once: a forked subprocess's
+    copy-on-write pages, and the torch and simulator libraries every worker maps, are not
+    counted again per process. ``None`` where ``/proc`` is missing (not Linux)."""
     if not Path("/proc/self/statm").exists():
         return None
     pid = os.getpid() if pid is None else pid

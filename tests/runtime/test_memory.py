@@ -1,6 +1,7 @@
 """Worker memory: resident RAM of a process tree, peak GPU memory, the memory/* metrics."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,22 +16,58 @@ from rlinf_vla.runtime.memory import group_memory_metrics, process_tree_rss
 linux = pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc")
 
 
-def _vm_rss_gib(pid: int) -> float:
-    """VmRSS of /proc/<pid>/status, which the kernel reports in kB."""
+def _status_gib(pid: int, field: str = "VmRSS") -> float:
+    """A kB field of /proc/<pid>/status (VmRSS: resident pages; RssAnon: the anonymous ones
+    among them, private to a process that did not fork)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 2**20
-    raise AssertionError("no VmRSS line")
+    raise AssertionError(f"no {field} line")
+
+
+def _vm_rss_gib(pid: int) -> float:
+    return _status_gib(pid, "VmRSS")
+
+
+def _between_private_and_resident(value: float, pid: int) -> bool:
+    """A process's share of its resident pages lies between its private anonymous memory
+    and all of its resident pages (shared library pages counting whole)."""
+    return _status_gib(pid, "RssAnon") * 0.99 <= value <= _vm_rss_gib(pid) * 1.01
 
 
 @linux
 def test_the_tree_of_a_childless_process_is_its_own_resident_memory():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    code = "import time; x = b'\\x01' * (200 * 2**20); print('ready', flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)
-        assert process_tree_rss(child.pid) == pytest.approx(_vm_rss_gib(child.pid), rel=0.05)
+        assert child.stdout.readline().strip() == "ready"
+        tree = process_tree_rss(child.pid)
+        assert tree > 200 / 1024
+        assert _between_private_and_resident(tree, child.pid)
     finally:
         child.kill()
+
+
+@linux
+def test_pages_a_forked_child_shares_count_once():
+    """After a fork, parent and child share the parent's 300 MiB copy-on-write: each one's
+    resident set holds it, the tree counts it once."""
+    code = (
+        "import os, time; x = b'\\x01' * (300 * 2**20); pid = os.fork()\n"
+        "if pid:\n    print(pid, flush=True)\n"
+        "time.sleep(30)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        time.sleep(0.2)
+        each = _vm_rss_gib(parent.pid), _vm_rss_gib(child)
+        assert min(each) > 300 / 1024  # both resident sets hold the buffer
+        tree = process_tree_rss(parent.pid)
+        assert 300 / 1024 < tree < sum(each) - 250 / 1024
+    finally:
+        parent.kill()
+        os.kill(child, signal.SIGKILL)
 
 
 @linux
@@ -77,7 +114,7 @@ def test_a_worker_reports_its_resident_memory(cluster):
     try:
         [pid] = group.hold(256).wait()
         [memory] = group.memory().wait()
-        assert memory["rss"] == pytest.approx(_vm_rss_gib(pid), rel=0.05)
+        assert _between_private_and_resident(memory["rss"], pid)
         assert memory["rss"] > 0.25
         if cluster.devices[0].kind == "cpu":
             assert "gpu_peak" not in memory
