@@ -112,7 +112,7 @@ def with_memory_hint(
     """
     from rlinf_vla.runtime.worker import WorkerError
 
-    if not isinstance(error, WorkerError) or "process died" not in error.remote_traceback:
+    if not isinstance(error, WorkerError) or not error.died:
         return error
     ranks = memory.get(error.group, ())
     if error.rank >= len(ranks):
@@ -129,5 +129,5 @@ def with_memory_hint(
         "per worker, or give the component more devices)"
     )
     return WorkerError(
-        error.group, error.rank, error.node, error.method, error.remote_traceback + hint
+        error.group, error.rank, error.node, error.method, error.remote_traceback + hint, died=True
     )

@@ -47,18 +47,28 @@ class WorkerError(RuntimeError):
         node: the IP address of the worker's node.
         method: the method that failed.
         remote_traceback: the formatted traceback from the worker process.
+        died: the worker process itself died (killed, crashed, out of memory) rather than
+            raising an exception; ``remote_traceback`` then holds what Ray said of it.
     """
 
-    def __init__(self, group: str, rank: int, node: str, method: str, remote_traceback: str):
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        node: str,
+        method: str,
+        remote_traceback: str,
+        died: bool = False,
+    ):
         self.group, self.rank, self.node = group, rank, node
-        self.method, self.remote_traceback = method, remote_traceback
+        self.method, self.remote_traceback, self.died = method, remote_traceback, died
         super().__init__(
             f"worker {group}[{rank}] on node {node} failed in {method}():\n"
             f"{remote_traceback.rstrip()}"
         )
 
     def __reduce__(self):  # picklable across processes
-        args = (self.group, self.rank, self.node, self.method, self.remote_traceback)
+        args = (self.group, self.rank, self.node, self.method, self.remote_traceback, self.died)
         return (WorkerError, args)
 
 
@@ -300,7 +310,7 @@ def _unwrap(result: GroupResult, rank: int, ref: Any) -> Any:
         value = ray.get(ref)
     except RayActorError as e:
         raise WorkerError(
-            group.name, rank, node, result.method, f"the worker process died: {e}"
+            group.name, rank, node, result.method, f"the worker process died: {e}", died=True
         ) from None
     except RayTaskError as e:  # an error outside the host's try (e.g. unpicklable arguments)
         raise WorkerError(group.name, rank, node, result.method, str(e)) from None

@@ -150,14 +150,16 @@ def test_a_dead_workers_error_gets_its_last_memory_reading():
     from rlinf_vla.runtime.memory import with_memory_hint
 
     memory = {"actor": [{"rss": 1.0}, {"rss": 7.54, "gpu_peak": 30.0}]}
-    died = WorkerError("actor", 1, "10.0.0.2", "train", "the worker process died: exit code 9")
+    died = WorkerError("actor", 1, "10.0.0.2", "train", "Ray: actor died (exit code 9)", died=True)
     hinted = with_memory_hint(died, memory, 3)
     assert isinstance(hinted, WorkerError) and (hinted.group, hinted.rank) == ("actor", 1)
+    assert hinted.died
     assert "after iteration 3 this worker held 7.5 GiB resident, 30.0 GiB GPU peak" in str(hinted)
     assert str(hinted).startswith("worker actor[1] on node 10.0.0.2 failed in train():")
-    # an exception inside a worker, or a worker without a reading: unchanged
-    raised = WorkerError("actor", 1, "10.0.0.2", "train", "Traceback ... ValueError: nan")
+    # an exception inside a worker (whatever its text says), or a worker without a reading:
+    # unchanged
+    raised = WorkerError("actor", 1, "10.0.0.2", "train", "ValueError: the process died")
     assert with_memory_hint(raised, memory, 3) is raised
-    env_died = WorkerError("env", 0, "10.0.0.2", "interact", "the worker process died: ...")
+    env_died = WorkerError("env", 0, "10.0.0.2", "interact", "...", died=True)
     assert with_memory_hint(env_died, memory, 3) is env_died
     assert with_memory_hint(died, {}, 0) is died  # before the first iteration's reading

@@ -1,4 +1,5 @@
 import os
+import pickle
 import time
 
 import pytest
@@ -147,6 +148,7 @@ def test_worker_exception_surfaces_with_group_rank_node_and_traceback(cluster):
     assert "ValueError: the gripper is on fire" in err.remote_traceback
     assert "in fail" in err.remote_traceback  # the user's frame is in the traceback
     assert "worker failing[1] on node" in str(err)
+    assert not err.died  # it raised; its process lives on
 
 
 def test_constructor_failure_is_reported(cluster):
@@ -228,7 +230,8 @@ def test_dead_worker_is_reported_not_a_hang(cluster):
         start = time.monotonic()
         with pytest.raises(WorkerError, match="the worker process died") as info:
             group.die(ranks=[1]).wait(timeout=60)
-        assert info.value.rank == 1
+        assert info.value.rank == 1 and info.value.died
+        assert pickle.loads(pickle.dumps(info.value)).died
         assert time.monotonic() - start < 60
     finally:
         group.shutdown()
