@@ -88,8 +88,13 @@ def resolve_resume(resume: str | None, output_dir: str | None, prefix: str) -> s
     ``auto`` continues ``runner.output_dir`` when it holds a complete checkpoint and starts it
     otherwise, so that one command line serves the first start and every restart (a job
     requeued after a preemption). Any other value must be a resumable run folder
-    (:func:`check_resumable`).
+    (:func:`check_resumable`). Without ``runner.resume``, an ``output_dir`` that already holds
+    a run (metrics or checkpoints) is refused: starting afresh would overwrite them.
     """
+    if resume is None:
+        if output_dir:
+            _check_not_a_run(Path(output_dir), prefix)
+        return None
     if resume != "auto":
         check_resumable(resume, prefix)
         return resume
@@ -99,6 +104,32 @@ def resolve_resume(resume: str | None, output_dir: str | None, prefix: str) -> s
             "runner.output_dir too"
         )
     return output_dir if last_checkpoint(Path(output_dir), prefix) is not None else None
+
+
+def _check_not_a_run(folder: Path, prefix: str) -> None:
+    """``ConfigError`` if ``folder`` holds a run's metrics or checkpoints."""
+    held = []
+    metrics = folder / "metrics.jsonl"
+    if metrics.is_file():
+        rows = sum(1 for line in metrics.read_text().splitlines() if line.strip())
+        if rows:
+            held.append(f"{rows} row(s) in metrics.jsonl")
+    saved = sorted((folder / "checkpoints").glob(f"{prefix}_*"))
+    if saved:
+        last = last_checkpoint(folder, prefix)
+        held.append(
+            f"checkpoints up to {last.name}" if last else f"{len(saved)} incomplete checkpoint(s)"
+        )
+    if held:
+        fix = (
+            "continue it with runner.resume=auto, or choose another runner.output_dir"
+            if last_checkpoint(folder, prefix)
+            else "it has no complete checkpoint to continue from: choose another runner.output_dir"
+        )
+        raise ConfigError(
+            f"runner.output_dir: {str(folder)!r} already holds a run ({', '.join(held)}), "
+            f"which a fresh start would overwrite; {fix} (or delete that folder first)"
+        )
 
 
 def complete_checkpoints(run_dir: Path, prefix: str = "iter") -> list[Path]:

@@ -258,9 +258,35 @@ def test_auto_resume_continues_a_folder_with_a_checkpoint_and_starts_any_other(t
     (run / "checkpoints" / "iter_5" / "COMPLETE").touch()
     assert resolve_resume("auto", str(run), "iter") == str(run)
     assert resolve_resume(str(run), None, "iter") == str(run)
-    assert resolve_resume(None, str(run), "iter") is None
     with pytest.raises(ConfigError, match=r"set runner\.output_dir too"):
         resolve_resume("auto", None, "iter")
+
+
+def test_a_fresh_start_refuses_a_folder_that_holds_a_run(tmp_path, capsys, nothing_starts):
+    """Without runner.resume, a run folder with metrics or checkpoints is not overwritten."""
+    from rlinf_vla.config import ConfigError
+    from rlinf_vla.pipelines.tracking import resolve_resume
+
+    (tmp_path / "config.yaml").write_text("{}")  # what a start that failed at once leaves
+    assert resolve_resume(None, str(tmp_path), "iter") is None
+    metrics = '{"iteration": 1}\n{"iteration": 2}\n'
+    (tmp_path / "metrics.jsonl").write_text(metrics)
+    with pytest.raises(ConfigError, match=r"\(2 row\(s\) in metrics.jsonl\).*choose another"):
+        resolve_resume(None, str(tmp_path), "iter")
+    (tmp_path / "checkpoints" / "iter_2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "iter_2" / "COMPLETE").touch()
+    assert cli.main(["train", *SMALL, f"runner.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run (2 row(s) in metrics.jsonl, checkpoints up to iter_2)" in err
+    assert "continue it with runner.resume=auto" in err
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics  # untouched
+    # math-grpo's checkpoints are step_N: the same check
+    assert resolve_resume(None, str(tmp_path / "checkpoints"), "step") is None
+    (tmp_path / "checkpoints" / "step_3").mkdir()
+    (tmp_path / "checkpoints" / "step_3" / "COMPLETE").touch()
+    (tmp_path / "metrics.jsonl").unlink()
+    with pytest.raises(ConfigError, match=r"\(checkpoints up to step_3\)"):
+        resolve_resume(None, str(tmp_path), "step")
 
 
 def test_resuming_a_run_without_a_complete_checkpoint_fails_before_start(
