@@ -14,6 +14,10 @@ TRL is installed only for this benchmark::
     python benchmarks/math_grpo.py                      # 8 x 4, 64 tokens, 6 steps
     python benchmarks/math_grpo.py --steps 4 --only ours
 
+``--rollout-backend vllm`` samples our side with vLLM (``model.rollout_backend=vllm``; run it
+with an env that has vllm, e.g. ``.venv-vllm/bin/python``); ``--rollout-backend hf,vllm``
+runs our trainer with each backend, one after the other.
+
 Prints a table and writes JSON (default ``benchmarks/results/math_grpo.json``).
 """
 
@@ -53,13 +57,14 @@ def problems(args: argparse.Namespace) -> list:
 
 
 # --------------------------------------------------------------------------- ours
-def run_ours(args: argparse.Namespace, model: str, out_dir: Path) -> dict:
+def run_ours(args: argparse.Namespace, model: str, out_dir: Path, backend: str = "hf") -> dict:
     from rlinf_vla import cli
     from rlinf_vla.pipelines.tracking import read_metrics
     from rlinf_vla.reasoning import run, validate
 
     overrides = [
         f"model.path={model}",
+        f"model.rollout_backend={backend}",
         f"algo.group_size={args.group}",
         f"algo.prompts_per_step={args.prompts}",
         f"algo.max_new_tokens={args.max_new_tokens}",
@@ -89,6 +94,7 @@ def run_ours(args: argparse.Namespace, model: str, out_dir: Path) -> dict:
         "generated_tokens_per_s": tokens / seconds,
         "completions_per_s": len(rows) * args.prompts * args.group / seconds,
         "generation_share": gen / seconds,
+        "generation_s_per_step": gen / len(rows),
         "train_share": train / seconds,
         "mean_completion_tokens": tokens / (len(rows) * args.prompts * args.group),
         "accuracy": sum(r["reward/accuracy"] for r in rows) / len(rows),
@@ -212,13 +218,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--only", choices=["ours", "trl"], default=None)
+    p.add_argument(
+        "--rollout-backend",
+        default="hf",
+        help="our rollout backend(s), comma-separated: hf, vllm (default hf)",
+    )
     p.add_argument("--out", default="benchmarks/results/math_grpo.json")
     args = p.parse_args()
     model = hf_folder(args)
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "ours"):
-            results["rlinf-vla math-grpo"] = run_ours(args, model, Path(tmp) / "ours")
+            for backend in args.rollout_backend.split(","):
+                name = "rlinf-vla math-grpo" + ("" if backend == "hf" else f" ({backend})")
+                results[name] = run_ours(args, model, Path(tmp) / f"ours-{backend}", backend)
         if args.only in (None, "trl"):
             results["TRL GRPOTrainer"] = run_trl(args, model, Path(tmp) / "trl")
     print(
@@ -226,15 +239,18 @@ def main() -> None:
         f"{args.steps} steps (first not timed), {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"{'trainer':<22} {'s/step':>8} {'steps/s':>8} {'gen tok/s':>10} {'compl/s':>8} {'mean len':>9}"
+        f"{'trainer':<29} {'s/step':>8} {'steps/s':>8} {'gen tok/s':>10} {'compl/s':>8} "
+        f"{'mean len':>9} {'sampling s/step':>15}"
     )
     for name, r in results.items():
+        sampling = r.get("generation_s_per_step")
         print(
-            f"{name:<22} {r['s_per_step']:>8.1f} {r['steps_per_s']:>8.4f} {r['generated_tokens_per_s']:>10.1f} "
-            f"{r['completions_per_s']:>8.2f} {r['mean_completion_tokens']:>9.1f}"
+            f"{name:<29} {r['s_per_step']:>8.1f} {r['steps_per_s']:>8.4f} {r['generated_tokens_per_s']:>10.1f} "
+            f"{r['completions_per_s']:>8.2f} {r['mean_completion_tokens']:>9.1f} "
+            + (f"{sampling:>15.1f}" if sampling is not None else f"{'-':>15}")
         )
-    if len(results) == 2:
-        ours, trl_ = results.values()
+    if "rlinf-vla math-grpo" in results and "TRL GRPOTrainer" in results:
+        ours, trl_ = results["rlinf-vla math-grpo"], results["TRL GRPOTrainer"]
         speedup = ours["steps_per_s"] / trl_["steps_per_s"]
         results["speedup_steps_per_s"] = speedup
         results["speedup_tokens_per_s"] = (

@@ -3,6 +3,11 @@
 #
 #   bash scripts/test.sh [PYTEST_ARGS...]    # default: -q
 #   RLINF_SKIP_LINT=1 bash scripts/test.sh   # skip `ruff check` / `ruff format --check`
+#   RLINF_TEST_VLLM=0 bash scripts/test.sh   # skip the vLLM stage (see below)
+#
+# Without PYTEST_ARGS (the full run, as CI does) a second stage follows: the tests of
+# math-grpo's vLLM rollout backend (tests/reasoning/test_vllm.py) in .venv-vllm, the env
+# scripts/install_vllm.sh makes (vLLM's CPU build pins its own torch and transformers).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,7 +40,9 @@ else
 fi
 
 # ---- tests ------------------------------------------------------------------------------------
+full_run=0
 if [[ $# -eq 0 ]]; then
+    full_run=1
     set -- -q
 fi
 echo "[test] pytest $*"
@@ -53,5 +60,22 @@ fi
 if [[ $rc -ne 0 ]]; then
     echo "[test] FAILED: pytest exit code $rc" >&2
     exit "$rc"
+fi
+
+# ---- vLLM stage -------------------------------------------------------------------------------
+if [[ $full_run -eq 1 && "${RLINF_TEST_VLLM:-1}" != 0 ]]; then
+    bash "$ROOT/scripts/install_vllm.sh" || {
+        echo "[test] FAILED: installing .venv-vllm (skip this stage with RLINF_TEST_VLLM=0)" >&2
+        exit 1
+    }
+    echo "[test] pytest tests/reasoning/test_vllm.py (in .venv-vllm)"
+    rc=0
+    "$ROOT/.venv-vllm/bin/python" -m pytest -q tests/reasoning/test_vllm.py || rc=$?
+    if [[ $rc -ne 0 ]]; then
+        echo "[test] FAILED: the vLLM tests, pytest exit code $rc" >&2
+        exit "$rc"
+    fi
+elif [[ $full_run -eq 1 ]]; then
+    echo "[test] vLLM stage: skipped (RLINF_TEST_VLLM=0)"
 fi
 echo "[test] ok"

