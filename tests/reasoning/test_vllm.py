@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,16 @@ def test_collocated_on_one_gpu_the_engine_sleeps_while_the_actor_trains(tmp_path
     step = read_metrics(tmp_path / "run")[-1]
     assert step["iteration"] == 2 and step["response/tokens"] > 0
     assert step["memory/actor_gpu_peak_gib"] > 0
+
+
+def test_doctor_samples_with_vllm_or_says_how_to_install_it():
+    from rlinf_vla.doctor import run_check
+
+    result = run_check("vllm")
+    assert result.optional
+    if HAS_VLLM:
+        assert result.ok, result.detail
+        assert re.search(r"sampled [1-4] tokens on (cpu|cuda)$", result.detail), result.detail
+    else:
+        assert not result.ok and "not installed" in result.detail
+        assert "scripts/install_vllm.sh" in result.fix
