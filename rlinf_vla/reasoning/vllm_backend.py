@@ -9,8 +9,8 @@ with the adapters merged in (:func:`merged_weights`).
 
 Sampling returns the same :class:`~rlinf_vla.reasoning.generation.Response` values as the
 Hugging Face sampler: the generated token ids, ending with the end-of-sequence token or the
-tokens that completed a stop string. Each request draws its seed from the worker's generator,
-so a run is reproducible and resumes with the same draws. The actor recomputes the log-probs
+tokens that completed a stop string. Each sampled (not greedy) request draws its seed from the
+worker's generator, so a run is reproducible and resumes with the same draws. The actor recomputes the log-probs
 of the sampled tokens with its own model, so vLLM's numerics never enter the loss.
 """
 
@@ -163,8 +163,14 @@ class VllmSampler:
         if self.llm is None:
             raise RuntimeError("the vLLM engine has no weights yet: sync them first")
         greedy = temperature == 0.0
-        seeds = torch.randint(
-            2**31 - 1, (len(prompts),), generator=generator, device=generator.device
+        # Greedy draws nothing: its requests take no seed, so an evaluation leaves the
+        # generator, and the sampling after it, as they were.
+        seeds: list[int | None] = (
+            [None] * len(prompts)
+            if greedy
+            else torch.randint(
+                2**31 - 1, (len(prompts),), generator=generator, device=generator.device
+            ).tolist()
         )
         params = [
             SamplingParams(
@@ -175,9 +181,9 @@ class VllmSampler:
                 max_tokens=max_new_tokens,
                 stop=list(stop_strings) or None,
                 stop_token_ids=self.eos_ids,
-                seed=int(seed),
+                seed=seed,
             )
-            for seed in seeds.tolist()
+            for seed in seeds
         ]
         self._wake()
         outputs = self.llm.generate(

@@ -151,6 +151,11 @@ def test_vllm_sampling_follows_the_generator_and_ends_at_stop_strings(tmp_path):
 
         a, b, c = ([[r.tokens for r in g] for g in draw(seed)] for seed in (0, 0, 1))
         assert a == b and a != c  # the worker's generator seeds the requests
+        # greedy draws nothing from it (an evaluation leaves the training's draws alone)
+        gen = torch.Generator().manual_seed(3)
+        state = gen.get_state()
+        sampler.sample(prompts, 2, 4, 0.0, 1.0, 0, (), gen)
+        assert torch.equal(gen.get_state(), state)
         for group in draw(0):
             for r in group:
                 assert (r.finish == "stop") == (r.tokens[-1] in eos)
