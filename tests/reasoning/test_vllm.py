@@ -193,7 +193,7 @@ def test_math_grpo_steps_with_vllm_rollouts_then_resume(tmp_path, capsys):
         "cluster.num_cpus=2",
     ]
     assert cli.main(["math-grpo", *args, "runner.max_steps=2"]) == 0
-    header = capsys.readouterr().out
+    header = capsys.readouterr().err  # the console writes the header to stderr
     assert "LoRA rank 4: " in header and " trained, sampled by vLLM" in header
     rows = read_metrics(run)
     assert [r["iteration"] for r in rows] == [0, 1, 2]
