@@ -22,6 +22,18 @@ from rlinf_vla.config import ConfigError, check_at_least
 logger = logging.getLogger(__name__)
 
 
+def _token_auth_notice(record: logging.LogRecord) -> bool:
+    """False for Ray's notice that a new local instance uses token authentication (printed at
+    every start; the authentication stays on). Ray's other authentication warnings pass."""
+    return not record.getMessage().startswith("Token authentication is enabled")
+
+
+# The logger of the module that prints it (a no-op if Ray moves it).
+logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+    _token_auth_notice
+)
+
+
 @dataclass
 class ClusterConfig:
     """The ``cluster`` section of a run config.

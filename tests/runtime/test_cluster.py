@@ -1,0 +1,29 @@
+"""A local Ray instance started by ``Cluster``: token authentication on, without Ray's notice."""
+
+import os
+import subprocess
+import sys
+
+CODE = """
+import os
+from rlinf_vla.runtime import Cluster, Worker, WorkerGroup
+
+class Env(Worker):
+    def mode(self):
+        return os.environ.get("RAY_AUTH_MODE")
+
+with Cluster(num_cpus=1) as cluster:
+    group = WorkerGroup(cluster, Env, "env", devices=[0])
+    print("driver", os.environ.get("RAY_AUTH_MODE"), "worker", group.mode().wait()[0])
+"""
+
+
+def test_a_new_local_instance_uses_token_auth_without_the_warning(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    env["PYTHONPATH"] = str(tmp_path)  # the worker class is pickled from __main__
+    out = subprocess.run(
+        [sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "driver token worker token" in out.stdout
+    assert "Token authentication is" not in out.stderr
