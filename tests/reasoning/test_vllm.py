@@ -124,15 +124,20 @@ def test_greedy_vllm_responses_equal_the_hf_samplers_and_follow_weight_syncs(tmp
         assert [[r.tokens for r in g] for g in got] == [[r.tokens for r in g] for g in want]
         assert [[r.finish for r in g] for g in got] == [[r.finish for r in g] for g in want]
         # new weights: the engine follows them, and its prefix cache does not outlive them
+        # Every weight moves, the embedding (tied to the output layer) included.
         state = hf.state_dict()
+        torch.manual_seed(5)
         with torch.no_grad():
-            for k, v in state.items():
-                if "mlp" in k:
-                    v.mul_(-3.0)
+            for v in state.values():
+                v.add_(torch.randn_like(v) * v.std().clamp(min=0.05))
         sampler.load_weights({k: v.clone() for k, v in state.items()})
         want = _hf_greedy(hf, tok, eos, prompts, 12)
         got = _greedy(sampler, prompts, 12)
         assert [[r.tokens for r in g] for g in got] == [[r.tokens for r in g] for g in want]
+        # Weights that leave a layer out: the engine would keep its old ones; that fails.
+        partial = {k: v for k, v in state.items() if k != "model.norm.weight"}
+        with pytest.raises(RuntimeError, match=r"kept its old weights for \['RMSNorm'\]"):
+            sampler.load_weights(partial)
     finally:
         sampler.close()
 
