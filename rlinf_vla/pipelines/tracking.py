@@ -115,15 +115,15 @@ def _check_not_a_run(folder: Path, prefix: str) -> None:
         if rows:
             held.append(f"{rows} row(s) in metrics.jsonl")
     saved = sorted((folder / "checkpoints").glob(f"{prefix}_*"))
+    last = last_checkpoint(folder, prefix)
     if saved:
-        last = last_checkpoint(folder, prefix)
         held.append(
             f"checkpoints up to {last.name}" if last else f"{len(saved)} incomplete checkpoint(s)"
         )
     if held:
         fix = (
             "continue it with runner.resume=auto, or choose another runner.output_dir"
-            if last_checkpoint(folder, prefix)
+            if last
             else "it has no complete checkpoint to continue from: choose another runner.output_dir"
         )
         raise ConfigError(

@@ -129,14 +129,6 @@ def load_hf_config(cfg: ModelConfig) -> Any:
     return AutoConfig.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
 
 
-def load_generation_config(cfg: ModelConfig) -> Any:
-    """The generation settings a model built from :func:`load_hf_config` has (its end
-    tokens among them)."""
-    from transformers import GenerationConfig
-
-    return GenerationConfig.from_model_config(load_hf_config(cfg))
-
-
 def load_model(cfg: ModelConfig, weights: bool = True) -> torch.nn.Module:
     """The causal LM of ``cfg``; ``weights=False`` builds it from its config only (the rollout
     copy, filled by the first weight sync), skipping the slow GGUF de-quantisation."""

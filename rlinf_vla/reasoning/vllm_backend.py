@@ -10,8 +10,9 @@ with the adapters merged in (:func:`merged_weights`).
 Sampling returns the same :class:`~rlinf_vla.reasoning.generation.Response` values as the
 Hugging Face sampler: the generated token ids, ending with the end-of-sequence token or the
 tokens that completed a stop string. Each sampled (not greedy) request draws its seed from the
-worker's generator, so a run is reproducible and resumes with the same draws. The actor recomputes the log-probs
-of the sampled tokens with its own model, so vLLM's numerics never enter the loss.
+worker's generator, so a run is reproducible and resumes with the same draws. The actor
+recomputes the log-probs of the sampled tokens with its own model, so vLLM's numerics never
+enter the loss.
 """
 
 from __future__ import annotations

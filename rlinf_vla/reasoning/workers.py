@@ -22,7 +22,6 @@ from rlinf_vla.reasoning.config import MathAlgoConfig
 from rlinf_vla.reasoning.generation import Response, encode_prompts, sample_responses
 from rlinf_vla.reasoning.model import (
     ModelConfig,
-    load_generation_config,
     load_hf_config,
     load_model,
     load_tokenizer,
@@ -62,13 +61,17 @@ class RolloutWorker(Worker):
         self.tokenizer = load_tokenizer(self.cfg)
         self.vllm: VllmSampler | None = None
         self.eos_ids = {self.tokenizer.eos_token_id}
-        extra = getattr(load_generation_config(self.cfg), "eos_token_id", None)
+        from transformers import GenerationConfig
+
+        config = load_hf_config(self.cfg)
+        # the end tokens a model built from this config generates with
+        extra = GenerationConfig.from_model_config(config).eos_token_id
         self.eos_ids.update([extra] if isinstance(extra, int) else (extra or []))
         self.eos_ids.discard(None)
         if self.cfg.rollout_backend == "vllm":
             self.model = load_model(self.cfg, weights=False) if self.cfg.lora_rank else None
             self.vllm = VllmSampler(
-                load_hf_config(self.cfg),
+                config,
                 self.tokenizer,
                 self.device,
                 self.cfg.dtype,

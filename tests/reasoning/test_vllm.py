@@ -46,10 +46,14 @@ def test_merged_lora_weights_equal_peft_merge_and_leave_the_model_unchanged(tmp_
     assert "model.layers.0.self_attn.q_proj.weight" in merged
     for key, value in reference.items():
         torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-6, msg=key)
-    changed = [k for k in reference if not torch.equal(merged[k], before.get(k, merged[k]))]
-    assert not changed  # names without a base layer are the plain weights
-    q = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.allclose(merged[q], before[f"base_model.model.{q[:-7]}.base_layer.weight"])
+    # Layers without adapters keep their weights; adapted ones differ from their base weights.
+    plain = [k for k in merged if f"base_model.model.{k}" in before]
+    adapted = [k for k in merged if k not in plain]
+    assert plain and adapted
+    for k in plain:
+        assert torch.equal(merged[k], before[f"base_model.model.{k}"]), k
+    for k in adapted:  # k[:-7] drops ".weight"
+        assert not torch.allclose(merged[k], before[f"base_model.model.{k[:-7]}.base_layer.weight"])
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())  # the model is untouched
 
@@ -70,7 +74,6 @@ def _sampler(folder: Path, **model):
     """A VllmSampler and a Hugging Face model with the same weights."""
     from rlinf_vla.reasoning.model import (
         ModelConfig,
-        load_generation_config,
         load_hf_config,
         load_model,
         load_tokenizer,
@@ -80,7 +83,10 @@ def _sampler(folder: Path, **model):
     cfg = ModelConfig(path=str(folder), **model)
     tok = load_tokenizer(cfg)
     hf = load_model(cfg).eval()
-    eos = {tok.eos_token_id, load_generation_config(cfg).eos_token_id} - {None}
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_model_config(load_hf_config(cfg))
+    eos = {tok.eos_token_id, generation.eos_token_id} - {None}
     sampler = VllmSampler(
         load_hf_config(cfg), tok, torch.device("cpu"), "float32", 0.25, 0.4, 256, eos
     )

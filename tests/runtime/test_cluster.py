@@ -18,9 +18,8 @@ with Cluster(num_cpus=1) as cluster:
 """
 
 
-def test_a_new_local_instance_uses_token_auth_without_the_warning(tmp_path):
+def test_a_new_local_instance_uses_token_auth_without_the_warning():
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
-    env["PYTHONPATH"] = str(tmp_path)  # the worker class is pickled from __main__
     out = subprocess.run(
         [sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=180
     )
