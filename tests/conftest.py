@@ -93,3 +93,16 @@ def _one_ray_instance(request: pytest.FixtureRequest, _session_clusters: list) -
         from rlinf_vla.runtime import Cluster
 
         _session_clusters.append(Cluster(num_cpus=2, num_gpus=None if gpus else 0))
+
+
+@pytest.fixture
+def no_ffmpeg(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine where imageio's FFmpeg backend (``imageio-ffmpeg``) is not installed."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+
+    def without_ffmpeg(name: str, *args, **kwargs):
+        return None if name == "imageio_ffmpeg" else find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_ffmpeg)

@@ -8,6 +8,7 @@ Files are written by a background thread; ``close()`` waits for them.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import textwrap
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,11 +53,30 @@ def annotate(frame: np.ndarray, instruction: str, step: int, success: bool) -> n
     return np.asarray(canvas)
 
 
+def require_ffmpeg(videos_off: str = "turn the videos off") -> None:
+    """Fail naming the install when imageio's FFmpeg backend (``imageio-ffmpeg``) is missing.
+
+    Without it imageio picks another plugin for ``.mp4`` and fails only at the first frame
+    written, after the episodes were run.
+
+    Args:
+        videos_off: how to do without videos, for the message (e.g. a config override).
+    """
+    if importlib.util.find_spec("imageio_ffmpeg") is None:
+        raise RuntimeError(
+            "MP4 videos need imageio's FFmpeg backend, which is not installed: "
+            f"pip install 'imageio[ffmpeg]', or {videos_off}"
+        )
+
+
 def write_mp4(path: str, frames: list[np.ndarray], fps: int) -> None:
     """Write uint8 ``[H, W, 3]`` frames (same size) to an H.264 MP4."""
     import imageio.v2 as imageio
 
-    with imageio.get_writer(path, fps=fps, codec="libx264", macro_block_size=16) as writer:
+    require_ffmpeg()
+    with imageio.get_writer(
+        path, format="FFMPEG", fps=fps, codec="libx264", macro_block_size=16
+    ) as writer:
         for frame in frames:
             writer.append_data(frame)
 
@@ -73,6 +93,7 @@ class VideoRecorder:
         prefix: str = "env",
         env_offset: int = 0,
     ) -> None:
+        require_ffmpeg()
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
         self.env_ids = tuple(env_ids)

@@ -261,6 +261,13 @@ def validate(cfg: Any) -> EvalJob:
     ev = errors.build(lambda: from_section(EvalConfig, cfg.get("eval"), "eval"))
     cluster = errors.build(lambda: from_section(ClusterConfig, cfg["cluster"], "cluster"))
     errors.raise_any()
+    if ev.videos != "none":
+        from rlinf_vla.envs.video import require_ffmpeg
+
+        try:
+            require_ffmpeg("set eval.videos=none")
+        except RuntimeError as e:
+            raise ConfigError(f"eval.videos={ev.videos}: {e}") from None
     if env_name == "libero":
         _check_libero(env, ev)
     elif env_name != "maniskill" and ev.tasks is not None:

@@ -216,6 +216,13 @@ def validate(cfg: Any) -> TrainJob:
                 f"GRPO scores whole episodes: runner.rollout_chunks x policy.chunk_size = {steps} env steps "
                 f"is shorter than env.max_episode_steps={env_cfg.max_episode_steps}"
             )
+    if job.runner.eval_interval > 0 and job.runner.eval_videos:
+        from rlinf_vla.envs.video import require_ffmpeg
+
+        try:
+            require_ffmpeg("set runner.eval_videos=false")
+        except RuntimeError as e:
+            errors.add(f"runner.eval_videos=true: {e}")
     devices = local_device_count(job.cluster)
 
     def check_placement() -> None:

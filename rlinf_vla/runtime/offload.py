@@ -27,7 +27,10 @@ def _target(device: torch.device | str | None) -> tuple[torch.device, bool]:
 
 
 def offload_module(module: torch.nn.Module, device: torch.device | str | None = None) -> None:
-    """Move ``module``'s parameters, gradients and buffers to ``device`` (default: CPU)."""
+    """Move ``module``'s parameters, gradients and buffers to ``device`` (default: CPU).
+
+    Moving to the CPU also hands the process's cached GPU memory back to the driver (see
+    :func:`release_cuda_memory`), so another process on the same GPU can use it."""
     device, pin = _target(device)
     for p in module.parameters():
         p.data = _move(p.data, device, pin)
@@ -38,6 +41,8 @@ def offload_module(module: torch.nn.Module, device: torch.device | str | None = 
             if b is not None:
                 m._buffers[name] = _move(b, device, pin)
     _synchronize()
+    if device.type == "cpu":
+        release_cuda_memory()
 
 
 def onload_module(module: torch.nn.Module, device: torch.device | str) -> None:
@@ -58,11 +63,26 @@ def offload_optimizer(
                     continue
                 state[key] = _move(value, device, pin)
     _synchronize()
+    if device.type == "cpu":
+        release_cuda_memory()
 
 
 def onload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
     """Move ``optimizer``'s state back onto ``device``."""
     offload_optimizer(optimizer, device)
+
+
+def release_cuda_memory() -> None:
+    """Free cuBLAS's workspaces and return the cached, unused blocks of torch's CUDA allocator to
+    the driver. torch allocates a cuBLAS workspace (32 MiB on Hopper) per stream at the first
+    matrix product and keeps it, and freed tensors stay cached by this process: without this
+    an offloaded model still holds GPU memory that a collocated worker cannot use."""
+    if not torch.cuda.is_initialized():
+        return
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
 
 
 def _synchronize() -> None:

@@ -90,6 +90,44 @@ def test_missing_assets_fail_fast_with_download_command(maniskill) -> None:
         make_env("maniskill", task="PickSingleYCB-v1", sim_backend="cpu")
 
 
+@pytest.fixture
+def offline_without_physx_gpu(maniskill, monkeypatch, tmp_path):
+    """A machine without network on which SAPIEN's PhysX GPU library was never downloaded."""
+    import requests
+    import sapien.physx
+
+    def offline(*args, **kwargs):
+        raise requests.ConnectionError("Failed to resolve 'github.com'")
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(sapien.physx.requests, "get", offline)
+
+
+def test_gpu_backend_offline_names_the_physx_library_to_fetch(offline_without_physx_gpu) -> None:
+    from rlinf_vla.envs.maniskill.env import MissingAssetError
+
+    with pytest.raises(
+        MissingAssetError,
+        match=r"/\.sapien/physx/[^ ]+/libPhysXGpu_64\.so(.|\n)*/linux-so\.zip(.|\n)*"
+        r"env\.sim_backend=cpu",
+    ):
+        make_env("maniskill", task="PickCube-v1", sim_backend="gpu")
+
+
+def test_auto_backend_offline_falls_back_to_the_cpu_simulator(
+    offline_without_physx_gpu, monkeypatch
+) -> None:
+    # On a CUDA machine that cannot get the PhysX GPU library, `auto` warns and runs on the CPU.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(UserWarning, match=r"libPhysXGpu_64\.so(.|\n)*Using the CPU simulator"):
+        env = make_env("maniskill", task="PickCube-v1", num_envs=1, image_size=32)
+    try:
+        assert env.backend == "cpu"
+        assert env.reset(torch.tensor([0])).images["main"].shape == (1, 32, 32, 3)
+    finally:
+        env.close()
+
+
 @pytest.mark.gpu
 def test_gpu_backend_batches_envs(maniskill) -> None:
     env = make_env("maniskill", task="PickCube-v1", num_envs=8, image_size=64, sim_backend="gpu")

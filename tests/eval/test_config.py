@@ -32,6 +32,14 @@ def test_checkpoint_action_dim_must_fit_the_env(tmp_path) -> None:
         eval_job("policy=openvla", f"policy.checkpoint={tmp_path}")
 
 
+def test_videos_need_ffmpeg(no_ffmpeg) -> None:
+    with pytest.raises(
+        ConfigError, match=r"eval\.videos=all: .*imageio\[ffmpeg\].*eval\.videos=none"
+    ):
+        eval_job("eval.videos=all")
+    assert eval_job("eval.videos=none").eval.videos == "none"
+
+
 def test_proprio_and_trials_checks() -> None:
     with pytest.raises(ConfigError, match=r"proprio_dim=5.*state size of env 'libero': 8"):
         eval_job("policy=openvla_oft", "+policy.proprio_dim=5")

@@ -199,6 +199,13 @@ def test_invalid_train_configs_fail_before_start(capsys, nothing_starts, overrid
     assert message in capsys.readouterr().err
 
 
+def test_eval_videos_without_ffmpeg_fail_before_start(capsys, nothing_starts, no_ffmpeg):
+    assert cli.main(["train", "env=toy", "runner.eval_interval=1"]) == 2
+    err = capsys.readouterr().err
+    assert "runner.eval_videos=true: MP4 videos need imageio's FFmpeg backend" in err
+    assert "pip install 'imageio[ffmpeg]', or set runner.eval_videos=false" in err
+
+
 @pytest.mark.slow
 def test_sigterm_stops_the_run_naming_its_checkpoint_and_auto_resume_continues_it(tmp_path):
     # A scheduler preempting the job sends SIGTERM: the run stops like on Ctrl-C (exit 143,

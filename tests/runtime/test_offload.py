@@ -71,3 +71,17 @@ def test_offload_frees_gpu_memory():
     onload_module(model, "cuda")
     onload_optimizer(opt, "cuda")
     assert torch.cuda.memory_allocated() >= before
+
+
+@pytest.mark.gpu
+def test_release_cuda_memory_frees_the_cublas_workspace_and_the_cache():
+    from rlinf_vla.runtime.offload import release_cuda_memory
+
+    a = torch.randn(512, 512, device="cuda")
+    release_cuda_memory()
+    base = torch.cuda.memory_allocated()
+    (a @ a).sum().item()  # the first matrix product allocates cuBLAS's workspace
+    held, cached = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    release_cuda_memory()
+    assert torch.cuda.memory_allocated() == base < held  # only `a` is left
+    assert torch.cuda.memory_reserved() < cached  # and the freed blocks went back to the driver

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
+import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,6 +48,40 @@ def import_maniskill() -> tuple[Any, Any]:
     import mani_skill
 
     return gym, mani_skill
+
+
+def physx_gpu_library() -> tuple[Path, str]:
+    """Where SAPIEN looks for its PhysX GPU library, and the address it downloads it from."""
+    import sapien.physx
+
+    version = sapien.physx.version()
+    arch = "linux-aarch64-so" if platform.machine() in ("aarch64", "arm64") else "linux-so"
+    url = f"https://github.com/sapien-sim/physx-precompiled/releases/download/{version}/{arch}.zip"
+    return Path.home() / ".sapien" / "physx" / version / "libPhysXGpu_64.so", url
+
+
+def enable_physx_gpu() -> None:
+    """Load SAPIEN's PhysX GPU library, which SAPIEN downloads once (about 100 MB) on first use.
+
+    Raises:
+        MissingAssetError: the library is not on disk and could not be downloaded (an offline
+            machine); the message names the file to fetch and where to unzip it.
+    """
+    import sapien.physx
+
+    if sapien.physx.is_gpu_enabled():
+        return
+    lib, url = physx_gpu_library()
+    try:
+        sapien.physx.enable_gpu()
+    except Exception as e:
+        if lib.exists():
+            raise
+        raise MissingAssetError(
+            f"ManiSkill's GPU simulation needs SAPIEN's PhysX GPU library {lib}, which is not "
+            f"on disk and could not be downloaded ({type(e).__name__}). Download {url} and "
+            f"unzip it into {lib.parent}, or set env.sim_backend=cpu."
+        ) from e
 
 
 def check_task(task: str) -> Any:
@@ -215,6 +252,7 @@ class _GpuBatch:
 
     def __init__(self, cfg: ManiSkillEnvConfig) -> None:
         gym, _ = import_maniskill()
+        enable_physx_gpu()
         self.cfg = cfg
         self.gym = gym
         self.device = torch.device(cfg.device)
@@ -339,6 +377,12 @@ class ManiSkillEnv(VectorEnv):
         backend = config.sim_backend
         if backend == "auto":
             backend = "gpu" if torch.cuda.is_available() else "cpu"
+            if backend == "gpu":
+                try:
+                    enable_physx_gpu()
+                except MissingAssetError as e:
+                    warnings.warn(f"{e} Using the CPU simulator.", stacklevel=2)
+                    backend = "cpu"
         self.backend = backend
         self._gpu: _GpuBatch | None = None
         self._cpu: SubprocBatch | None = None
