@@ -185,6 +185,10 @@ def validate(cfg: Any) -> TrainJob:
         **built,
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
+    # Training keeps float32 weights, so AdamW's state and the checkpoints are float32 too, and
+    # algo.autocast sets the compute precision; policy.dtype=bfloat16 still holds bf16 weights.
+    if job.policy.get("dtype", "auto") == "auto":
+        job.policy["dtype"] = "float32"
     # Checks across sections: every one that fails is named.
     env_action_dim = getattr(env_cfg, "action_dim", None)
     if env_action_dim is not None and pol_cfg.action_dim != env_action_dim:

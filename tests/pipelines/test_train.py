@@ -461,6 +461,15 @@ def test_fsdp_matches_replicated_data_parallel_and_resumes(tmp_path, device):
     assert [r["iteration"] for r in _metrics(fsdp)] == [1, 2, 3]
 
 
+def test_training_holds_float32_weights_unless_told_otherwise():
+    # policy.dtype=auto would be bfloat16 on CUDA: AdamW on bf16 weights drops small updates
+    from rlinf_vla.pipelines import validate
+
+    assert validate(cli.compose("train", ["env=toy"])).policy["dtype"] == "float32"
+    job = validate(cli.compose("train", ["env=toy", "policy.dtype=bfloat16"]))
+    assert job.policy["dtype"] == "bfloat16"
+
+
 def test_a_checkpoints_own_settings_win_over_the_yaml_defaults(tmp_path):
     from rlinf_vla.pipelines import validate
     from rlinf_vla.policies import make_policy
