@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from rlinf_vla.config import ConfigError, check_at_least
-from rlinf_vla.runtime import Channel, Worker
+from rlinf_vla.runtime import Channel, Worker, offload_module, resident
 from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
 from rlinf_vla.types import EvalOutput, Observation
 
@@ -218,7 +218,12 @@ class ActorWorker(Worker):
     """Holds the trainable policy and its optimizer; one PPO update per call of :meth:`train`."""
 
     def __init__(
-        self, policy_name: str, policy_config: dict[str, Any], algo: dict[str, Any], seed: int
+        self,
+        policy_name: str,
+        policy_config: dict[str, Any],
+        algo: dict[str, Any],
+        seed: int,
+        offload: bool = False,
     ) -> None:
         from rlinf_vla.config import from_section
         from rlinf_vla.policies import make_policy
@@ -234,6 +239,11 @@ class ActorWorker(Worker):
         self.generator = torch.Generator().manual_seed(seed + 1000 * self.rank)
         self.version = 0
         self.nan_streak = 0  # optimizer updates skipped in a row (non-finite loss/gradient)
+        # Collocated on a GPU: weights and optimizer state wait in host memory between updates
+        # (not with FSDP, whose sharded parameters stay where FSDP put them).
+        self.offload = offload and self.device.type == "cuda"
+        if self.offload:
+            offload_module(self.policy)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW with the value head in its own parameter group (``algo.value_lr``)."""
@@ -427,11 +437,18 @@ class ActorWorker(Worker):
         iteration: int,
         total_iterations: int,
     ) -> dict[str, float]:
-        """Take ``num_trajectories`` trajectories from ``channel[key]`` and run the PPO epochs."""
+        """Take ``num_trajectories`` trajectories from ``channel[key]`` and run the PPO epochs
+        (with the policy and optimizer on the device meanwhile, when they are offloaded)."""
+        trajectories = channel.get_batch(key, num_trajectories)
+        with resident(self.policy, self.device, self.optimizer, enabled=self.offload):
+            return self._train(trajectories, iteration, total_iterations)
+
+    def _train(
+        self, trajectories: list[Any], iteration: int, total_iterations: int
+    ) -> dict[str, float]:
         from rlinf_vla.algos import entropy_loss, ppo_policy_loss, value_loss, whiten
 
         a = self.algo
-        trajectories = channel.get_batch(key, num_trajectories)
         batch = build_batch(trajectories, a)
         if a.name == "ppo" and a.normalize_advantages and len(batch) > 1:
             batch.advantages = whiten(batch.advantages)

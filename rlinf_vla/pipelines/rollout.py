@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from rlinf_vla.pipelines.actor import autocast
-from rlinf_vla.runtime import Channel, Worker
+from rlinf_vla.runtime import Channel, Worker, offload_module, resident
 from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
 from rlinf_vla.types import Observation
 
@@ -243,6 +243,7 @@ class RolloutWorker(Worker):
         seed: int = 0,
         autocast: str = "off",
         features: bool = False,
+        offload: bool = False,
     ) -> None:
         from rlinf_vla.policies import make_policy
 
@@ -254,9 +255,14 @@ class RolloutWorker(Worker):
         self.autocast = autocast  # algo.autocast: the same precision as the actor's update
         self.features = features
         self._eval_env: Any = None  # the greedy evaluation's env, made on first use
+        # Collocated on a GPU: the policy waits in host memory while the actor trains.
+        self.offload = offload and self.device.type == "cuda"
+        if self.offload:
+            offload_module(self.policy)
 
     def sync_from(self, collective_name: str, version: int) -> None:
-        """Receive the actor's weights (broadcast from collective rank 0)."""
+        """Receive the actor's weights (broadcast from collective rank 0), wherever the policy
+        is (an offloaded one takes them in host memory)."""
         state = self.collective(collective_name).broadcast_tensors(None, src=0)
         self.policy.load_state_dict(state)
         self.version = version
@@ -281,7 +287,7 @@ class RolloutWorker(Worker):
             self._eval_env = make_env(env_name, **for_device(env_config, self.device))
         cuda = [self.device.index or 0] if self.device.type == "cuda" else []
         with tempfile.TemporaryDirectory() as tmp, torch.random.fork_rng(devices=cuda):
-            with autocast(self.device, self.autocast):
+            with self._resident(), autocast(self.device, self.autocast):
                 result = greedy_eval(
                     self.policy, self._eval_env, episodes, video_dir=tmp if videos else None
                 )
@@ -301,7 +307,10 @@ class RolloutWorker(Worker):
     def set_rng_state(self, state: dict[str, Any] | Tensor) -> None:
         set_rng_state(state, self.device)
 
-    @torch.no_grad()
+    def _resident(self) -> Any:
+        """The policy on the worker's device for the block (offloaded after it)."""
+        return resident(self.policy, self.device, enabled=self.offload)
+
     def generate(
         self,
         channel: Channel,
@@ -315,6 +324,17 @@ class RolloutWorker(Worker):
         Puts the :class:`Trajectory` of ``sources[i]`` on ``channel`` under
         ``destinations[i]``; returns the number of trajectories.
         """
+        with self._resident(), torch.no_grad():
+            return self._generate(channel, num_chunks, sources, destinations, greedy)
+
+    def _generate(
+        self,
+        channel: Channel,
+        num_chunks: int,
+        sources: list[tuple[int, int]],
+        destinations: list[str],
+        greedy: bool,
+    ) -> int:
         builders = {src: _TrajectoryBuilder(src) for src in sources}
         pending: tuple[str, Tensor] | None = None  # actions to send with the next get
         for t in range(num_chunks + 1):

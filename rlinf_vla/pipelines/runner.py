@@ -67,6 +67,10 @@ class EmbodiedRunner:
         placement = self.placement = resolve_placement(job.placement, cluster.num_devices)
         check_env_split(job, len(placement.of("env")), len(placement.of("actor")))
         sharded = job.algo.fsdp and len(placement.of("actor")) > 1
+        # Collocated on GPUs: the policy copies that are idle (the actor's while the rollout
+        # runs, the rollout's while the actor trains) wait in host memory.
+        offload = placement.mode == "collocated"
+        self.offloads = offload and any(d.kind == "cuda" for d in cluster.devices)
         self.output_dir = self._output_dir()
         seed = job.runner.seed
         policy = dict(job.policy, seed=seed)
@@ -91,7 +95,10 @@ class EmbodiedRunner:
                 args=(job.policy_name, policy, seed, job.algo.autocast),
                 # An actor that caches frozen features takes them from the rollout (FSDP never
                 # caches: it runs the whole pass).
-                kwargs={"features": job.algo.cache_frozen_features and not sharded},
+                kwargs={
+                    "features": job.algo.cache_frozen_features and not sharded,
+                    "offload": offload,
+                },
                 wait=False,
             )
             self.actor = WorkerGroup(
@@ -100,6 +107,7 @@ class EmbodiedRunner:
                 "actor",
                 placement.of("actor"),
                 args=(job.policy_name, policy, _algo_dict(job), seed),
+                kwargs={"offload": offload and not sharded},
                 wait=False,
             )
             # The groups start at once: a worker's start is mostly imports and model building.
@@ -180,13 +188,15 @@ class EmbodiedRunner:
             f"{c} {device_ranges(self.placement.of(c))}" for c in ("env", "rollout", "actor")
         )
         fsdp = " (FSDP)" if self.fsdp else ""
+        offload = " (idle policies offloaded to host memory)" if self.offloads else ""
         return [
             f"rlinf-vla train: {job.algo.name} on {_env_text(job)}, {job.env['num_envs']} envs, "
             f"{r.rollout_chunks} chunks of {chunk} steps per iteration, "
             f"{r.max_iterations} iterations",
             f"policy {job.policy_name} ({source}): {count_text(counts['total'])} parameters, "
             f"{count_text(counts['trained'])} trained",
-            f"placement {mode}{stages}: {groups}{fsdp} on {device_summary(self.cluster.devices)}",
+            f"placement {mode}{stages}: {groups}{fsdp} on {device_summary(self.cluster.devices)}"
+            f"{offload}",
         ]
 
     def iteration(self, it: int) -> dict[str, Any]:

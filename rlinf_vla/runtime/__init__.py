@@ -11,6 +11,7 @@ from rlinf_vla.runtime.offload import (
     offload_optimizer,
     onload_module,
     onload_optimizer,
+    resident,
 )
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, parse_devices, resolve_placement
 from rlinf_vla.runtime.threads import torch_threads
@@ -42,6 +43,7 @@ __all__ = [
     "onload_module",
     "onload_optimizer",
     "parse_devices",
+    "resident",
     "resolve_placement",
     "split_evenly",
     "torch_threads",

@@ -9,6 +9,9 @@ optimizer keeps working on the same parameter objects.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -70,6 +73,30 @@ def offload_optimizer(
 def onload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
     """Move ``optimizer``'s state back onto ``device``."""
     offload_optimizer(optimizer, device)
+
+
+@contextlib.contextmanager
+def resident(
+    module: torch.nn.Module,
+    device: torch.device | str,
+    optimizer: torch.optim.Optimizer | None = None,
+    enabled: bool = True,
+) -> Iterator[None]:
+    """Within the block ``module`` (and ``optimizer``'s state) is on ``device``; after it,
+    also when the block raises, both are back in host memory. ``enabled=False``: a no-op
+    (everything stays where it is)."""
+    if not enabled:
+        yield
+        return
+    onload_module(module, device)
+    if optimizer is not None:
+        onload_optimizer(optimizer, device)
+    try:
+        yield
+    finally:
+        offload_module(module)
+        if optimizer is not None:
+            offload_optimizer(optimizer)
 
 
 def release_cuda_memory() -> None:

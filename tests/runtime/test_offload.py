@@ -3,7 +3,13 @@ import copy
 import pytest
 import torch
 
-from rlinf_vla.runtime import offload_module, offload_optimizer, onload_module, onload_optimizer
+from rlinf_vla.runtime import (
+    offload_module,
+    offload_optimizer,
+    onload_module,
+    onload_optimizer,
+    resident,
+)
 
 
 def _model_and_optimizer(device):
@@ -88,3 +94,25 @@ def test_release_cuda_memory_frees_the_cublas_workspace_and_the_cache():
     release_cuda_memory()
     assert torch.cuda.memory_allocated() == base < held  # only `a` is left
     assert torch.cuda.memory_reserved() < cached  # and the freed blocks went back to the driver
+
+
+@pytest.mark.gpu
+def test_resident_holds_the_model_on_the_gpu_for_the_block_only():
+    model, opt = _model_and_optimizer("cpu")
+    _step(model, opt, 0)  # the optimizer state exists, on the CPU
+
+    def where() -> set[str]:
+        tensors = [*model.parameters(), *model.buffers()]
+        tensors += [st["exp_avg"] for st in opt.state.values()]
+        return {t.device.type for t in tensors}
+
+    with resident(model, "cuda", opt):
+        assert where() == {"cuda"}
+        _step(model, opt, 1)
+    assert where() == {"cpu"}
+    with pytest.raises(RuntimeError, match="boom"), resident(model, "cuda", opt):
+        assert where() == {"cuda"}
+        raise RuntimeError("boom")
+    assert where() == {"cpu"}  # also after an error in the block
+    with resident(model, "cuda", opt, enabled=False):
+        assert where() == {"cpu"}
