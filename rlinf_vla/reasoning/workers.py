@@ -30,7 +30,14 @@ from rlinf_vla.reasoning.model import (
 )
 from rlinf_vla.reasoning.reward import score_response
 from rlinf_vla.reasoning.vllm_backend import VllmSampler, merged_weights
-from rlinf_vla.runtime import Worker, offload_module, onload_module
+from rlinf_vla.runtime import (
+    Worker,
+    offload_module,
+    offload_optimizer,
+    onload_module,
+    onload_optimizer,
+    resident,
+)
 
 
 def _setup_threads(cfg: ModelConfig) -> None:
@@ -102,12 +109,8 @@ class RolloutWorker(Worker):
             self.vllm.load_weights(state)
             self.version = version
             return
-        if self.offload_between_steps:
-            onload_module(self.model, self.device)
-        self._load(state)
+        self._load(state)  # into the model wherever it is (host memory when offloaded)
         self.version = version
-        if self.offload_between_steps:
-            offload_module(self.model)
 
     def _load(self, state: dict[str, Tensor]) -> None:
         _, unexpected = self.model.load_state_dict(state, strict=False)
@@ -134,8 +137,6 @@ class RolloutWorker(Worker):
             ``truncated_prompts``, ``seconds``.
         """
         t0 = time.perf_counter()
-        if self.offload_between_steps:
-            onload_module(self.model, self.device)
         prompts, truncated = encode_prompts(
             self.tokenizer,
             questions,
@@ -144,18 +145,17 @@ class RolloutWorker(Worker):
             data["max_prompt_tokens"],
         )
         sample = self.vllm.sample if self.vllm is not None else self._sample_hf
-        out = sample(
-            prompts,
-            n,
-            sampling["max_new_tokens"],
-            sampling["temperature"],
-            sampling["top_p"],
-            sampling["top_k"],
-            tuple(sampling["stop_strings"]),
-            self.generator,
-        )
-        if self.offload_between_steps:
-            offload_module(self.model)
+        with resident(self.model, self.device, enabled=self.offload_between_steps):
+            out = sample(
+                prompts,
+                n,
+                sampling["max_new_tokens"],
+                sampling["temperature"],
+                sampling["top_p"],
+                sampling["top_k"],
+                tuple(sampling["stop_strings"]),
+                self.generator,
+            )
         return {
             "prompts": prompts,
             "responses": [[r.tokens for r in group] for group in out],
@@ -264,6 +264,22 @@ class ActorWorker(Worker):
         self.synced_once = False
         self.nan_streak = 0
 
+    def _onload(self) -> None:
+        """The model, the optimizer state and the reference back on the device (collocated on
+        a GPU, they wait in host memory between updates: :meth:`_offload`)."""
+        if self.offload_between_steps:
+            onload_module(self.model, self.device)
+            onload_optimizer(self.optimizer, self.device)
+            if self.reference is not None:
+                onload_module(self.reference, self.device)
+
+    def _offload(self) -> None:
+        if self.offload_between_steps:
+            offload_module(self.model)
+            offload_optimizer(self.optimizer)
+            if self.reference is not None:
+                offload_module(self.reference)
+
     def parameter_counts(self) -> dict[str, int]:
         """``total`` and ``trained`` parameters of the model (for the run's header)."""
         from rlinf_vla.pipelines.loop import parameter_counts
@@ -312,8 +328,7 @@ class ActorWorker(Worker):
     def kl_to_reference(self, seqs: list[Sequence], pad_id: int) -> list[list[float]]:
         """Per-token KL estimates (``algo.kl_estimator``) of each response between the current
         policy and the frozen reference (REINFORCE++ folds them into the reward)."""
-        if self.offload_between_steps:
-            onload_module(self.model, self.device)
+        self._onload()  # for the update that follows, which offloads again
         current = self._no_grad_logprobs(seqs, pad_id, reference=False)
         ref = self._no_grad_logprobs(seqs, pad_id, reference=True)
         return [
@@ -362,8 +377,7 @@ class ActorWorker(Worker):
             step: the training step (for the learning-rate warm-up).
         """
         a, preset = self.algo, self.algo.preset
-        if self.offload_between_steps:
-            onload_module(self.model, self.device)
+        self._onload()
         lr = self._set_lr(step)
         timings = {"logprob_s": 0.0, "train_s": 0.0}
         t0 = time.perf_counter()
@@ -444,8 +458,7 @@ class ActorWorker(Worker):
                     self.nan_streak += 1
                     skipped += 1
         timings["train_s"] = time.perf_counter() - t1
-        if self.offload_between_steps:
-            offload_module(self.model)
+        self._offload()
         out = {f"train/{k}": v / weight_total for k, v in sums.items()} if weight_total else {}
         out.update(
             {

@@ -289,7 +289,8 @@ def test_collocated_on_one_gpu_offloads_the_idle_model(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     # Rollout, reward and actor on GPU 0: the rollout model moves to CPU memory while the actor
-    # trains, and the weights reach it over gloo (NCCL refuses two ranks on one GPU).
+    # trains, the actor's model, AdamW state and KL reference while the rollout generates, and
+    # the weights reach the rollout over gloo (NCCL refuses two ranks on one GPU).
     from rlinf_vla import cli
     from rlinf_vla.pipelines.tracking import read_metrics
 
@@ -299,13 +300,14 @@ def test_collocated_on_one_gpu_offloads_the_idle_model(
         "cluster.devices_per_node=1",
         "runner.max_steps=2",
         "runner.eval_interval=0",
+        "algo.kl_coef=0.01",
     ]
     assert cli.main(["math-grpo", *args]) == 0
     step = read_metrics(tmp_path / "run")[-1]
     assert step["iteration"] == 2 and step["response/tokens"] > 0
-    assert step["memory/rollout_gpu_peak_gib"] > 0  # it generated on the GPU ...
-    assert step["memory/rollout_gpu_gib"] < 0.01  # ... and holds nothing there now
-    assert step["memory/actor_gpu_peak_gib"] > 0
+    for group in ("rollout", "actor"):
+        assert step[f"memory/{group}_gpu_peak_gib"] > 0, group  # it computed on the GPU ...
+        assert step[f"memory/{group}_gpu_gib"] < 0.01, group  # ... and holds nothing there now
 
 
 def test_invalid_configs_fail_before_anything_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
