@@ -282,7 +282,17 @@ class Profiler(Worker):
     would; started for the measurement and shut down after it."""
 
     def costs(self, job: Any, chunks: int, sharded: bool) -> Costs:
-        return profile(job, chunks, sharded=sharded, threads=None, device=self.device)
+        import gc
+
+        from rlinf_vla.runtime.offload import release_cuda_memory
+
+        costs = profile(job, chunks, sharded=sharded, threads=None, device=self.device)
+        gc.collect()
+        # The model and env are gone; their cached GPU memory goes back to the driver now,
+        # not when the process exits (it is killed asynchronously, as the run's workers start
+        # on the same GPU).
+        release_cuda_memory()
+        return costs
 
 
 def _update_cost(
