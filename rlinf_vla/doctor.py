@@ -89,13 +89,18 @@ def check_maniskill() -> Result:
     import torch
 
     from rlinf_vla.envs import make_env
+    from rlinf_vla.envs.maniskill.env import MissingAssetError
 
     backends = ["cpu", "gpu"] if torch.cuda.is_available() else ["cpu"]
     parts = []
     for backend in backends:
-        env = make_env(
-            "maniskill", task="PickCube-v1", num_envs=1, image_size=64, sim_backend=backend
-        )
+        try:
+            env = make_env(
+                "maniskill", task="PickCube-v1", num_envs=1, image_size=64, sim_backend=backend
+            )
+        except MissingAssetError as e:  # the PhysX GPU library, on an offline machine
+            parts.append(f"{backend} simulation: {e}")
+            return Result(False, f"mani-skill {_version('mani_skill')}, " + "; ".join(parts))
         try:
             obs = env.reset()
             env.chunk_step(torch.zeros(1, 1, env.action_dim))

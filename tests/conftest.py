@@ -106,3 +106,17 @@ def no_ffmpeg(monkeypatch: pytest.MonkeyPatch) -> None:
         return None if name == "imageio_ffmpeg" else find_spec(name, *args, **kwargs)
 
     monkeypatch.setattr(importlib.util, "find_spec", without_ffmpeg)
+
+
+@pytest.fixture
+def offline_without_physx_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A machine without network on which SAPIEN's PhysX GPU library (ManiSkill's GPU
+    simulation) was never downloaded."""
+    requests = pytest.importorskip("requests")
+    physx = pytest.importorskip("sapien.physx")
+
+    def offline(*args, **kwargs):
+        raise requests.ConnectionError("Failed to resolve 'github.com'")
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(physx.requests, "get", offline)

@@ -21,6 +21,22 @@ def test_the_simulators_build_reset_and_render(name):
     assert "(1, 64, 64, 3)" in result.detail  # one env's 64 px camera image
 
 
+@pytest.mark.sim
+def test_a_gpu_machine_without_the_physx_library_fails_the_maniskill_check_naming_it(
+    offline_without_physx_gpu, monkeypatch
+):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    result = run_check("maniskill")
+    assert not result.ok
+    assert "cpu simulation: PickCube-v1 image (1, 64, 64, 3)" in result.detail  # that part works
+    assert "gpu simulation: ManiSkill's GPU simulation needs SAPIEN's PhysX GPU library" in (
+        result.detail
+    )
+    assert "linux-so.zip" in result.detail
+
+
 def test_a_failed_check_says_what_broke_and_how_to_fix_it(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("RLINF_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
     monkeypatch.setattr("sys.prefix", str(tmp_path))  # no model installed into the env either

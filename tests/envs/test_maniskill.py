@@ -90,19 +90,6 @@ def test_missing_assets_fail_fast_with_download_command(maniskill) -> None:
         make_env("maniskill", task="PickSingleYCB-v1", sim_backend="cpu")
 
 
-@pytest.fixture
-def offline_without_physx_gpu(maniskill, monkeypatch, tmp_path):
-    """A machine without network on which SAPIEN's PhysX GPU library was never downloaded."""
-    import requests
-    import sapien.physx
-
-    def offline(*args, **kwargs):
-        raise requests.ConnectionError("Failed to resolve 'github.com'")
-
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(sapien.physx.requests, "get", offline)
-
-
 def test_gpu_backend_offline_names_the_physx_library_to_fetch(offline_without_physx_gpu) -> None:
     from rlinf_vla.envs.maniskill.env import MissingAssetError
 
