@@ -148,7 +148,9 @@ def _check_group_choices(
 def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR) -> Any:
     """Compose the primary config ``config_name`` (in ``config_dir``) with Hydra ``overrides``.
 
-    Groups missing from ``config_dir`` are looked up in the shared ``configs/`` folder.
+    Groups missing from ``config_dir`` are looked up in the shared ``configs/`` folder. A key
+    of the chosen policy's or env's config class that its group YAML does not list
+    (``policy.exact_logprob=false``) is added, as Hydra's ``+policy.exact_logprob=false`` would.
 
     Raises:
         ConfigError: an unknown group choice (listing the known ones) or an unknown key
@@ -160,12 +162,12 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
     from omegaconf.errors import OmegaConfBaseException
 
     _check_group_choices(config_name, overrides, config_dir)
-    overrides = list(overrides)
+    overrides = given = list(overrides)
     if Path(config_dir) != CONFIG_DIR:
         overrides.append(f"hydra.searchpath=[file://{CONFIG_DIR}]")
     # Hydra stops at the first unknown key: drop its override and compose again, so that one
     # run names every unknown key (with the closest known one).
-    unknown: list[str] = []
+    unknown: dict[str, list[str]] = {}  # key -> the overrides that set it
     while True:
         try:
             with initialize_config_dir(config_dir=str(config_dir), version_base=None):
@@ -176,13 +178,41 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
             rest = [o for o in overrides if key is None or not _sets(o, key)]
             if key is None or len(rest) == len(overrides):
                 raise ConfigError(_explain(e)) from None
-            unknown.append(key)
+            unknown[key] = [o for o in overrides if o not in rest]
             overrides = rest
+    family = {
+        o
+        for key, sets in unknown.items()
+        if key.partition(".")[2] in _family_keys(cfg, key.partition(".")[0])
+        for o in sets
+    }
+    if family:  # again, with those added (and the other unknown keys, to name them)
+        again = ["+" + o.lstrip("+") if o in family else o for o in given]
+        return compose(config_name, again, config_dir)
     errors = SectionErrors()
     for key in unknown:
         errors.add(f"unknown config key: {key}{_did_you_mean(cfg, key)}")
     errors.raise_any()
     return cfg
+
+
+def _family_keys(cfg: Any, section: str) -> set[str]:
+    """The keys of the config class of the policy or env that ``cfg``'s ``section`` names
+    (empty for other sections and unknown names)."""
+    import dataclasses
+
+    name = cfg.get(section, {}).get("name") if section in ("policy", "env") else None
+    if section == "policy":
+        from rlinf_vla.policies import POLICIES
+
+        config_cls = POLICIES[name].cls.config_cls if name in POLICIES else None
+    elif section == "env":
+        from rlinf_vla.envs import ENVS
+
+        config_cls = ENVS[name].config_cls if name in ENVS else None
+    else:
+        config_cls = None
+    return {f.name for f in dataclasses.fields(config_cls)} if config_cls else set()
 
 
 def _sets(override: str, key: str) -> bool:
@@ -212,7 +242,8 @@ def _did_you_mean(cfg: Any, key: str) -> str:
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(node, DictConfig):
         return ""
-    close = difflib.get_close_matches(leaf, [str(k) for k in node], n=1, cutoff=0.6)
+    known = {str(k) for k in node} | (_family_keys(cfg, parent) if "." not in parent else set())
+    close = difflib.get_close_matches(leaf, sorted(known), n=1, cutoff=0.6)
     return f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
 
 

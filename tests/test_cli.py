@@ -4,6 +4,7 @@ import pytest
 import yaml
 
 from rlinf_vla import cli
+from rlinf_vla.config import ConfigError
 
 
 def test_help_lists_subcommands(capsys):
@@ -65,6 +66,25 @@ def test_every_unknown_key_is_named_at_once_with_the_closest_known_key(capsys, n
         "  - unknown config key: algo.lrr (did you mean algo.lr?)\n"
         "  - unknown config key: env.bogus\n"
     )
+
+
+def test_a_key_of_the_policy_or_env_class_that_its_yaml_leaves_out_can_be_set(capsys):
+    # exact_logprob (OpenVLA) and step_time_per_env_s (toy env) are config fields that the
+    # group YAMLs do not list; Hydra alone would need `+policy.exact_logprob=false`.
+    from rlinf_vla.pipelines import validate
+    from rlinf_vla.policies.resolve import policy_config_for
+
+    args = ["env=toy", "policy.exact_logprob=false", "env.step_time_per_env_s=0.002"]
+    job = validate(cli.compose("train", args))
+    assert policy_config_for(job.policy_name, job.policy).exact_logprob is False
+    assert job.env["step_time_per_env_s"] == 0.002
+    # a key no class has is still unknown, named with the others
+    with pytest.raises(ConfigError) as e:
+        cli.compose("train", [*args, "policy.exact_logprobs=false", "runner.max_iteration=5"])
+    assert "unknown config key: policy.exact_logprobs (did you mean policy.exact_logprob?)" in str(
+        e.value
+    )
+    assert "unknown config key: runner.max_iteration (did you mean" in str(e.value)
 
 
 def test_invalid_values_of_several_sections_are_named_at_once(capsys, nothing_starts):
