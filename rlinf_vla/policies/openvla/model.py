@@ -389,7 +389,7 @@ class OpenVLAPolicy(Policy):
     def _prefix(self, obs: Observation) -> tuple[Tensor, Tensor, Tensor]:
         """Embeddings, mask and positions of ``[BOS, patches, prompt..., ▁]``."""
         device = self.device
-        pixels = self.processor.pixel_values(obs).to(device)
+        pixels = self.processor.pixel_values(obs, device)
         prompts = self.processor.prompts(obs.instruction, device)
         patches = self.vla.patch_embeddings(pixels)
         return self.vla.multimodal_inputs(patches, prompts.input_ids, prompts.attention_mask)

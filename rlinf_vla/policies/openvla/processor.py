@@ -146,15 +146,18 @@ class OpenVLAProcessor:
         return tok
 
     # -- inputs ---------------------------------------------------------------------------------
-    def pixel_values(self, obs: Observation) -> Tensor:
+    def pixel_values(self, obs: Observation, device: torch.device | str | None = None) -> Tensor:
         """``float32 [B, 3 * n_backbones * n_cameras, S, S]``: per camera, one normalised copy
-        per backbone (DINOv2 channels first, then SigLIP), cameras in ``image_keys`` order."""
+        per backbone (DINOv2 channels first, then SigLIP), cameras in ``image_keys`` order.
+
+        With ``device`` the ``uint8`` images move there first and the transforms run there (a
+        quarter of the bytes of the float pixels cross to a GPU, and the resize runs on it)."""
         cfg = self.config
         require_cameras(obs, cfg.image_keys, self.policy_name)
         size = cfg.image_sizes[0]
         out = []
         for key in cfg.image_keys:
-            x = images_to_float(obs.images[key])
+            x = images_to_float(obs.images[key].to(device))
             if cfg.image_resize_strategy == "letterbox":
                 x = _letterbox(x, self.mean_std[0][0])
             if cfg.center_crop:

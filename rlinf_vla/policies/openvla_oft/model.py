@@ -160,7 +160,7 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         """Last hidden states ``[B, K*A, D]`` at the positions that decode each action token."""
         cfg = self.config
         device = self.device
-        patches = self.vla.patch_embeddings(self.processor.pixel_values(obs).to(device))
+        patches = self.vla.patch_embeddings(self.processor.pixel_values(obs, device))
         if self.proprio_projector is not None:
             proprio = self.processor.proprio(obs, cfg.proprio_dim).to(device)
             dtype = self.proprio_projector.fc1.weight.dtype

@@ -34,9 +34,11 @@ Flow-SDE, ``denoise_index [B]``. Greedy ``act`` integrates the ODE from the nois
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,7 @@ from rlinf_vla.policies.base import (
     save_safetensors_dir,
     seeded,
 )
+from rlinf_vla.policies.cuda_graph import GraphedStep
 from rlinf_vla.policies.heads import ValueHead, gaussian_entropy, gaussian_logprob
 from rlinf_vla.policies.pi0.config import Pi0Config
 from rlinf_vla.policies.pi0.processor import Pi0Inputs, Pi0Processor, load_openpi_norm_stats
@@ -446,7 +449,7 @@ class Pi0Policy(Policy):
 
     def velocity(self, obs: Observation, x: Tensor, t: Tensor) -> Tensor:
         """``v_θ(x, t)`` ``float32 [B, H, D]`` for model-space states ``x`` and times ``t [B]``."""
-        inputs = self.processor(obs)
+        inputs = self.processor(obs, self.device)
         out = self._suffix_pass(
             inputs, self._prefix_pass(inputs), x.to(self.device), t.to(self.device)
         )
@@ -503,7 +506,7 @@ class Pi0Policy(Policy):
     @torch.no_grad()
     def act(self, obs: Observation, greedy: bool = False) -> ActOutput:
         cfg = self.config
-        inputs = self.processor(obs)
+        inputs = self.processor(obs, self.device)
         prefix = self._prefix_pass(inputs)
         b, device = obs.batch_size, self.device
         shape = (b, cfg.action_horizon, cfg.max_action_dim)
@@ -518,10 +521,11 @@ class Pi0Policy(Policy):
         else:
             chosen = torch.full((b,), -1, dtype=torch.long, device=device)
         chain, steps = [x], []
+        transition = self._denoiser(inputs, prefix, x, chosen)
         for k in range(cfg.num_steps):
             ks = torch.full((b,), k, dtype=torch.long, device=device)
             stochastic = chosen == k if cfg.noise_method == "flow_sde" else ks >= 0
-            mean, std, out = self._transition(inputs, prefix, x, ks, stochastic)
+            mean, std, out = transition(x, ks, stochastic)
             steps.append((mean, std, out))
             x = mean if greedy else mean + std * torch.randn_like(mean)
             chain.append(x)
@@ -537,6 +541,21 @@ class Pi0Policy(Policy):
         return ActOutput(
             actions=actions.float(), logprob=scored.logprob, value=scored.value, replay=replay
         )
+
+    def _denoiser(
+        self, inputs: Pi0Inputs, prefix: dict[str, Any], x: Tensor, chosen: Tensor
+    ) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+        """``(x, k, stochastic) -> (mean, std, out)`` for the steps of one ``act`` call:
+        :meth:`_transition`, or on CUDA (``cuda_graphs``, Flow-SDE) its CUDA graph, captured
+        for this call's prefix and replayed for every step. Flow-Noise reuses the steps'
+        values as log-probs, so it always steps eagerly, as ``evaluate`` does."""
+        cfg = self.config
+        if not (cfg.cuda_graphs and x.is_cuda and cfg.noise_method == "flow_sde"):
+            return lambda x, k, s: self._transition(inputs, prefix, x, k, s)
+        # A graph reads device memory only: π0's state token comes from host memory.
+        inputs = dataclasses.replace(inputs, state=inputs.state.to(x.device))
+        example = (x, torch.zeros_like(chosen), torch.zeros_like(chosen, dtype=torch.bool))
+        return GraphedStep(lambda x, k, s: self._transition(inputs, prefix, x, k, s), *example)
 
     def _transition(
         self, inputs: Pi0Inputs, prefix: dict[str, Any], x: Tensor, k: Tensor, stochastic: Tensor
@@ -600,7 +619,7 @@ class Pi0Policy(Policy):
         )
 
     def evaluate(self, obs: Observation, replay: dict[str, Tensor]) -> EvalOutput:
-        inputs = self.processor(obs)
+        inputs = self.processor(obs, self.device)
         return self._score(inputs, self._prefix_pass(inputs), replay)
 
     def loss(
@@ -613,7 +632,7 @@ class Pi0Policy(Policy):
         """Flow-matching loss ``mean ||v_θ(x_t, t) - (noise - a)||²`` over the given ``K``
         actions (all model dims, as openpi); ``x_t = t noise + (1 - t) a``, ``t ~ Beta``."""
         cfg = self.config
-        inputs = self.processor(obs)
+        inputs = self.processor(obs, self.device)
         device = self.device
         a = self.processor.normalize_actions(actions.cpu()).to(device)
         k = a.shape[1]

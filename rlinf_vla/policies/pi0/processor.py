@@ -103,15 +103,21 @@ class Pi0Processor:
         return build_offline_tokenizer(int(config.text_config["vocab_size"]), "gemma")
 
     # -- inputs ---------------------------------------------------------------------------------
-    def images(self, obs: Observation) -> tuple[Tensor, Tensor]:
+    def images(
+        self, obs: Observation, device: torch.device | str | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Image slots ``float32 [B, n_slots, 3, S, S]`` in ``[-1, 1]`` and their mask; with
+        ``device`` the ``uint8`` images move there first and the transforms run there."""
         cfg = self.config
         require_cameras(obs, cfg.image_keys, self.policy_name)
         size = cfg.image_size
         slots = [
-            resize_with_pad(images_to_float(obs.images[k]), size) * 2 - 1 for k in cfg.image_keys
+            resize_with_pad(images_to_float(obs.images[k].to(device)), size) * 2 - 1
+            for k in cfg.image_keys
         ]
         b = obs.batch_size
-        slots += [torch.full((b, 3, size, size), -1.0)] * cfg.num_empty_cameras
+        empty = torch.full((b, 3, size, size), -1.0, device=slots[0].device)
+        slots += [empty] * cfg.num_empty_cameras
         masks = torch.zeros(b, len(slots), dtype=torch.bool)
         masks[:, : len(cfg.image_keys)] = True
         return torch.stack(slots, dim=1), masks
@@ -151,9 +157,11 @@ class Pi0Processor:
             ids = [self.bos_id, *ids]
         return ids[: self.config.max_token_len]
 
-    def __call__(self, obs: Observation) -> Pi0Inputs:
+    def __call__(self, obs: Observation, device: torch.device | str | None = None) -> Pi0Inputs:
+        """The model inputs of ``obs``; with ``device`` the images are transformed there (the
+        prompt ids and the state stay in host memory)."""
         cfg = self.config
-        images, masks = self.images(obs)
+        images, masks = self.images(obs, device)
         state = self.state(obs)
         n = cfg.max_token_len
         tokens = torch.zeros(obs.batch_size, n, dtype=torch.long)
