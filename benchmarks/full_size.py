@@ -485,7 +485,8 @@ def run_family(args: dict[str, Any], queue: Any) -> None:
         result.update(info)
         print(f"  built: {info}", flush=True)
         result["act"] = measure_act(policy, args)
-        result["step"] = measure_step(policy, args, args["rates"])
+        if args["step_batches"]:
+            result["step"] = measure_step(policy, args, args["rates"])
         _free(args["device"])
         if args["update_batches"]:
             result["update"] = measure_update(policy, args)
@@ -604,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=("full", "tiny"), default="full")
     parser.add_argument("--device", default=None, help="default: cuda when there is one")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64, 128])
-    parser.add_argument("--step-batches", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--step-batches", nargs="*", type=int, default=[1, 32])
     parser.add_argument("--update-batches", nargs="*", type=int, default=[8, 32])
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")

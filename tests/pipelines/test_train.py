@@ -417,6 +417,7 @@ def test_collocated_on_one_gpu_with_bf16_autocast(tmp_path):
         "algo.minibatch_size=16",
         "runner.eval_interval=1",
         "runner.eval_episodes=4",
+        "runner.eval_videos=false",  # videos are tested on CPU; GPU images may lack FFmpeg
     ]
     assert (
         cli.main(["train", *args, "runner.max_iterations=1", f"runner.output_dir={tmp_path}"]) == 0
