@@ -222,13 +222,6 @@ def measure_act(policy: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
             reset_peak(device)
             times = timer(lambda obs=obs: policy.act(obs), args["repeats"], args["warmup"])
             inputs = timer(lambda obs=obs: model_inputs(policy, obs), args["repeats"], 1)
-            eager = None
-            if getattr(policy.config, "cuda_graphs", False) and device.startswith("cuda"):
-                policy.config.cuda_graphs = False  # the same act with every step eager
-                try:
-                    eager = timer(lambda obs=obs: policy.act(obs), args["repeats"], args["warmup"])
-                finally:
-                    policy.config.cuda_graphs = True
         except Exception as e:  # an OOM at a large batch ends the sweep, not the family
             rows.append({"batch": batch, "error": _short(e)})
             _free(device)
@@ -241,8 +234,6 @@ def measure_act(policy: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
             "inputs_ms": _ms(inputs),
             "peak_mib": peak_mib(device),
         }
-        if eager is not None:
-            row["act_eager_ms"] = _ms(eager)
         rows.append(row)
         print(f"  act B={batch}: {row}", flush=True)
     return rows
@@ -316,22 +307,15 @@ def measure_step(policy: Any, args: dict[str, Any], rates: dict[str, Any]) -> di
                 inputs = policy.processor(obs, policy.device)
                 prefix = policy._prefix_pass(inputs)
                 x = torch.randn(batch, cfg.action_horizon, cfg.max_action_dim, device=policy.device)
-                chosen = torch.zeros(batch, dtype=torch.long, device=policy.device)
-                row = {"batch": batch}
-                for key, graphs in (("step_ms", False), ("graph_step_ms", True)):
-                    if graphs and not device.startswith("cuda"):
-                        continue
-                    policy.config.cuda_graphs = graphs
-                    # What act steps with: _transition, or its graph (captured once per act).
-                    step = policy._denoiser(inputs, prefix, x, chosen)
-                    times = timer(
-                        lambda step=step, x=x, k=chosen: step(x, k, k == 0),
-                        repeats=max(args["repeats"], 5),
-                        warmup=1,
-                    )
-                    row[key] = _ms(times)
-                policy.config.cuda_graphs = True
-                rows.append(row)
+                ks = torch.zeros(batch, dtype=torch.long, device=policy.device)
+
+                def denoise_step(
+                    inputs: Any = inputs, prefix: Any = prefix, x: Any = x, ks: Any = ks
+                ) -> None:
+                    policy._transition(inputs, prefix, x, ks, ks == 0)
+
+                times = timer(denoise_step, repeats=max(args["repeats"], 5), warmup=1)
+                rows.append({"batch": batch, "step_ms": _ms(times)})
             bound = nbytes / bandwidth
         else:  # openvla_oft: one parallel pass is the whole act
             lm = policy.vla.language_model
@@ -367,8 +351,6 @@ def measure_step(policy: Any, args: dict[str, Any], rates: dict[str, Any]) -> di
     for r in rows:
         r["bound_ms"] = round(1000 * bound * (r["batch"] if name == "openvla_oft" else 1), 3)
         r["ratio"] = round(r["step_ms"] / r["bound_ms"], 2)
-        if "graph_step_ms" in r:
-            r["graph_ratio"] = round(r["graph_step_ms"] / r["bound_ms"], 2)
     out["rows"] = rows
     print(f"  step: {out}", flush=True)
     return out
@@ -566,7 +548,6 @@ def print_tables(result: dict[str, Any]) -> None:
             "act_ms",
             "act_ms_min",
             "actions_per_s",
-            "act_eager_ms",
             "inputs_ms",
             "peak_mib",
             "error",
@@ -580,7 +561,7 @@ def print_tables(result: dict[str, Any]) -> None:
             if "step" in f
             for r in f["step"]["rows"]
         ],
-        ["family", "part", "batch", "step_ms", "graph_step_ms", "bound_ms", "ratio", "graph_ratio"],
+        ["family", "part", "batch", "step_ms", "bound_ms", "ratio"],
     )
     table(
         "LoRA update step",

@@ -117,12 +117,6 @@ class Pi0Config(PolicyConfig):
         value_source: ``expert`` (mean of the expert's action outputs, π0) or ``prefix``
             (mean of the VLM prefix outputs, π0.5); ``auto`` picks by model.
         time_beta: ``(alpha, beta)`` of the training time distribution.
-
-    Speed:
-        cuda_graphs: on a CUDA device, ``act`` captures one denoising step as a CUDA graph
-            and replays it for every step of the chain (Flow-SDE; the step is launch-bound:
-            about 18 ms eager for the 3B model at any batch up to 32 on an H200). The log-prob
-            is still scored eagerly, as ``evaluate`` scores it. ``false``: every step eager.
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": TINY_PI0, "full": {}}
@@ -154,7 +148,6 @@ class Pi0Config(PolicyConfig):
     time_beta: tuple[float, float] = (1.5, 1.0)
     min_period: float = 4e-3
     max_period: float = 4.0
-    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

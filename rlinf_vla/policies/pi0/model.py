@@ -34,11 +34,9 @@ Flow-SDE, ``denoise_index [B]``. Greedy ``act`` integrates the ODE from the nois
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +55,6 @@ from rlinf_vla.policies.base import (
     save_safetensors_dir,
     seeded,
 )
-from rlinf_vla.policies.cuda_graph import GraphedStep
 from rlinf_vla.policies.heads import ValueHead, gaussian_entropy, gaussian_logprob
 from rlinf_vla.policies.pi0.config import Pi0Config
 from rlinf_vla.policies.pi0.processor import Pi0Inputs, Pi0Processor, load_openpi_norm_stats
@@ -521,11 +518,10 @@ class Pi0Policy(Policy):
         else:
             chosen = torch.full((b,), -1, dtype=torch.long, device=device)
         chain, steps = [x], []
-        transition = self._denoiser(inputs, prefix, x, chosen)
         for k in range(cfg.num_steps):
             ks = torch.full((b,), k, dtype=torch.long, device=device)
             stochastic = chosen == k if cfg.noise_method == "flow_sde" else ks >= 0
-            mean, std, out = transition(x, ks, stochastic)
+            mean, std, out = self._transition(inputs, prefix, x, ks, stochastic)
             steps.append((mean, std, out))
             x = mean if greedy else mean + std * torch.randn_like(mean)
             chain.append(x)
@@ -541,21 +537,6 @@ class Pi0Policy(Policy):
         return ActOutput(
             actions=actions.float(), logprob=scored.logprob, value=scored.value, replay=replay
         )
-
-    def _denoiser(
-        self, inputs: Pi0Inputs, prefix: dict[str, Any], x: Tensor, chosen: Tensor
-    ) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
-        """``(x, k, stochastic) -> (mean, std, out)`` for the steps of one ``act`` call:
-        :meth:`_transition`, or on CUDA (``cuda_graphs``, Flow-SDE) its CUDA graph, captured
-        for this call's prefix and replayed for every step. Flow-Noise reuses the steps'
-        values as log-probs, so it always steps eagerly, as ``evaluate`` does."""
-        cfg = self.config
-        if not (cfg.cuda_graphs and x.is_cuda and cfg.noise_method == "flow_sde"):
-            return lambda x, k, s: self._transition(inputs, prefix, x, k, s)
-        # A graph reads device memory only: π0's state token comes from host memory.
-        inputs = dataclasses.replace(inputs, state=inputs.state.to(x.device))
-        example = (x, torch.zeros_like(chosen), torch.zeros_like(chosen, dtype=torch.bool))
-        return GraphedStep(lambda x, k, s: self._transition(inputs, prefix, x, k, s), *example)
 
     def _transition(
         self, inputs: Pi0Inputs, prefix: dict[str, Any], x: Tensor, k: Tensor, stochastic: Tensor
