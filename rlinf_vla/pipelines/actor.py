@@ -238,6 +238,7 @@ class ActorWorker(Worker):
         self.optimizer = self._build_optimizer()
         self.generator = torch.Generator().manual_seed(seed + 1000 * self.rank)
         self.version = 0
+        self._synced_full: set[str] = set()  # collectives whose receivers hold every weight
         self.nan_streak = 0  # optimizer updates skipped in a row (non-finite loss/gradient)
         # Collocated on a GPU: weights and optimizer state wait in host memory between updates
         # (not with FSDP, whose sharded parameters stay where FSDP put them).
@@ -355,9 +356,9 @@ class ActorWorker(Worker):
 
         return parameter_counts(self.policy)
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """The full weights on CPU. With FSDP every rank must call it; only rank 0 gets them
-        (the others get ``{}``)."""
+    def state_dict(self, names: set[str] | None = None) -> dict[str, Tensor]:
+        """The full weights on CPU, or only the tensors in ``names``. With FSDP every rank must
+        call it; only rank 0 gets them (the others get ``{}``)."""
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -365,8 +366,19 @@ class ActorWorker(Worker):
             )
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_model_state_dict(self.policy, options=opts)
-        return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+            full = get_model_state_dict(self.policy, options=opts)
+            return full if names is None else {k: v for k, v in full.items() if k in names}
+        return {
+            k: v.detach().cpu()
+            for k, v in self.policy.state_dict().items()
+            if names is None or k in names
+        }
+
+    def changing_names(self) -> set[str]:
+        """The state-dict entries an update can change: the trainable parameters (with LoRA:
+        the adapter and the heads) and the buffers; the frozen weights never change."""
+        trainable = {n for n, p in self.policy.named_parameters() if p.requires_grad}
+        return trainable | {n for n, _ in self.policy.named_buffers()}
 
     def _optimizer_state(self) -> dict[str, Any]:
         if not self.fsdp:
@@ -390,14 +402,20 @@ class ActorWorker(Worker):
         return self._plain
 
     def sync_to(self, collective_name: str) -> int:
-        """Broadcast the weights to the rollout workers of ``collective_name`` (as its rank 0).
+        """Broadcast the weights to the rollout workers of ``collective_name`` (as its rank 0);
+        returns the bytes sent.
 
-        With FSDP all actor ranks call it (they help gather the weights); rank 0 sends.
+        The first sync over a collective sends every weight; later ones only what an update
+        can change (:meth:`changing_names`), the frozen weights being there already: with
+        LoRA on a 7B policy about 1 % of the bytes. With FSDP all actor ranks call it (they
+        help gather the weights); rank 0 sends.
         """
-        weights = self.state_dict()
+        full = collective_name not in self._synced_full
+        weights = self.state_dict(None if full else self.changing_names())
         if self.rank == 0:
             self.collective(collective_name).broadcast_tensors(weights, src=0)
-        return self.version
+        self._synced_full.add(collective_name)
+        return sum(t.numel() * t.element_size() for t in weights.values())
 
     def _set_lr(self, iteration: int, total: int) -> float:
         a = self.algo

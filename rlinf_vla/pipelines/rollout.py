@@ -252,6 +252,7 @@ class RolloutWorker(Worker):
             policy_name, **{**policy_config, "device": str(self.device)}
         ).eval()
         self.version = 0
+        self._has_weights = False  # a first, complete weight sync arrived
         self.autocast = autocast  # algo.autocast: the same precision as the actor's update
         self.features = features
         self._eval_env: Any = None  # the greedy evaluation's env, made on first use
@@ -262,9 +263,16 @@ class RolloutWorker(Worker):
 
     def sync_from(self, collective_name: str, version: int) -> None:
         """Receive the actor's weights (broadcast from collective rank 0), wherever the policy
-        is (an offloaded one takes them in host memory)."""
+        is (an offloaded one takes them in host memory): all of them the first time, then the
+        ones an update can change (``ActorWorker.sync_to``)."""
         state = self.collective(collective_name).broadcast_tensors(None, src=0)
-        self.policy.load_state_dict(state)
+        missing, unexpected = self.policy.load_state_dict(state, strict=False)
+        if unexpected or (missing and not self._has_weights):
+            raise RuntimeError(
+                f"weight sync: the actor's weights do not fit the rollout policy "
+                f"(unexpected: {sorted(unexpected)[:5]}, missing: {sorted(missing)[:5]})"
+            )
+        self._has_weights = True
         self.version = version
 
     def evaluate(

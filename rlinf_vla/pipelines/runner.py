@@ -77,6 +77,7 @@ class EmbodiedRunner:
         env = dict(job.env, seed=job.env.get("seed", seed))
         self.channel = Channel.create(f"embodied-{id(self)}")
         self._synced: int | None = None  # the weights version the rollout workers hold
+        self._sync_bytes = 0  # bytes the syncs of the current iteration sent
         self._memory: dict[str, list[dict[str, float]]] = {}  # the last memory readings
         try:
             self.env = WorkerGroup(
@@ -203,6 +204,7 @@ class EmbodiedRunner:
         """One rollout and one update; returns the iteration's metrics."""
         r = self.job.runner
         t0 = time.perf_counter()
+        self._sync_bytes = 0
         self._sync(version=it)
         t1 = time.perf_counter()
         calls = [self.env.interact(self.channel, r.rollout_chunks)]
@@ -244,6 +246,7 @@ class EmbodiedRunner:
             "env/invalid_episodes": sum(stats["invalid"]),
             **train_metrics,
             "time/sync_s": t1 - t0,
+            "sync/sent_mib": self._sync_bytes / 2**20,
             "time/rollout_s": t2 - t1,
             "time/train_s": t3 - t2,
             "throughput/env_steps_per_s": env_steps / (t2 - t1),
@@ -255,13 +258,14 @@ class EmbodiedRunner:
         they have them already (an evaluation after the previous update sent them)."""
         if self._synced == version:
             return
-        wait_all(
+        sent, _ = wait_all(
             [
                 self.actor.sync_to(WEIGHTS, ranks=self._gather_ranks),
                 self.rollout.sync_from(WEIGHTS, version),
             ]
         )
         self._synced = version
+        self._sync_bytes += sent[0]
 
     def evaluate(self, iteration: int, logger: MetricsLogger) -> dict[str, float]:
         """Greedy episodes of the weights after ``iteration`` updates on held-out scenes

@@ -529,3 +529,31 @@ def test_read_out_training_on_cached_features_takes_the_same_steps(tmp_path):
     assert [r["train/frozen_features"] for r in runs["true"]] == [1.0, 1.0]
     assert [r["train/frozen_features"] for r in runs["false"]] == [0.0, 0.0]
     _assert_same_steps(runs["true"], runs["false"])
+
+
+def test_weight_sync_sends_the_frozen_weights_once(tmp_path):
+    # LoRA: the first sync sends every weight, later ones only the adapter, the heads and the
+    # buffers. The rollout must still act with the actor's weights: with a large learning rate
+    # a stale adapter would show as a first-epoch ratio away from 1 (approx_kl > 0).
+    args = [
+        "cluster.devices_per_node=1",
+        *SMALL,
+        "++policy.lora_rank=4",
+        "algo.lr=0.05",
+        "runner.max_iterations=3",
+    ]
+    from rlinf_vla.pipelines import validate
+    from rlinf_vla.policies import make_policy
+
+    assert cli.main(["train", *args, f"runner.output_dir={tmp_path}"]) == 0
+    rows = _metrics(tmp_path)
+    job = validate(cli.compose("train", args))
+    policy = make_policy(job.policy_name, **job.policy)
+    size = {k: v.numel() * v.element_size() for k, v in policy.state_dict().items()}
+    changing = {n for n, p in policy.named_parameters() if p.requires_grad}
+    changing = (changing | {n for n, _ in policy.named_buffers()}) & set(size)
+    assert 0 < len(changing) < len(size)
+    assert rows[0]["sync/sent_mib"] == pytest.approx(sum(size.values()) / 2**20)
+    for row in rows[1:]:
+        assert row["sync/sent_mib"] == pytest.approx(sum(size[k] for k in changing) / 2**20)
+        assert abs(row["train/approx_kl"]) < 1e-6, row["iteration"]
