@@ -164,5 +164,13 @@ def load_text_tokenizer(path: str | Path) -> Any:
     if (path / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     if (path / "tokenizer.model").exists():
+        # without the package transformers falls back to tiktoken and reports that one missing
+        try:
+            import sentencepiece  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                f"{path / 'tokenizer.model'} is a SentencePiece model and reading it needs the "
+                "`sentencepiece` package, a dependency of rlinf-vla: pip install sentencepiece"
+            ) from None
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from rlinf_vla.policies.base import PolicyConfig, check
@@ -99,10 +100,19 @@ class Pi0Config(PolicyConfig):
     Inputs:
         image_keys: cameras in slot order (``base_0_rgb``, ``left_wrist_0_rgb``, ...).
         num_empty_cameras: extra all-black, masked-out slots (LIBERO: the right wrist).
-        discrete_state_input: write the discretised state into the prompt (``None``: π0.5).
-        normalization: ``zscore`` (π0) or ``quantile`` (π0.5); ``auto`` picks by model.
+        discrete_state_input: write the discretised state into the prompt (``None``: π0.5,
+            openpi's ``Pi0Config`` default). A checkpoint's own record wins over the default;
+            openpi's converted checkpoints keep none, and ``pi05_libero`` was trained with
+            ``False``: set it for that checkpoint.
+        normalization: ``zscore`` (π0) or ``quantile`` (π0.5); ``auto`` picks by model (or
+            by the mode a lerobot checkpoint records).
         norm_stats: openpi ``norm_stats.json`` content ``{"state": {...}, "actions": {...}}``
-            (``mean``, ``std``, ``q01``, ``q99``).
+            (``mean``, ``std``, ``q01``, ``q99``), or the path of such a file or of a folder
+            holding statistics in a layout a checkpoint uses (read at construction). Loading a
+            checkpoint finds its own when this is unset, and fails when it has none.
+        asset_id: which ``assets/<asset_id>/norm_stats.json`` of an openpi checkpoint to read
+            (openpi's ``AssetsConfig.asset_id``, e.g. ``physical-intelligence/libero``); needed
+            only when the checkpoint holds several.
 
     Flow matching and RL:
         chunk_size: ``K``, the executed actions (the first ``K`` of ``H``).
@@ -136,7 +146,8 @@ class Pi0Config(PolicyConfig):
     num_empty_cameras: int = 1
     discrete_state_input: bool | None = None
     normalization: Literal["auto", "zscore", "quantile"] = "auto"
-    norm_stats: dict[str, Any] | None = None
+    norm_stats: dict[str, Any] | str | None = None
+    asset_id: str | None = None
     num_steps: int = 10
     noise_method: Literal["flow_sde", "flow_noise"] = "flow_sde"
     noise_level: float = 0.5
@@ -207,6 +218,8 @@ class Pi0Config(PolicyConfig):
         check(self, "noise_std_range", 0 < lo < hi, "must be (low, high) with 0 < low < high")
         check(self, "image_keys", len(self.image_keys) >= 1, "must name at least one camera")
         check(self, "num_empty_cameras", self.num_empty_cameras >= 0, "must be >= 0")
+        if isinstance(self.norm_stats, str | Path):
+            self.norm_stats = _read_norm_stats(Path(self.norm_stats).expanduser(), self.asset_id)
         if self.norm_stats is not None:
             check(
                 self,
@@ -218,3 +231,15 @@ class Pi0Config(PolicyConfig):
     @property
     def image_size(self) -> int:
         return int(self.vision_config.get("image_size", 224))
+
+
+def _read_norm_stats(path: Path, asset_id: str | None) -> dict[str, Any]:
+    """``norm_stats=<path>``: a ``norm_stats.json`` file, or a folder read like a checkpoint."""
+    from rlinf_vla.policies.pi0.processor import find_norm_stats, read_openpi_norm_stats
+
+    if path.is_file():
+        return read_openpi_norm_stats(path)
+    found = find_norm_stats(path, asset_id) if path.is_dir() else None
+    if found is None:
+        raise FileNotFoundError(f"norm_stats={str(path)!r}: no normalisation statistics there")
+    return found.stats

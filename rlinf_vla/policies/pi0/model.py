@@ -35,6 +35,7 @@ Flow-SDE, ``denoise_index [B]``. Greedy ``act`` integrates the ODE from the nois
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -57,7 +58,13 @@ from rlinf_vla.policies.base import (
 )
 from rlinf_vla.policies.heads import ValueHead, gaussian_entropy, gaussian_logprob
 from rlinf_vla.policies.pi0.config import Pi0Config
-from rlinf_vla.policies.pi0.processor import Pi0Inputs, Pi0Processor, load_openpi_norm_stats
+from rlinf_vla.policies.pi0.processor import (
+    LEROBOT_BUFFER_PREFIXES,
+    NORM_STATS_LOCATIONS,
+    Pi0Inputs,
+    Pi0Processor,
+    find_norm_stats,
+)
 from rlinf_vla.types import ActOutput, EvalOutput, Observation
 
 __all__ = [
@@ -69,6 +76,8 @@ __all__ = [
     "posemb_sincos",
     "sample_time",
 ]
+
+log = logging.getLogger(__name__)
 
 _MASK_VALUE = -2.3819763e38  # openpi's additive mask value (finite: no NaN on empty rows)
 
@@ -690,13 +699,25 @@ class Pi0Policy(Policy):
     @classmethod
     def config_from_dir(cls, path: Path, **overrides: Any) -> Pi0Config:
         """Config from openpi's ``config.json`` (``action_dim``, ``action_horizon``, variants),
-        lerobot's (``type``, ``chunk_size``, ``max_action_dim``, ...) or ours."""
+        lerobot's (``type``, ``chunk_size``, ``max_action_dim``, ...) or ours, with the
+        normalisation statistics the folder keeps (:func:`find_norm_stats`; ``norm_stats=``
+        skips the search).
+
+        ``discrete_state_input``: the checkpoint's record (ours: the ``rlinf_vla`` section;
+        lerobot π0.5 always writes the state into the prompt), else openpi's default (π0.5:
+        on), which is logged because openpi's converted checkpoints record nothing.
+
+        Raises:
+            FileNotFoundError: the folder keeps no statistics and ``norm_stats`` is unset.
+            ValueError: several openpi asset ids and ``asset_id`` is unset.
+        """
         kwargs: dict[str, Any] = {}
         file = path / "config.json"
         data = json.loads(file.read_text()) if file.exists() else {}
+        ours = "rlinf_vla" in data
         if "type" in data:  # lerobot PI0Config / PI05Config
             kwargs["pi05"] = data["type"] == "pi05"
-            for ours, theirs in (
+            for ours_key, theirs in (
                 ("action_horizon", "chunk_size"),
                 ("max_action_dim", "max_action_dim"),
                 ("max_state_dim", "max_state_dim"),
@@ -706,25 +727,55 @@ class Pi0Policy(Policy):
                 ("action_expert_variant", "action_expert_variant"),
             ):
                 if data.get(theirs) is not None:
-                    kwargs[ours] = data[theirs]
+                    kwargs[ours_key] = data[theirs]
+            if kwargs["pi05"]:
+                if data.get("use_proprioceptive_memory"):
+                    raise NotImplementedError(
+                        f"{path}: lerobot's use_proprioceptive_memory (state through a linear "
+                        "projection) is not ported"
+                    )
+                # lerobot's Pi05PrepareStateTokenizerProcessorStep puts the state in the prompt
+                kwargs["discrete_state_input"] = True
         else:
-            for ours, theirs in (
+            for ours_key, theirs in (
                 ("max_action_dim", "action_dim"),
                 ("action_horizon", "action_horizon"),
                 ("paligemma_variant", "paligemma_variant"),
                 ("action_expert_variant", "action_expert_variant"),
                 ("pi05", "pi05"),
+                ("discrete_state_input", "discrete_state_input"),
             ):
                 if data.get(theirs) is not None:
-                    kwargs[ours] = data[theirs]
+                    kwargs[ours_key] = data[theirs]
         kwargs.update(data.get("rlinf_vla") or {})
         kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_SAVED}
-        stats = load_openpi_norm_stats(path)
-        if stats is not None:
-            kwargs["norm_stats"] = stats
         if "pi05" in overrides and "pi05" in kwargs and overrides["pi05"] != kwargs["pi05"]:
             have = "pi05" if kwargs["pi05"] else "pi0"
             raise CheckpointMismatchError(f"{path} holds a {have} checkpoint; use policy={have}")
+        if overrides.get("norm_stats") is None:
+            found = find_norm_stats(path, overrides.get("asset_id"))
+            if found is not None:
+                kwargs["norm_stats"] = found.stats
+                if found.normalization is not None:
+                    kwargs["normalization"] = found.normalization
+            elif not ours:
+                # this package's save_pretrained writes norm_stats.json whenever the policy had
+                # statistics, so only its own checkpoints may lack them
+                places = "\n  ".join(NORM_STATS_LOCATIONS)
+                raise FileNotFoundError(
+                    f"{path} holds no normalisation statistics; looked for\n  {places}\n"
+                    "set norm_stats=<a norm_stats.json file, or a folder holding one> (openpi "
+                    "layout {'norm_stats': {'state': {...}, 'actions': {...}}}) to the "
+                    "statistics the checkpoint was trained with"
+                )
+        pi05 = bool(overrides.get("pi05", kwargs.get("pi05", False)))
+        if pi05 and "discrete_state_input" not in {**kwargs, **overrides}:
+            log.warning(
+                "%s does not record discrete_state_input: using openpi's default for pi05 "
+                "(True, the state in the prompt); openpi's pi05_libero was trained with False, "
+                "set discrete_state_input=false for it",
+                path,
+            )
         known = set(cls.config_cls.__dataclass_fields__)
         kwargs = {k: v for k, v in kwargs.items() if k in known}
         kwargs.update(overrides)
@@ -740,6 +791,8 @@ class Pi0Policy(Policy):
 
     def _load_weights(self, path: Path) -> None:
         raw = load_safetensors_dir(path)
+        # lerobot < 0.4 keeps its normalisation buffers in the same file (read by config_from_dir)
+        raw = {k: v for k, v in raw.items() if not k.startswith(LEROBOT_BUFFER_PREFIXES)}
         if raw and all(k.startswith("model.") for k in raw):  # lerobot
             raw = {k[len("model.") :]: v for k, v in raw.items()}
         weights: dict[str, Tensor] = {}
@@ -798,4 +851,5 @@ _NOT_SAVED = (
     "tokenizer",
     "seed",
     "norm_stats",
+    "asset_id",
 )

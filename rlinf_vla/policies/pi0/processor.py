@@ -27,7 +27,16 @@ from rlinf_vla.policies.transforms import (
 )
 from rlinf_vla.types import Observation
 
-__all__ = ["Pi0Inputs", "Pi0Processor", "discretize_state", "load_openpi_norm_stats"]
+__all__ = [
+    "NORM_STATS_LOCATIONS",
+    "CheckpointNormStats",
+    "Pi0Inputs",
+    "Pi0Processor",
+    "discretize_state",
+    "find_norm_stats",
+    "openpi_asset_ids",
+    "read_openpi_norm_stats",
+]
 
 
 def discretize_state(state: Tensor) -> Tensor:
@@ -36,17 +45,175 @@ def discretize_state(state: Tensor) -> Tensor:
     return torch.bucketize(state.double(), bins, right=True) - 1
 
 
-def load_openpi_norm_stats(path: Path) -> dict[str, Any] | None:
-    """``norm_stats.json`` (openpi layout ``{"norm_stats": {...}}``) from the folder or from
-    its single ``assets/<asset_id>/`` subfolder; ``None`` when there is none."""
-    candidates = [path / "norm_stats.json", *sorted(path.glob("assets/*/norm_stats.json"))]
-    found = [c for c in candidates if c.exists()]
-    if not found:
-        return None
-    if len(found) > 1 and found[0] != path / "norm_stats.json":
-        raise ValueError(f"several norm_stats.json under {path}: {[str(f) for f in found]}")
-    data = json.loads(found[0].read_text())
+#: Where :func:`find_norm_stats` looks, in this order (for error messages and the docs).
+NORM_STATS_LOCATIONS = (
+    "norm_stats.json (this package's save_pretrained)",
+    "assets/<asset_id>/norm_stats.json at any depth (openpi; the asset id may hold a '/')",
+    "policy_postprocessor*.json / policy_preprocessor*.json with their normalizer .safetensors "
+    "(lerobot >= 0.4)",
+    "normalize_inputs.* / normalize_targets.* / unnormalize_outputs.* buffers in "
+    "model*.safetensors (lerobot < 0.4)",
+)
+#: lerobot ``NormalizationMode`` -> :attr:`Pi0Config.normalization`.
+_LEROBOT_MODES = {"MEAN_STD": "zscore", "QUANTILES": "quantile"}
+#: lerobot's feature names of the state and the actions, by our stats keys.
+_LEROBOT_KEYS = {"state": "observation.state", "actions": "action"}
+#: Module prefixes of lerobot < 0.4's normalisation buffers in ``model.safetensors``.
+LEROBOT_BUFFER_PREFIXES = ("normalize_inputs.", "normalize_targets.", "unnormalize_outputs.")
+
+
+@dataclass(frozen=True)
+class CheckpointNormStats:
+    """Normalisation statistics found in a checkpoint folder.
+
+    Attributes:
+        stats: openpi layout ``{"state": {...}, "actions": {...}}`` (``mean``, ``std``, ``q01``,
+            ``q99``, ... as lists).
+        source: the file(s) they were read from.
+        normalization: ``zscore`` / ``quantile`` when the files record the mode (lerobot's
+            ``norm_map`` / ``normalization_mapping``), else ``None`` (openpi: by model).
+    """
+
+    stats: dict[str, Any]
+    source: str
+    normalization: str | None = None
+
+
+def read_openpi_norm_stats(file: Path) -> dict[str, Any]:
+    """One openpi ``norm_stats.json`` (``{"norm_stats": {...}}``, or the bare inner dict)."""
+    data = json.loads(Path(file).read_text())
     return data.get("norm_stats", data)
+
+
+def openpi_asset_ids(path: Path) -> list[str]:
+    """The asset ids of ``path/assets``: every folder below it that holds a
+    ``norm_stats.json`` (openpi writes ``assets/<asset_id>/``, and a dataset repo id such as
+    ``physical-intelligence/libero`` is two folders deep)."""
+    assets = path / "assets"
+    return sorted(f.parent.relative_to(assets).as_posix() for f in assets.rglob("norm_stats.json"))
+
+
+def find_norm_stats(path: Path, asset_id: str | None = None) -> CheckpointNormStats | None:
+    """The statistics kept in checkpoint folder ``path``, looked for in the places of
+    :data:`NORM_STATS_LOCATIONS` in that order; ``None`` when there are none.
+
+    With ``asset_id`` only ``assets/<asset_id>/norm_stats.json`` is read (openpi's
+    ``AssetsConfig.asset_id``).
+
+    Raises:
+        FileNotFoundError: ``asset_id`` names no stats file (the known ids are listed).
+        ValueError: several asset ids and no ``asset_id``, or lerobot files with a mode that
+            has no equivalent here.
+    """
+    path = Path(path)
+    if asset_id is not None:
+        file = path / "assets" / asset_id / "norm_stats.json"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"asset_id={asset_id!r}: no {file}; asset ids in {path}: {openpi_asset_ids(path)}"
+            )
+        return CheckpointNormStats(read_openpi_norm_stats(file), str(file))
+    top = path / "norm_stats.json"
+    if top.is_file():
+        return CheckpointNormStats(read_openpi_norm_stats(top), str(top))
+    ids = openpi_asset_ids(path)
+    if len(ids) > 1:
+        raise ValueError(
+            f"{path}/assets holds normalisation statistics for several asset ids {ids}: set "
+            "asset_id=<one of them> (the one the policy was trained with)"
+        )
+    if ids:
+        file = path / "assets" / ids[0] / "norm_stats.json"
+        return CheckpointNormStats(read_openpi_norm_stats(file), str(file))
+    return _lerobot_processor_stats(path) or _lerobot_buffer_stats(path)
+
+
+def _lerobot_mode(modes: dict[str, Any], source: str) -> str | None:
+    """One :attr:`Pi0Config.normalization` from lerobot's per-feature modes (``STATE`` and
+    ``ACTION``; ``None`` when neither is recorded)."""
+    used = {modes[k] for k in ("STATE", "ACTION") if modes.get(k) not in (None, "IDENTITY")}
+    unknown = sorted(used - set(_LEROBOT_MODES))
+    if unknown or len(used) > 1:
+        raise ValueError(
+            f"{source}: lerobot normalisation modes {modes} are not supported here (one of "
+            f"{sorted(_LEROBOT_MODES)} for both state and action): set norm_stats= and "
+            "normalization= explicitly"
+        )
+    return _LEROBOT_MODES[used.pop()] if used else None
+
+
+def _lerobot_processor_stats(path: Path) -> CheckpointNormStats | None:
+    """lerobot >= 0.4: a ``DataProcessorPipeline`` saved as ``<name>.json`` (``{"name",
+    "steps": [{"registry_name", "config", "state_file"}]}``) whose (un)normalizer steps keep
+    ``{feature}.{stat}`` tensors in ``state_file`` and the modes in ``config.norm_map``. The
+    post-processor (which un-normalises the actions at inference) is read first."""
+    from safetensors.torch import load_file
+
+    stats: dict[str, dict[str, Any]] = {}
+    modes: dict[str, Any] = {}
+    sources: list[str] = []
+    files = [
+        *sorted(path.glob("policy_postprocessor*.json")),
+        *sorted(path.glob("policy_preprocessor*.json")),
+    ]
+    for file in files:
+        data = json.loads(file.read_text())
+        for step in data.get("steps", []) if isinstance(data, dict) else []:
+            norm_map = (step.get("config") or {}).get("norm_map")
+            if norm_map is None or not step.get("state_file"):
+                continue
+            tensors = load_file(str(path / step["state_file"]))
+            for ours, theirs in _LEROBOT_KEYS.items():
+                part = {
+                    k.rsplit(".", 1)[1]: v.tolist()
+                    for k, v in tensors.items()
+                    if k.rsplit(".", 1)[0] == theirs
+                }
+                feature = "STATE" if ours == "state" else "ACTION"
+                if part and ours not in stats and norm_map.get(feature, "IDENTITY") != "IDENTITY":
+                    stats[ours] = part
+                    modes[feature] = norm_map[feature]
+                    sources.append(str(path / step["state_file"]))
+    if "actions" not in stats:
+        return None
+    source = ", ".join(dict.fromkeys(sources))
+    return CheckpointNormStats(stats, source, _lerobot_mode(modes, source))
+
+
+def _lerobot_buffer_stats(path: Path) -> CheckpointNormStats | None:
+    """lerobot < 0.4: ``Normalize`` / ``Unnormalize`` modules of the policy keep
+    ``buffer_{feature with '.' -> '_'}.{stat}`` in ``model.safetensors`` (filled with ``inf``
+    when the policy was built without statistics); the modes are ``config.json``'s
+    ``normalization_mapping``."""
+    from safetensors import safe_open
+
+    found: dict[str, dict[str, dict[str, Any]]] = {}
+    for file in sorted(path.glob("model*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if not key.startswith(LEROBOT_BUFFER_PREFIXES):
+                    continue
+                module, buffer, stat = key.split(".", 2)
+                value = f.get_tensor(key)
+                if torch.isfinite(value).all():
+                    found.setdefault(buffer, {}).setdefault(module, {})[stat] = value.tolist()
+    stats: dict[str, Any] = {}
+    for ours, theirs in _LEROBOT_KEYS.items():
+        by_module = found.get("buffer_" + theirs.replace(".", "_"), {})
+        for module in ("unnormalize_outputs", "normalize_targets", "normalize_inputs"):
+            if module in by_module:
+                stats[ours] = by_module[module]
+                break
+    if "actions" not in stats:
+        return None
+    config = path / "config.json"
+    mapping = (
+        json.loads(config.read_text()).get("normalization_mapping") if config.exists() else None
+    )
+    if mapping is None:  # lerobot's PI0Config default
+        mapping = {"STATE": "MEAN_STD", "ACTION": "MEAN_STD"}
+    source = f"{path}/model*.safetensors ({', '.join(LEROBOT_BUFFER_PREFIXES)}*)"
+    return CheckpointNormStats(stats, source, _lerobot_mode(mapping, source))
 
 
 @dataclass
