@@ -16,6 +16,8 @@ from torch import Tensor
 
 __all__ = [
     "BoundsQ99",
+    "EnvGripper",
+    "RLDSGripper",
     "ZScore",
     "center_crop",
     "images_to_float",
@@ -159,3 +161,35 @@ class Identity:
 
     def unnormalize(self, x: Tensor) -> Tensor:
         return x.float()
+
+
+class RLDSGripper:
+    """The gripper convention of OpenVLA's RLDS training data (last action dim: 1 = open,
+    0 = close) to and from the one every env and robot of this package takes (+1 close,
+    -1 open).
+
+    ``to_env``: ``-sign(2 a - 1)``, the official LIBERO evaluation's ``normalize_gripper_action``
+    (``[0, 1] -> [-1, +1]``, binarised) followed by ``invert_gripper_action``. ``from_env``:
+    ``(1 - g) / 2``, so demonstrations in the env's convention train the model in its own
+    (``to_env(from_env(g)) == g`` for ``g = +-1``). The other dims pass unchanged.
+    """
+
+    def to_env(self, actions: Tensor) -> Tensor:
+        out = actions.clone()
+        out[..., -1] = -torch.sign(2 * actions[..., -1] - 1)
+        return out
+
+    def from_env(self, actions: Tensor) -> Tensor:
+        out = actions.clone()
+        out[..., -1] = (1 - actions[..., -1]) / 2
+        return out
+
+
+class EnvGripper:
+    """The model already speaks the envs' gripper convention: nothing to map."""
+
+    def to_env(self, actions: Tensor) -> Tensor:
+        return actions
+
+    def from_env(self, actions: Tensor) -> Tensor:
+        return actions

@@ -4,6 +4,7 @@ numbers computed by hand from the published formulas and key names."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -278,3 +279,78 @@ def test_acting_returns_the_frozen_features_of_its_sample(exact, monkeypatch):
     assert full.act_with_features(obs)[1] is None
     oft = make_policy("openvla_oft", preset="tiny", seed=0, **lora)
     assert oft.act_with_features(make_obs(3, ("main", "wrist"), 8))[1] is None
+
+
+# ----------------------------------------------------------------------------------------------
+# The gripper convention of the official checkpoints (RLDS: 1 = open, 0 = close)
+# ----------------------------------------------------------------------------------------------
+def _bin_centre(i: int) -> float:
+    # OpenVLA's decode, by hand: bins = linspace(-1, 1, 256), centre of bin i = -1 + (2i + 1) / 255
+    # for the token id vocab - 1 - i (the tiny model's base vocabulary is 1024, not 32000).
+    return -1 + (2 * i + 1) / 255
+
+
+@pytest.mark.parametrize("name", ["openvla", "openvla_oft"])
+def test_rlds_gripper_is_mapped_as_the_official_libero_eval(name):
+    # The official LIBERO evaluation: g = sign(2 a - 1) (normalize_gripper_action, binarised),
+    # then g = -g (invert_gripper_action): +1 closes, -1 opens.
+    kw = {"preset": "tiny", "norm_stats": bounds_stats(7), "chunk_size": 1, "seed": 0}
+    if name == "openvla_oft":
+        kw["action_head"] = "discrete"
+    rlds = make_policy(name, gripper="rlds", **kw).processor
+    env = make_policy(name, **kw).processor
+    vocab = rlds.action_tokenizer.vocab_size
+    bins = [249, 199, 149, 99, 9]  # centres 0.96, 0.56, 0.17, -0.22, -0.93
+    ids = torch.full((len(bins), 1, 7), vocab - 128)
+    ids[:, 0, -1] = torch.tensor([vocab - 1 - i for i in bins])
+    mapped, raw = rlds.tokens_to_actions(ids), env.tokens_to_actions(ids)
+    assert raw[:, 0, -1].tolist() == pytest.approx([_bin_centre(i) for i in bins])
+    assert torch.equal(mapped[..., :6], raw[..., :6])
+    expected = [-math.copysign(1.0, 2 * _bin_centre(i) - 1) for i in bins]
+    assert mapped[:, 0, -1].tolist() == expected == [-1.0, -1.0, 1.0, 1.0, 1.0]
+    # Demonstrations in the envs' convention train the RLDS model in its own: close -> 0, open
+    # -> 1 (OFT's L1 head target too), and back.
+    demo = torch.zeros(2, 1, 7)
+    demo[:, 0, -1] = torch.tensor([1.0, -1.0])  # close, open
+    assert rlds.normalize_actions(demo)[:, 0, -1].tolist() == [0.0, 1.0]
+    assert rlds.tokens_to_actions(rlds.actions_to_tokens(demo))[:, 0, -1].tolist() == [1.0, -1.0]
+
+
+def test_oft_l1_head_actions_get_the_gripper_mapping():
+    proc = make_policy(
+        "openvla_oft", preset="tiny", norm_stats=bounds_stats(7), gripper="rlds", seed=0
+    ).processor
+    x = torch.zeros(3, 1, 7)
+    x[:, 0, -1] = torch.tensor([0.8, 0.2, -0.6])  # the gripper is not normalised (mask False)
+    assert proc.unnormalize_actions(x)[:, 0, -1].tolist() == [-1.0, 1.0, 1.0]
+
+
+def test_gripper_convention_comes_from_the_checkpoint(saved, tmp_path):
+    config = json.loads((saved / "config.json").read_text())
+    assert config["rlinf_vla"]["gripper"] == "env"  # recorded
+    assert make_policy("openvla", checkpoint=str(saved)).config.gripper == "env"
+    # An official checkpoint has no rlinf_vla section: its model speaks RLDS.
+    official = tmp_path / "official"
+    official.mkdir()
+    for f in saved.iterdir():
+        if f.is_file() and f.name != "rl_heads.safetensors":  # an official one has no RL heads
+            (official / f.name).write_bytes(f.read_bytes())
+    tiny = {"timm_kwargs": config["rlinf_vla"]["timm_kwargs"]}  # official files hold full dims
+    del config["rlinf_vla"]
+    (official / "config.json").write_text(json.dumps(config))
+    assert make_policy("openvla", checkpoint=str(official), **tiny).config.gripper == "rlds"
+    as_env = make_policy("openvla", checkpoint=str(official), gripper="env", **tiny)
+    assert as_env.config.gripper == "env"
+    # A checkpoint this package wrote before recording the convention: the envs'.
+    config["rlinf_vla"] = tiny
+    (official / "config.json").write_text(json.dumps(config))
+    assert make_policy("openvla", checkpoint=str(official)).config.gripper == "env"
+    # Saving an RLDS policy records it, so RL from an official checkpoint keeps it.
+    rlds = tmp_path / "rlds"
+    make_policy("openvla", preset="tiny", gripper="rlds", seed=0).save_pretrained(rlds)
+    assert make_policy("openvla", checkpoint=str(rlds)).config.gripper == "rlds"
+
+
+def test_unknown_gripper_convention_is_named():
+    with pytest.raises(ValueError, match="gripper must be auto, rlds or env"):
+        make_policy("openvla", preset="tiny", gripper="rdls")

@@ -78,6 +78,13 @@ class OpenVLAConfig(PolicyConfig):
         norm_stats: ``dataset_statistics.json`` (``{dataset: {"action": {q01, q99, mask}}}``).
         unnorm_key: which dataset's statistics un-normalise the actions; required when
             ``norm_stats`` has several.
+        gripper: the convention of the last action dim the model outputs. ``rlds``: OpenVLA's
+            RLDS data (1 = open, 0 = close), which every official OpenVLA and OpenVLA-OFT
+            checkpoint learned; env actions get ``-sign(2 a - 1)`` (+1 close, -1 open, what
+            the envs and robots here take), as the official LIBERO evaluation maps it. ``env``:
+            the model outputs the envs' convention. ``auto``: ``rlds`` for a checkpoint this
+            package did not write (an official one), the recorded value for one it wrote,
+            ``env`` without a checkpoint.
         exact_logprob: ``act`` re-scores the sampled tokens with ``evaluate``'s teacher-forced
             pass (one extra forward), so ``evaluate`` reproduces the log-probs exactly; off,
             the decoding logits are used (they differ by float rounding).
@@ -103,6 +110,7 @@ class OpenVLAConfig(PolicyConfig):
     top_k: int = 0
     norm_stats: dict[str, Any] | None = None
     unnorm_key: str | None = None
+    gripper: str = "auto"
     exact_logprob: bool = True
 
     def __post_init__(self) -> None:
@@ -136,6 +144,9 @@ class OpenVLAConfig(PolicyConfig):
             "must be 'resize-naive' or 'letterbox'",
         )
         check(self, "image_keys", len(self.image_keys) >= 1, "must name at least one camera")
+        check(self, "gripper", self.gripper in ("auto", "rlds", "env"), "must be auto, rlds or env")
+        if self.gripper == "auto":  # a checkpoint's folder decides it before (config_from_dir)
+            self.gripper = "env"
         check(self, "temperature", self.temperature > 0, "must be > 0")
         check(self, "top_k", self.top_k >= 0, "must be >= 0")
         check(

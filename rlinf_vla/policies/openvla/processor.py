@@ -23,7 +23,9 @@ from rlinf_vla.policies.tokenizers import (
 )
 from rlinf_vla.policies.transforms import (
     BoundsQ99,
+    EnvGripper,
     Identity,
+    RLDSGripper,
     center_crop,
     images_to_float,
     normalize_images,
@@ -121,6 +123,7 @@ class OpenVLAProcessor:
         self.action_norm = (
             BoundsQ99(self.action_stats, eps=self.unnorm_eps) if stats else Identity()
         )
+        self.gripper = RLDSGripper() if config.gripper == "rlds" else EnvGripper()
         self.proprio_norm = (
             BoundsQ99(self.proprio_stats) if self.proprio_stats is not None else Identity()
         )
@@ -200,18 +203,22 @@ class OpenVLAProcessor:
 
     # -- outputs --------------------------------------------------------------------------------
     def tokens_to_actions(self, ids: Tensor) -> Tensor:
-        """Action token ids ``[B, K, A]`` -> env actions ``float32 [B, K, A]``."""
-        return self.action_norm.unnormalize(self.action_tokenizer.decode(ids))
+        """Action token ids ``[B, K, A]`` -> env actions ``float32 [B, K, A]`` (un-normalised,
+        the gripper in the envs' convention)."""
+        return self.unnormalize_actions(self.action_tokenizer.decode(ids))
 
     def actions_to_tokens(self, actions: Tensor) -> Tensor:
         """Env actions ``[B, K, A]`` -> action token ids ``long [B, K, A]``."""
-        return self.action_tokenizer.encode(self.action_norm.normalize(actions))
+        return self.action_tokenizer.encode(self.normalize_actions(actions))
 
     def normalize_actions(self, actions: Tensor) -> Tensor:
-        return self.action_norm.normalize(actions)
+        """Env actions -> the model's normalised actions (``gripper`` convention, then
+        ``BOUNDS_Q99``)."""
+        return self.action_norm.normalize(self.gripper.from_env(actions))
 
     def unnormalize_actions(self, actions: Tensor) -> Tensor:
-        return self.action_norm.unnormalize(actions)
+        """The model's normalised actions -> env actions."""
+        return self.gripper.to_env(self.action_norm.unnormalize(actions))
 
 
 def _letterbox(x: Tensor, fill: tuple[float, ...]) -> Tensor:

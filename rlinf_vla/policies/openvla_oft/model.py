@@ -304,6 +304,8 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             inferred["proprio_dim"] = int(_load_pt(proprio)["fc1.weight"].shape[1])
         config = super().config_from_dir(path)  # architecture + rlinf_vla section
         merged = {**config.to_dict(), **inferred, **overrides}
+        if merged.get("gripper") == "auto":
+            merged["gripper"] = config.gripper  # the checkpoint's convention
         merged["checkpoint"] = str(path)
         return cls.config_cls.from_kwargs(cls.__name__, **merged)
 
