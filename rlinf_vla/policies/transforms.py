@@ -17,6 +17,7 @@ from torch import Tensor
 __all__ = [
     "BoundsQ99",
     "EnvGripper",
+    "ProprioBoundsQ99",
     "RLDSGripper",
     "ZScore",
     "center_crop",
@@ -117,6 +118,18 @@ class BoundsQ99:
         q01, q99, mask = self._parts(x)
         y = 0.5 * (x.float() + 1) * (q99 - q01 + self.eps) + q01
         return torch.where(mask, y, x.float())
+
+
+class ProprioBoundsQ99(BoundsQ99):
+    """OpenVLA-OFT's ``normalize_proprio`` at inference: ``clip(where(mask, 2 (x - q01) /
+    (q99 - q01 + 1e-8) - 1, x), -1, 1)``. Unlike the training data's action normalisation
+    (:class:`BoundsQ99`) a dim with ``q01 == q99`` is not zeroed (it goes to -1 or +1) and the
+    clip covers unmasked dims too."""
+
+    def normalize(self, x: Tensor) -> Tensor:
+        q01, q99, mask = self._parts(x)
+        y = 2 * (x.float() - q01) / (q99 - q01 + 1e-8) - 1
+        return torch.where(mask, y, x.float()).clamp(-1, 1)
 
 
 class ZScore:

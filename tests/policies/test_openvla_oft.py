@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlinf_vla.policies import make_policy
+from rlinf_vla.types import Observation
 from tests.policies.conftest import bounds_stats, make_obs
 
 CAMERAS = ("main", "wrist")
@@ -143,3 +144,40 @@ def test_discrete_head_samples_action_ids():
     ids = out.replay["action_tokens"]
     assert ids.shape == (2, 2, 7) and ((ids >= 768) & (ids < 1024)).all()
     assert p.action_head is None
+
+
+def test_proprio_is_normalised_as_upstream_normalize_proprio():
+    # normalize_proprio (OFT's openvla_utils.py) by hand: clip(where(mask, 2 (x - q01) /
+    # (q99 - q01 + 1e-8) - 1, x), -1, 1). A constant dim (q01 == q99) goes to +-1, not 0; an
+    # unmasked dim is clipped too.
+    stats = {"toy": {**bounds_stats(7)["toy_dataset"]}}
+    stats["toy"]["proprio"] = {
+        "q01": [0.0, 1.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0],
+        "q99": [2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+        "mask": [True, True, True, False, True, True, True, True],
+    }
+    proc = make_policy("openvla_oft", preset="tiny", norm_stats=stats, seed=0).processor
+    state = torch.tensor([[1.5, 1.5, 0.5, 3.0, 0.25, 0.0, 1.0, 2.0]])
+    got = proc.proprio(Observation(images={}, state=state, instruction=["x"]), 8)[0].tolist()
+    q01, q99 = stats["toy"]["proprio"]["q01"], stats["toy"]["proprio"]["q99"]
+    mask = stats["toy"]["proprio"]["mask"]
+    expected = [
+        min(1.0, max(-1.0, 2 * (x - lo) / (hi - lo + 1e-8) - 1 if m else x))
+        for x, lo, hi, m in zip(state[0].tolist(), q01, q99, mask, strict=True)
+    ]
+    assert got == pytest.approx(expected, abs=1e-6)
+    assert got[1] == 1.0 and got[2] == -1.0 and got[3] == 1.0
+
+
+def test_greedy_mean_is_not_clipped_samples_are():
+    policy = make_policy(
+        "openvla_oft", preset="tiny", norm_stats=bounds_stats(7), chunk_size=1, seed=0
+    )
+    mean = torch.full((1, 1, 7), 1.5)  # outside the normalised range
+    policy._gaussian = lambda hidden: (mean, torch.full_like(mean, 1e-6))
+    obs = make_obs(1, cameras=("main", "wrist"), state_dim=8)
+    # bounds_stats: q01 = -2, q99 = 3 for dims 0-5; OFT un-normalises with +1e-8 in the range.
+    greedy = policy.act(obs, greedy=True).actions[0, 0, :6]
+    assert greedy.tolist() == pytest.approx([0.5 * (1.5 + 1) * (5 + 1e-8) - 2] * 6)
+    sampled = policy.act(obs).actions[0, 0, :6]
+    assert sampled.tolist() == pytest.approx([0.5 * (1.0 + 1) * (5 + 1e-8) - 2] * 6)

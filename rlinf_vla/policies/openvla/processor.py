@@ -25,6 +25,7 @@ from rlinf_vla.policies.transforms import (
     BoundsQ99,
     EnvGripper,
     Identity,
+    ProprioBoundsQ99,
     RLDSGripper,
     center_crop,
     images_to_float,
@@ -125,7 +126,7 @@ class OpenVLAProcessor:
         )
         self.gripper = RLDSGripper() if config.gripper == "rlds" else EnvGripper()
         self.proprio_norm = (
-            BoundsQ99(self.proprio_stats) if self.proprio_stats is not None else Identity()
+            ProprioBoundsQ99(self.proprio_stats) if self.proprio_stats is not None else Identity()
         )
 
     @classmethod
@@ -194,7 +195,8 @@ class OpenVLAProcessor:
         return PromptBatch(input_ids.to(device), mask.to(device))
 
     def proprio(self, obs: Observation, dim: int) -> Tensor:
-        """Normalised proprioception ``float32 [B, dim]`` (``BOUNDS_Q99`` with ``proprio`` stats)."""
+        """Normalised proprioception ``float32 [B, dim]`` (OFT's ``normalize_proprio`` with the
+        ``proprio`` stats, :class:`ProprioBoundsQ99`)."""
         if obs.state is None:
             raise KeyError("this policy needs proprioception (obs.state), the observation has None")
         if obs.state.shape[-1] != dim:

@@ -213,7 +213,9 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             mean, std = self._gaussian(hidden)
             x = mean if greedy else mean + std * torch.randn_like(mean)
             logp = gaussian_logprob(x, mean, std)
-            actions = self.processor.unnormalize_actions(x.clamp(-1.0, 1.0).cpu()).to(x.device)
+            # Samples are clipped to the normalised range; the greedy mean is not (as upstream).
+            executed = x if greedy else x.clamp(-1.0, 1.0)
+            actions = self.processor.unnormalize_actions(executed.cpu()).to(x.device)
             replay = {"normalized_actions": x}
         return ActOutput(
             actions=actions.float(), logprob=self.reduce(logp), value=value, replay=replay
