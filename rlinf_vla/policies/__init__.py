@@ -26,6 +26,7 @@ from rlinf_vla.policies.base import (
     CheckpointMismatchError,
     Policy,
     PolicyConfig,
+    find_checkpoint,
     register_policy,
 )
 
@@ -60,7 +61,8 @@ def make_policy(name: str, **overrides: Any) -> Policy:
     Args:
         name: a registered name (``openvla``, ``openvla_oft``, ``pi0``, ``pi05``).
         **overrides: config fields of the family (see its ``config.py``); ``checkpoint=PATH``
-            loads a checkpoint directory, whose architecture replaces the preset (``preset``
+            loads a checkpoint directory (or a Hugging Face model id from the local cache,
+            :func:`~rlinf_vla.policies.base.find_checkpoint`), whose architecture replaces the preset (``preset``
             is ignored then; other keys override the checkpoint's settings).
 
     The same keys work from the CLI: ``policy=openvla policy.preset=tiny policy.checkpoint=PATH``.
@@ -71,5 +73,5 @@ def make_policy(name: str, **overrides: Any) -> Policy:
     if checkpoint:
         # The architecture comes from the checkpoint, not from a preset.
         overrides.pop("preset", None)
-        return spec.cls.from_pretrained(checkpoint, **overrides)
+        return spec.cls.from_pretrained(find_checkpoint(checkpoint), **overrides)
     return spec.cls(spec.cls.config_cls.from_kwargs(name, **overrides))

@@ -43,6 +43,7 @@ __all__ = [
     "PolicyConfig",
     "PolicySpec",
     "check_state_dict",
+    "find_checkpoint",
     "load_safetensors_dir",
     "reduce_to_granularity",
     "register_policy",
@@ -495,6 +496,41 @@ def check_state_dict(
         more = f" ... and {len(wrong) - 5} more" if len(wrong) > 5 else ""
         parts.append(f"{len(wrong)} shape mismatch(es): " + "; ".join(wrong[:5]) + more)
     raise CheckpointMismatchError(f"checkpoint {source} does not fit: " + " | ".join(parts))
+
+
+#: A Hugging Face model id, ``org/name`` with an optional ``@revision``.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+def find_checkpoint(checkpoint: str | Path) -> Path:
+    """The folder of ``checkpoint``: a path, or a Hugging Face model id (``openvla/openvla-7b``,
+    ``org/name@revision``) looked up in the local Hugging Face cache (``HF_HUB_CACHE`` /
+    ``HF_HOME``; nothing is downloaded).
+
+    Raises:
+        FileNotFoundError: neither a folder nor a model in the cache; the message says how to
+            download it.
+    """
+    path = Path(checkpoint).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint={str(checkpoint)!r} is not a checkpoint folder")
+        return path
+    text = str(checkpoint)
+    if not _HUB_ID.match(text):
+        raise FileNotFoundError(f"checkpoint={text!r} does not exist")
+    from huggingface_hub import constants, snapshot_download
+
+    repo_id, _, revision = text.partition("@")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
+    except Exception:  # huggingface_hub's LocalEntryNotFoundError and kin: not in the cache
+        raise FileNotFoundError(
+            f"checkpoint={text!r} is neither a folder nor a model in the local Hugging Face "
+            f"cache ({constants.HF_HUB_CACHE}); download it where there is network, e.g. "
+            f"`hf download {repo_id}{f' --revision {revision}' if revision else ''}` (the "
+            "cache folder can be copied), or set the checkpoint to its folder"
+        ) from None
 
 
 def load_safetensors_dir(path: str | Path, index_name: str = "model") -> dict[str, Tensor]:

@@ -34,11 +34,12 @@ def policy_config_for(policy_name: str, policy: dict[str, Any]) -> Any:
             return policy_config(policy_name, **values)
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"policy: {e.args[0] if e.args else e}") from None
-    path = Path(checkpoint).expanduser()
-    if not path.exists():
-        raise ConfigError(f"policy.checkpoint={checkpoint!r} does not exist")
-    if not path.is_dir():
-        raise ConfigError(f"policy.checkpoint={checkpoint!r} is not a checkpoint folder")
+    from rlinf_vla.policies.base import find_checkpoint
+
+    try:
+        path = find_checkpoint(checkpoint)
+    except FileNotFoundError as e:
+        raise ConfigError(f"policy.{e.args[0]}") from None
     values.pop("preset", None)  # the architecture comes from the checkpoint
     cls = POLICIES[policy_name].cls
     defaults = {k: v for k, v in POLICIES[policy_name].defaults.items() if k != "preset"}
