@@ -139,3 +139,22 @@ def test_gpu_backend_batches_envs(maniskill) -> None:
         assert (res.info["elapsed_steps"] == 6).all()
     finally:
         env.close()
+
+
+def test_time_limit_is_the_task_registered_one(maniskill) -> None:
+    # The env group's default leaves the time limit to ManiSkill's registry, for training and
+    # evaluation alike (PegInsertionSide: 100 steps, not the 50 of PickCube).
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    from rlinf_vla import cli
+    from rlinf_vla.pipelines import validate
+
+    job = validate(cli.compose("train", ["env=maniskill", "env.task=PegInsertionSide-v1"]))
+    assert job.env["max_episode_steps"] is None
+    env = make_env("maniskill", **{**job.env, "num_envs": 1, "sim_backend": "cpu"})
+    try:
+        registered = REGISTERED_ENVS["PegInsertionSide-v1"].max_episode_steps
+        assert registered == 100
+        assert env.max_episode_steps == registered
+    finally:
+        env.close()
