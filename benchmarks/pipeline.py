@@ -4,6 +4,8 @@ Prints a table and writes JSON (default ``benchmarks/results/pipeline.json``)::
 
     python benchmarks/pipeline.py                     # toy (balanced) + ManiSkill
     python benchmarks/pipeline.py --workloads toy --iterations 3
+    python benchmarks/pipeline.py --workloads libero --devices 1 --policy openvla_oft \
+        --policy-preset full --libero-envs 16 --set policy.lora_rank=32 policy.dtype=bfloat16
 
 For each workload, in one run on the same hardware:
 
@@ -15,10 +17,16 @@ For each workload, in one run on the same hardware:
   with ``--devices`` devices (CPU slots here; disaggregated gets one more, for the actor),
   rollout throughput ``throughput/env_steps_per_s`` (env steps / rollout seconds) as the median
   of the iterations after the first.
+- **collocated S=2, 4**: every component on the same devices, each env worker's envs in 2 or 4
+  pipeline stages. Where the simulators are CPU processes (LIBERO, ManiSkill on the CPU) and
+  the policy is on a GPU, this overlaps simulation and inference on a single device.
 
 The toy workload adds a sleep per env step (``step_time_per_env_s``) chosen from the measured
 inference time so that ``e == i`` (balanced; the sleep stands for a simulator running on its
-own hardware). ManiSkill PickCube runs its CPU simulator in one subprocess per env.
+own hardware). ManiSkill PickCube runs its CPU simulator in one subprocess per env, LIBERO
+(``libero_spatial`` task 0, agentview + wrist cameras) likewise. ``--policy`` picks OpenVLA or
+OpenVLA-OFT; ``--set`` adds ``rlinf-vla train`` overrides to every run (e.g. LoRA and bf16
+weights for the full-size policy on one GPU).
 
 On a CUDA machine the devices are GPUs: the sync loop runs the policy there under
 ``algo.autocast`` (bf16), and a mode that needs more GPUs than the machine has is listed as
@@ -80,9 +88,14 @@ def env_overrides(w: Workload) -> list[str]:
     return [f"env={w.env}", f"env.num_envs={w.num_envs}", *extra]
 
 
-def policy_overrides(preset: str, chunk_size: int) -> list[str]:
-    """The ``rlinf-vla train`` overrides of the policy (OpenVLA) the benchmark runs."""
-    return ["policy=openvla", f"policy.preset={preset}", f"policy.chunk_size={chunk_size}"]
+def policy_overrides(policy: str, preset: str, chunk_size: int, extra: list[str]) -> list[str]:
+    """The ``rlinf-vla train`` overrides of the policy the benchmark runs (and ``--set``)."""
+    return [
+        f"policy={policy}",
+        f"policy.preset={preset}",
+        f"policy.chunk_size={chunk_size}",
+        *extra,
+    ]
 
 
 def sync_loop(w: Workload, policy_args: list[str], chunks: int) -> tuple[float, float, float]:
@@ -152,6 +165,11 @@ def main() -> int:
     parser.add_argument("--chunk-size", type=int, default=2)
     parser.add_argument("--toy-envs", type=int, default=64, help="envs of the toy workload")
     parser.add_argument("--maniskill-envs", type=int, default=4, help="envs of ManiSkill")
+    parser.add_argument("--libero-envs", type=int, default=4, help="envs of LIBERO")
+    parser.add_argument("--policy", choices=("openvla", "openvla_oft"), default="openvla")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="more train overrides"
+    )
     parser.add_argument(
         "--maniskill-backend", choices=("cpu", "gpu"), default="cpu", help="ManiSkill simulation"
     )
@@ -159,7 +177,7 @@ def main() -> int:
         "--policy-preset",
         choices=("tiny", "full"),
         default="tiny",
-        help="OpenVLA size: tiny, or full (openvla-7b's dims, random weights)",
+        help="policy size: tiny, or full (the published dims, random weights)",
     )
     parser.add_argument("--output", default="benchmarks/results/pipeline.json")
     args = parser.parse_args()
@@ -172,7 +190,10 @@ def main() -> int:
         maniskill = {"task": "PickCube-v1", "sim_backend": backend, "wrist": False}
         name = f"maniskill PickCube{' (GPU sim)' if backend == 'gpu' else ''}"
         workloads.append(Workload(name, "maniskill", maniskill, args.maniskill_envs, 8))
-    policy_args = policy_overrides(args.policy_preset, args.chunk_size)
+    if "libero" in args.workloads:
+        libero = {"suite": "libero_spatial", "task_ids": "[0]"}
+        workloads.append(Workload("libero spatial", "libero", libero, args.libero_envs, 8))
+    policy_args = policy_overrides(args.policy, args.policy_preset, args.chunk_size, args.set)
     gpus = torch.cuda.device_count() if DEVICE == "cuda" else None
     d = args.devices
     modes = {
@@ -182,6 +203,9 @@ def main() -> int:
         "hybrid S=1": ["placement=hybrid", "placement.stages=1", "placement.components.actor=0"],
         "hybrid S=2": ["placement=hybrid", "placement.stages=2"],
         "hybrid S=4": ["placement=hybrid", "placement.stages=4"],
+        # one device: CPU simulators in their processes beside inference on it
+        "collocated S=2": ["placement=collocated", "placement.stages=2"],
+        "collocated S=4": ["placement=collocated", "placement.stages=4"],
     }
     torch.set_num_threads(1)  # the sync loop gets one device, like each Ray component
     results: list[Row] = []
@@ -201,7 +225,7 @@ def main() -> int:
         print(f"{w.name}: sync loop {sync:.1f} env steps/s, overlap bound {bound:.1f}", flush=True)
         for mode, overrides in modes.items():
             devices = d + 1 if mode == "disaggregated" else d
-            if mode != "collocated" and d < 2:
+            if not mode.startswith("collocated") and d < 2:
                 skipped[mode] = "needs env and rollout on different devices (--devices 2)"
             elif gpus is not None and devices > gpus:
                 skipped[mode] = f"needs {devices} GPUs, the machine has {gpus}"
@@ -242,7 +266,9 @@ def main() -> int:
                     "gpus": [torch.cuda.get_device_name(k) for k in range(gpus or 0)],
                 },
                 "devices": d,
+                "policy": args.policy,
                 "policy_preset": args.policy_preset,
+                "set": args.set,
                 "chunk_size": args.chunk_size,
                 "skipped": skipped,
                 "iterations": args.iterations,

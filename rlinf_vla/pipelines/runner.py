@@ -184,7 +184,7 @@ class EmbodiedRunner:
             else f"preset {job.policy.get('preset', 'full')}, random weights"
         )
         mode = self.placement.mode
-        stages = f", {job.placement.stages} stages" if mode == "hybrid" else ""
+        stages = f", {job.placement.stages} stages" if job.placement.stages > 1 else ""
         groups = ", ".join(
             f"{c} {device_ranges(self.placement.of(c))}" for c in ("env", "rollout", "actor")
         )

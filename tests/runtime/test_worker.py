@@ -33,6 +33,7 @@ class Scaler(Worker):
             "device": str(self.device),
             "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "env_rank": os.environ.get("RLINF_VLA_RANK"),
+            "omp_wait": os.environ.get("OMP_WAIT_POLICY"),
             "pid": os.getpid(),
         }
 
@@ -105,6 +106,18 @@ def test_workers_know_their_place(cluster):
     # CPU devices: the runtime leaves GPU visibility alone (there is no GPU on such a node).
     assert {c["cuda_visible"] for c in contexts} == {os.environ.get("CUDA_VISIBLE_DEVICES")}
     assert contexts[0]["pid"] != contexts[1]["pid"] != os.getpid()
+    # OpenMP threads sleep between parallel regions: workers sharing cores do not starve.
+    assert {c["omp_wait"] for c in contexts} == {os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
+def test_the_callers_openmp_wait_policy_wins(cluster, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    group = WorkerGroup(cluster, Scaler, "omp", devices=[0], args=(1,))
+    try:
+        [context] = group.context().wait()
+    finally:
+        group.shutdown()
+    assert context["omp_wait"] == "ACTIVE"
 
 
 @pytest.mark.parametrize(("slots", "threads"), [(None, 1), (2, 1), (1, 2)])
