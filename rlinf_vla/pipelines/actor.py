@@ -45,7 +45,8 @@ class AlgoConfig:
         normalize_advantages: whiten advantages over the batch.
         update_epochs: passes over the rollout batch per iteration.
         minibatch_size: samples (env chunk steps) per optimizer step.
-        micro_batch_size: samples per forward/backward (gradient accumulation).
+        micro_batch_size: samples per forward/backward (gradient accumulation; the update
+            does not depend on it).
         max_grad_norm: gradient clipping.
         lr, value_lr: AdamW learning rates of the policy and of the value head.
         weight_decay: AdamW weight decay.
@@ -474,18 +475,25 @@ class ActorWorker(Worker):
         features = self._frozen_features(batch) if a.cache_frozen_features else None
         n = len(batch)
         sums: dict[str, float] = {}
-        steps = 0
+        steps = measured = 0
         for _ in range(a.update_epochs):
             order = torch.randperm(n, generator=self.generator)
             for start in range(0, n, a.minibatch_size):
                 mb_idx = order[start : start + a.minibatch_size]
+                # Each loss term is a mean over the valid entries of the whole minibatch. A
+                # micro-batch adds its masked mean times its share of the minibatch's valid
+                # samples: sum(l * m) / (valid entries of the minibatch), as every sample has
+                # the same number of entries (tokens / actions / chunk) in each term. So the
+                # gradients add up to the minibatch's, whatever algo.micro_batch_size is.
+                valid = int(batch.mask[mb_idx].sum())
+                measured += valid > 0
                 self.optimizer.zero_grad(set_to_none=True)
                 for m_start in range(0, len(mb_idx), a.micro_batch_size):
                     idx = mb_idx[m_start : m_start + a.micro_batch_size]
                     mb = batch.select(idx)
-                    weight = len(idx) / len(mb_idx)
-                    if not mb.mask.any():
-                        continue
+                    share = int(mb.mask.sum()) / max(valid, 1)
+                    if share == 0 and not self.fsdp:
+                        continue  # adds 0 (FSDP's collectives need every rank in every pass)
                     replay = {k: v.to(self.device) for k, v in mb.replay.items()}
                     with autocast(self.device, a.autocast):
                         if features is None:
@@ -497,12 +505,12 @@ class ActorWorker(Worker):
                         entropy=out.entropy.float(),
                         value=None if out.value is None else out.value.float(),
                     )
-                    mask = _expand(mb.mask.to(out.logprob.device), out.logprob)
+                    sample_mask = mb.mask.to(out.logprob.device)
                     pg, pg_m = ppo_policy_loss(
                         logprob=out.logprob,
                         old_logprob=mb.old_logprob.to(out.logprob.device),
                         advantages=_expand(mb.advantages.to(out.logprob.device), out.logprob),
-                        mask=mask,
+                        mask=_expand(sample_mask, out.logprob),
                         clip_low=a.clip_low,
                         clip_high=a.clip_high,
                         dual_clip=a.dual_clip,
@@ -518,19 +526,19 @@ class ActorWorker(Worker):
                             values=out.value,
                             old_values=mb.old_value.to(out.value.device),
                             returns=mb.returns.to(out.value.device),
-                            mask=torch.ones_like(out.value, dtype=torch.bool),
+                            mask=_expand(sample_mask, out.value),
                             clip=a.value_clip,
                         )
                         loss = loss + a.value_coef * vl
                         metrics["value_loss"] = vl.detach()
                     el, el_m = entropy_loss(
-                        entropy=out.entropy, mask=torch.ones_like(out.entropy, dtype=torch.bool)
+                        entropy=out.entropy, mask=_expand(sample_mask, out.entropy)
                     )
                     loss = loss + a.entropy_coef * el
                     metrics["entropy"] = el_m["entropy"]
-                    (loss * weight).backward()
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * weight
+                    (loss * share).backward()
+                    for k, v in metrics.items():  # the minibatch's masked means, summed
+                        sums[k] = sums.get(k, 0.0) + float(v) * share
                 self._average_gradients()
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     self.policy.parameters(), a.max_grad_norm
@@ -547,8 +555,12 @@ class ActorWorker(Worker):
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
                 steps += 1
         self.version += 1
-        result = {f"train/{k}": v / steps for k, v in sums.items() if k != "skipped_updates"}
-        result["train/skipped_updates"] = sums.get("skipped_updates", 0.0)
+        grad_norm_sum = sums.pop("grad_norm")
+        skipped = sums.pop("skipped_updates", 0.0)
+        # the losses' metrics: a mean over the minibatches that held a valid sample
+        result = {f"train/{k}": v / max(measured, 1) for k, v in sums.items()}
+        result["train/grad_norm"] = grad_norm_sum / steps
+        result["train/skipped_updates"] = skipped
         result["train/nan_streak"] = float(self.nan_streak)
         result["train/lr"] = lr
         result["train/advantage_mean"] = float(batch.advantages.mean())
