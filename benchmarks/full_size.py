@@ -51,17 +51,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("openvla", "openvla_oft", "pi0", "pi05")
-#: cameras and proprioception size each family reads (LIBERO-like inputs).
-INPUTS: dict[str, tuple[tuple[str, ...], int | None]] = {
-    "openvla": (("main",), None),
-    "openvla_oft": (("main", "wrist"), 8),
-    "pi0": (("main", "wrist"), 8),
-    "pi05": (("main", "wrist"), 8),
-}
-#: executed actions per call: OpenVLA one 7-D action, OFT 8 (LIBERO), π0/π0.5 5 of their horizon.
-CHUNK = {"openvla": 1, "openvla_oft": 8, "pi0": 5, "pi05": 5}
-TINY_CHUNK = {**CHUNK, "pi0": 4, "pi05": 4}
+# The families' inputs and chunk sizes are benchmarks/policies.py's.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from policies import CHUNK, FAMILIES, INPUTS, TINY_CHUNK
+
 GIB = 2**30
 
 
@@ -517,6 +510,16 @@ def table(title: str, rows: list[dict[str, Any]], cols: list[str]) -> None:
         print(" | ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))
 
 
+def section_rows(fams: list[dict[str, Any]], section: str, key: str) -> list[dict[str, Any]]:
+    """One row per entry of ``family[section]["rows"]``, with the family and ``section[key]``."""
+    return [
+        {"family": f["family"], key: f[section][key], **r}
+        for f in fams
+        if section in f
+        for r in f[section]["rows"]
+    ]
+
+
 def print_tables(result: dict[str, Any]) -> None:
     fams = result["families"]
     table(
@@ -555,22 +558,12 @@ def print_tables(result: dict[str, Any]) -> None:
     )
     table(
         "repeated step vs. the bound",
-        [
-            {"family": f["family"], "part": f["step"]["part"], **r}
-            for f in fams
-            if "step" in f
-            for r in f["step"]["rows"]
-        ],
+        section_rows(fams, "step", "part"),
         ["family", "part", "batch", "step_ms", "bound_ms", "ratio"],
     )
     table(
         "LoRA update step",
-        [
-            {"family": f["family"], "trainable_m": f["update"]["trainable_m"], **r}
-            for f in fams
-            if "update" in f
-            for r in f["update"]["rows"]
-        ],
+        section_rows(fams, "update", "trainable_m"),
         ["family", "trainable_m", "batch", "update_s", "peak_mib", "error"],
     )
     table(
