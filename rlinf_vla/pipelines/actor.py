@@ -290,17 +290,27 @@ class ActorWorker(Worker):
         """Policy in its on-disk format (rank 0), optimizer and RNG states (every rank).
 
         With FSDP every rank takes part in gathering the full weights and optimizer state;
-        rank 0 writes them.
+        rank 0 writes them. With LoRA the policy folder holds the weights with the adapter
+        merged in (the official format), so the trained tensors themselves (the adapter, the
+        heads) also go into the actor's state, for a resume.
         """
         from pathlib import Path
 
+        trained = None
         if self.fsdp:
             full = self.state_dict()  # collective: every rank helps gather
             if self.rank == 0:
                 self._plain_policy(full).save_pretrained(Path(path) / "policy")
-        elif self.rank == 0:
-            self.policy.save_pretrained(Path(path) / "policy")
+            if self.policy.has_lora:
+                names = self.changing_names()
+                trained = {k: v for k, v in full.items() if k in names}
+        else:
+            if self.rank == 0:
+                self.policy.save_pretrained(Path(path) / "policy")
+            if self.policy.has_lora:
+                trained = self.state_dict(self.changing_names())
         state = {
+            "lora_trained": trained if self.rank == 0 else None,
             "optimizer": self._optimizer_state(),
             "torch_rng": get_rng_state(self.device),
             "generator": self.generator.get_state(),
@@ -321,10 +331,14 @@ class ActorWorker(Worker):
             )
 
             full = {}
-            if self.rank == 0:
+            if self.policy.has_lora:  # the frozen base is the built one; the trained tensors
+                full = self._lora_trained(state, path) if self.rank == 0 else {}
+            elif self.rank == 0:
                 full = type(self._plain_policy()).from_pretrained(Path(path) / "policy")
                 full = full.state_dict()
-            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            opts = StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=not self.policy.has_lora
+            )
             set_model_state_dict(self.policy, full, options=opts)
             set_optimizer_state_dict(
                 self.policy,
@@ -335,6 +349,11 @@ class ActorWorker(Worker):
                     full_state_dict=True, broadcast_from_rank0=True, strict=False
                 ),
             )
+        elif self.policy.has_lora:
+            # The base weights never train: the built policy has them (from policy.checkpoint
+            # or the seed); the folder's weights have the adapter merged in.
+            self.policy.load_state_dict(self._lora_trained(state, path), strict=False)
+            self.optimizer.load_state_dict(state["optimizer"])
         else:
             loaded = type(self.policy).from_pretrained(Path(path) / "policy")
             self.policy.load_state_dict(loaded.state_dict())
@@ -350,6 +369,28 @@ class ActorWorker(Worker):
         self.generator.set_state(state["generator"])
         self.version = state["version"]
         self.nan_streak = state.get("nan_streak", 0)
+
+    def _lora_trained(self, state: dict[str, Any], path: str) -> dict[str, Tensor]:
+        """The trained tensors of a LoRA run's checkpoint (adapter, heads), checked to be
+        exactly those this policy trains."""
+        from rlinf_vla.policies import CheckpointMismatchError
+
+        trained = state.get("lora_trained")
+        if trained is None:
+            raise CheckpointMismatchError(
+                f"{path} is a LoRA run's checkpoint without its trained tensors apart from the "
+                "merged weights (written before they were saved): it cannot be resumed; start a "
+                f"new run from its weights with policy.checkpoint={path}/policy"
+            )
+        expected = self.changing_names() & set(self.policy.state_dict())
+        if set(trained) != expected:
+            raise CheckpointMismatchError(
+                f"{path}: the checkpoint's trained tensors do not fit this policy (missing "
+                f"{sorted(expected - set(trained))[:5]}, unexpected "
+                f"{sorted(set(trained) - expected)[:5]}): resume with the run's own policy "
+                "settings (lora_rank, lora_target_modules)"
+            )
+        return trained
 
     def parameter_counts(self) -> dict[str, int]:
         """``total`` and ``trained`` parameters of the policy (for the run's header)."""

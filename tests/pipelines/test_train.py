@@ -557,3 +557,26 @@ def test_weight_sync_sends_the_frozen_weights_once(tmp_path):
     for row in rows[1:]:
         assert row["sync/sent_mib"] == pytest.approx(sum(size[k] for k in changing) / 2**20)
         assert abs(row["train/approx_kl"]) < 1e-6, row["iteration"]
+
+
+def test_a_lora_run_resumes_with_its_adapter(tmp_path):
+    # The policy folder of a LoRA run holds the weights with the adapter merged in; the resume
+    # takes the adapter and the heads from the actor's state onto the built base and must take
+    # the same steps as the uninterrupted run.
+    common = [
+        "cluster.devices_per_node=1",
+        *SMALL,
+        "policy.lora_rank=4",
+        "algo.lr=0.01",
+        "runner.save_interval=1",
+        "runner.seed=5",
+    ]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert cli.main(["train", *common, "runner.max_iterations=2", f"runner.output_dir={full}"]) == 0
+    assert cli.main(["train", *common, "runner.max_iterations=1", f"runner.output_dir={part}"]) == 0
+    again = ["runner.max_iterations=2", "runner.resume=auto", f"runner.output_dir={part}"]
+    assert cli.main(["train", *common, *again]) == 0
+    expected, resumed = _metrics(full), _metrics(part)
+    assert [r["iteration"] for r in resumed] == [1, 2]
+    _assert_same_steps(expected, resumed)
+    assert resumed[1]["train/approx_kl"] == pytest.approx(expected[1]["train/approx_kl"], abs=1e-9)
