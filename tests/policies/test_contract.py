@@ -98,7 +98,8 @@ def test_actions_in_env_units(family):
     low, high = -2.0, 3.0  # q01/q99 of the statistics
     for greedy in (True, False):
         actions = policy.act(obs_for(name), greedy=greedy).actions
-        if name.startswith("openvla"):
+        # OFT's greedy action is its head's unclipped mean, as upstream (test_openvla_oft.py).
+        if name == "openvla" or (name == "openvla_oft" and not greedy):
             assert actions[..., :-1].min() >= low and actions[..., :-1].max() <= high
             assert actions[..., -1].abs().max() <= 1.0  # gripper: mask False, not rescaled
         assert torch.isfinite(actions).all()
