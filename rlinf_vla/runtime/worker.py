@@ -392,8 +392,9 @@ class WorkerGroup(Generic[W]):
                 env["CUDA_VISIBLE_DEVICES"] = str(device.local_index)
             # OpenMP threads sleep between parallel regions instead of spinning: the workers
             # of one device (collocated, or pipelined stages) share its cores, and spinning
-            # threads of one starve the others (a collocated toy run with 2 stages went from
-            # about 250 to 17 env steps/s on 2 cores). The caller's own setting wins.
+            # threads of one starve the others (a collocated toy run with 2 stages: 373 env
+            # steps/s sleeping, 99 spinning, on 2 cores; docs/runtime.md). The caller's own
+            # setting wins.
             env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
             env.update(env_vars or {})
             actor = host_cls.options(
