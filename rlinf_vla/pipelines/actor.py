@@ -489,6 +489,24 @@ class ActorWorker(Worker):
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
+    def _apply_gradients(self) -> float:
+        """Average the gradients over the ranks, clip them and step the optimizer; a
+        non-finite gradient is dropped instead (counted in ``nan_streak``). Returns the norm."""
+        self._average_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.policy.parameters(), self.algo.max_grad_norm
+        )
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        norm = float(grad_norm)
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nan_streak += 1
+        else:
+            self.optimizer.step()
+            self.nan_streak = 0
+        return norm
+
     def train(
         self,
         channel: Channel,
@@ -580,20 +598,10 @@ class ActorWorker(Worker):
                     (loss * share).backward()
                     for k, v in metrics.items():  # the minibatch's masked means, summed
                         sums[k] = sums.get(k, 0.0) + float(v) * share
-                self._average_gradients()
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.policy.parameters(), a.max_grad_norm
-                )
-                if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
-                    grad_norm = grad_norm.full_tensor()
-                if not math.isfinite(float(grad_norm)):
-                    self.optimizer.zero_grad(set_to_none=True)
+                grad_norm = self._apply_gradients()
+                if not math.isfinite(grad_norm):
                     sums["skipped_updates"] = sums.get("skipped_updates", 0.0) + 1
-                    self.nan_streak += 1
-                else:
-                    self.optimizer.step()
-                    self.nan_streak = 0
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
                 steps += 1
         self.version += 1
         grad_norm_sum = sums.pop("grad_norm")
@@ -630,3 +638,41 @@ class ActorWorker(Worker):
                 return None
             parts.append(part)
         return torch.cat(parts)
+
+    # -- behaviour cloning (``rlinf-vla sft``) ----------------------------------------------
+    def load_demonstrations(
+        self, paths: list[str], features: list[dict[str, Any]], chunk_size: int
+    ) -> dict[str, int]:
+        """Read the datasets into this worker's memory; returns their ``frames`` and
+        ``episodes``."""
+        from rlinf_vla.pipelines.demos import FeatureMap, load_demonstrations
+
+        maps = [FeatureMap(**f) for f in features]
+        self.demos = load_demonstrations(paths, maps, chunk_size)
+        return {"frames": len(self.demos), "episodes": self.demos.num_episodes}
+
+    def sft_step(self, step: int, total_steps: int) -> dict[str, float]:
+        """One optimizer step of behaviour cloning on ``algo.minibatch_size`` frames drawn by
+        this rank (the family's own :meth:`~rlinf_vla.policies.Policy.loss`), accumulated over
+        micro-batches of ``algo.micro_batch_size``; gradients are averaged over the ranks."""
+        a = self.algo
+        lr = self._set_lr(step, total_steps)
+        obs, actions = self.demos.sample(a.minibatch_size, self.generator)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for start in range(0, a.minibatch_size, a.micro_batch_size):
+            rows = slice(start, start + a.micro_batch_size)
+            share = len(actions[rows]) / a.minibatch_size
+            with autocast(self.device, a.autocast):
+                loss = self.policy.loss(obs.select(rows), actions[rows].to(self.device))
+            (loss.float() * share).backward()
+            loss_sum += float(loss) * share
+        grad_norm = self._apply_gradients()
+        self.version += 1
+        return {
+            "train/loss": loss_sum,
+            "train/grad_norm": grad_norm,
+            "train/skipped_updates": float(not math.isfinite(grad_norm)),
+            "train/nan_streak": float(self.nan_streak),
+            "train/lr": lr,
+        }

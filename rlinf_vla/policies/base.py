@@ -234,6 +234,26 @@ class Policy(nn.Module, ABC):
     def loss(self, obs: Observation, actions: Tensor) -> Tensor:
         """The family's supervised loss (a scalar) for demonstration ``actions [B, K, A]``."""
 
+    @classmethod
+    def statistics_config(
+        cls,
+        name: str,
+        action: Mapping[str, Any],
+        state: Mapping[str, Any] | None,
+        counts: Mapping[str, int],
+    ) -> dict[str, Any]:
+        """Config entries that make the family normalise with a dataset's statistics (used by
+        ``rlinf-vla sft``), in the layout its checkpoints keep them, so a saved checkpoint
+        carries them in the family's official place.
+
+        Args:
+            name: the dataset's name (OpenVLA keys its statistics by it).
+            action, state: per-dimension ``mean``, ``std``, ``min``, ``max``, ``q01``, ``q99``
+                (lists of floats); ``state`` is ``None`` when the policy reads none.
+            counts: ``frames`` and ``episodes`` of the data.
+        """
+        raise NotImplementedError(f"{cls.__name__} cannot take dataset statistics")
+
     # -- read-out-only training ------------------------------------------------------------
     def trains_readout_only(self) -> bool:
         """Whether this family splits off its read-out (:meth:`frozen_features`) and every

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -559,6 +560,28 @@ class OpenVLAPolicy(Policy):
         if self.value_head is None:
             return None
         return self._value(self._lm(*self._prefix(obs)).last_hidden_state[:, -1])
+
+    @classmethod
+    def statistics_config(
+        cls,
+        name: str,
+        action: Mapping[str, Any],
+        state: Mapping[str, Any] | None,
+        counts: Mapping[str, int],
+    ) -> dict[str, Any]:
+        """``dataset_statistics.json`` as OpenVLA writes it: ``{name: {"action": ...,
+        "proprio": ..., "num_transitions", "num_trajectories"}}``; every action dim is
+        normalised (``mask`` all true: the data's gripper is in env units already)."""
+        keys = ("mean", "std", "max", "min", "q01", "q99")
+        entry: dict[str, Any] = {
+            "action": {k: list(action[k]) for k in keys} | {"mask": [True] * len(action["q01"])},
+            "num_transitions": int(counts["frames"]),
+            "num_trajectories": int(counts["episodes"]),
+        }
+        if state is not None:
+            entry["proprio"] = {k: list(state[k]) for k in keys}
+        # the data's actions are in env units: no RLDS gripper mapping on the way out
+        return {"norm_stats": {name: entry}, "unnorm_key": name, "gripper": "env"}
 
     def loss(self, obs: Observation, actions: Tensor) -> Tensor:
         """Cross-entropy of the demonstration's action tokens over the full vocabulary (the

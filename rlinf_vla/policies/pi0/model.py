@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -611,6 +612,22 @@ class Pi0Policy(Policy):
     def evaluate(self, obs: Observation, replay: dict[str, Tensor]) -> EvalOutput:
         inputs = self.processor(obs, self.device)
         return self._score(inputs, self._prefix_pass(inputs), replay)
+
+    @classmethod
+    def statistics_config(
+        cls,
+        name: str,
+        action: Mapping[str, Any],
+        state: Mapping[str, Any] | None,
+        counts: Mapping[str, int],
+    ) -> dict[str, Any]:
+        """openpi's ``norm_stats.json`` layout: ``{"actions": ..., "state": ...}`` with
+        ``mean``, ``std``, ``q01``, ``q99`` (π0 normalises by mean/std, π0.5 by quantiles)."""
+        keys = ("mean", "std", "q01", "q99")
+        stats = {"actions": {k: list(action[k]) for k in keys}}
+        if state is not None:
+            stats["state"] = {k: list(state[k]) for k in keys}
+        return {"norm_stats": stats}
 
     def loss(
         self,

@@ -1,0 +1,122 @@
+"""`rlinf-vla sft`: demonstrations as batches, dataset statistics in the policy, bad datasets."""
+
+import numpy as np
+import pytest
+import torch
+
+from rlinf_vla.config import ConfigError
+from rlinf_vla.pipelines.demos import Demonstrations, FeatureMap, combine_stats, map_features
+
+FMAP = FeatureMap({"main": "observation.images.main"}, "observation.state", "action")
+
+
+def _frames(episode_lengths, action_dim=2, offset=0.0):
+    n = sum(episode_lengths)
+    ep = np.concatenate([np.full(k, i) for i, k in enumerate(episode_lengths)])
+    return {
+        "images": {"observation.images.main": np.zeros((n, 8, 8, 3), np.uint8)},
+        "observation.state": np.arange(n, dtype=np.float32)[:, None].repeat(3, 1),
+        "action": offset + np.arange(n * action_dim, dtype=np.float32).reshape(n, action_dim),
+        "episode_index": ep,
+        "frame_index": np.concatenate([np.arange(k) for k in episode_lengths]),
+        "task_index": ep % 2,
+        "tasks": ["task a", "task b"],
+    }
+
+
+def test_chunk_targets_stay_in_the_episode_and_repeat_its_last_action():
+    demos = Demonstrations([_frames([3, 2])], [FMAP], chunk_size=3)
+    obs, actions = demos.batch(torch.arange(5))
+    # frame -> rows of its chunk, by hand: episode 0 = frames 0..2, episode 1 = frames 3..4
+    rows = [[0, 1, 2], [1, 2, 2], [2, 2, 2], [3, 4, 4], [4, 4, 4]]
+    a = _frames([3, 2])["action"]
+    assert torch.equal(actions, torch.from_numpy(a[np.array(rows)]))
+    assert obs.instruction == ["task a", "task a", "task a", "task b", "task b"]
+    assert obs.state[:, 0].tolist() == [0, 1, 2, 3, 4]
+    assert demos.num_episodes == 2
+
+
+def test_episodes_of_two_datasets_never_merge():
+    # both datasets number their episodes from 0: frame 2 (last of dataset 1) must not chunk
+    # into dataset 2's first frame
+    demos = Demonstrations([_frames([3]), _frames([2], offset=100.0)], [FMAP, FMAP], chunk_size=2)
+    _, actions = demos.batch(torch.tensor([2, 3]))
+    a1, a2 = _frames([3])["action"], _frames([2], offset=100.0)["action"]
+    assert torch.equal(actions[0], torch.from_numpy(a1[[2, 2]]))
+    assert torch.equal(actions[1], torch.from_numpy(a2[[0, 1]]))
+    assert demos.num_episodes == 2
+
+
+def test_combined_statistics_equal_those_of_the_concatenated_data():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(1.0, 2.0, (50, 3)), rng.normal(-2.0, 0.5, (30, 3))
+
+    def stats(a):
+        return {"mean": a.mean(0), "std": a.std(0), "min": a.min(0), "max": a.max(0)}
+
+    both = np.concatenate([x, y])
+    got = combine_stats([(stats(x), 50), (stats(y), 30)])
+    for key, want in stats(both).items():
+        np.testing.assert_allclose(got[key], want, rtol=1e-10, err_msg=key)
+
+
+def test_missing_features_are_named_with_what_the_dataset_has():
+    features = {
+        "observation.images.top": {"dtype": "video", "shape": [8, 8, 3]},
+        "observation.state": {"dtype": "float32", "shape": [3]},
+        "action": {"dtype": "float32", "shape": [2]},
+    }
+    with pytest.raises(ConfigError) as e:
+        map_features("d", features, ["main", "wrist"], {}, "observation.qpos", "action")
+    text = str(e.value)
+    assert "'main'" in text and "'wrist'" in text and "observation.images.top" in text
+    assert "observation.qpos" in text and "observation.state" in text
+    # naming the feature explicitly maps it
+    fmap = map_features(
+        "d", features, ["main"], {"main": "observation.images.top"}, "observation.state", "action"
+    )
+    assert fmap.cameras == {"main": "observation.images.top"}
+
+
+def _stats(low, high):
+    low, high = np.asarray(low, float), np.asarray(high, float)
+    return {
+        "mean": list((low + high) / 2),
+        "std": list((high - low) / 4),
+        "min": list(low - 1),
+        "max": list(high + 1),
+        "q01": list(low),
+        "q99": list(high),
+    }
+
+
+def test_openvla_family_normalises_with_the_dataset_statistics():
+    from rlinf_vla.policies import POLICIES, make_policy
+
+    action = _stats([-1, 0, 2], [1, 4, 3])
+    cls = POLICIES["openvla_oft"].cls
+    cfg = cls.statistics_config(
+        "pick", action, _stats([0] * 8, [2] * 8), {"frames": 9, "episodes": 2}
+    )
+    assert cfg["unnorm_key"] == "pick" and cfg["gripper"] == "env"
+    entry = cfg["norm_stats"]["pick"]
+    assert entry["num_transitions"] == 9 and entry["num_trajectories"] == 2
+    policy = make_policy("openvla_oft", preset="tiny", action_dim=3, **cfg)
+    x = torch.tensor([[0.0, 1.0, 2.5]])
+    # BOUNDS_Q99 by hand: 2 (x - q01) / (q99 - q01) - 1
+    want = torch.tensor([[0.0, 2 * 1 / 4 - 1, 2 * 0.5 / 1 - 1]])
+    torch.testing.assert_close(policy.processor.normalize_actions(x), want, atol=1e-6, rtol=0)
+
+
+def test_pi0_normalises_with_the_dataset_statistics():
+    from rlinf_vla.policies import POLICIES, make_policy
+
+    action = _stats([-1, 0, 2], [1, 4, 3])
+    cfg = POLICIES["pi0"].cls.statistics_config("d", action, None, {"frames": 1, "episodes": 1})
+    assert set(cfg["norm_stats"]) == {"actions"}
+    policy = make_policy("pi0", preset="tiny", action_dim=3, chunk_size=4, **cfg)
+    x = torch.tensor([[2.0, 2.0, 2.5]])
+    # π0 z-scores: (x - mean) / (std + 1e-6), mean (0, 2, 2.5), std (0.5, 1, 0.25)
+    want = torch.tensor([[2.0 / (0.5 + 1e-6), 0.0, 0.0]])
+    got = policy.processor.normalize_actions(x)[..., :3]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
