@@ -666,7 +666,7 @@ class ActorWorker(Worker):
             with autocast(self.device, a.autocast):
                 loss = self.policy.loss(obs.select(rows), actions[rows].to(self.device))
             (loss.float() * share).backward()
-            loss_sum += float(loss) * share
+            loss_sum += float(loss.detach()) * share
         grad_norm = self._apply_gradients()
         self.version += 1
         return {

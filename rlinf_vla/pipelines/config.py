@@ -185,6 +185,9 @@ def validate(cfg: Any) -> TrainJob:
         **built,
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
+    # The chunk size as built (a checkpoint's own when the command line leaves it), for the
+    # header and the env-step counts.
+    job.policy.setdefault("chunk_size", pol_cfg.chunk_size)
     # Training keeps float32 weights, so AdamW's state and the checkpoints are float32 too, and
     # algo.autocast sets the compute precision; policy.dtype=bfloat16 still holds bf16 weights.
     if job.policy.get("dtype", "auto") == "auto":

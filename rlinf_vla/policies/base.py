@@ -523,7 +523,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
 def find_checkpoint(checkpoint: str | Path) -> Path:
-    """The folder of ``checkpoint``: a path, or a Hugging Face model id (``openvla/openvla-7b``,
+    """The folder of ``checkpoint``: a path (a run's checkpoint folder stands for its
+    ``policy/``), or a Hugging Face model id (``openvla/openvla-7b``,
     ``org/name@revision``) looked up in the local Hugging Face cache (``HF_HUB_CACHE`` /
     ``HF_HOME``; nothing is downloaded).
 
@@ -535,6 +536,9 @@ def find_checkpoint(checkpoint: str | Path) -> Path:
     if path.exists():
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint={str(checkpoint)!r} is not a checkpoint folder")
+        # a run's checkpoint (checkpoints/iter_<N>, step_<N>) keeps the policy in policy/
+        if (path / "policy").is_dir() and not (path / "config.json").exists():
+            return path / "policy"
         return path
     text = str(checkpoint)
     if not _HUB_ID.match(text):
