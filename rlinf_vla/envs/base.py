@@ -312,6 +312,21 @@ class VectorEnv(ABC):
         """Number of distinct initial states (ids are taken modulo it), ``None`` if unbounded."""
         return None
 
+    def expert_actions(self) -> torch.Tensor:
+        """A scripted expert's action for each env's current state: float32 ``[B, A]``.
+
+        The expert reads privileged simulator state (object, goal and gripper poses), so its
+        actions are demonstrations, not a policy's. They are in the env's action units and
+        gripper convention: pass them to :meth:`chunk_step` as ``actions[:, None]``. Rows of
+        envs whose episode ended (``auto_reset=False``) are meaningless.
+
+        Raises:
+            NotImplementedError: the env has no scripted expert.
+        """
+        raise NotImplementedError(
+            f"env {self.name or type(self).__name__!r} has no scripted expert"
+        )
+
     # ------------------------------------------------------------------ contract
     @property
     def num_envs(self) -> int:

@@ -15,7 +15,7 @@ import torch
 from rlinf_vla.envs.base import StepOutput, VectorEnv, register_env
 from rlinf_vla.envs.maniskill.config import ManiSkillEnvConfig, default_instruction
 from rlinf_vla.envs.maniskill.meshes import SceneSimplifier
-from rlinf_vla.envs.vector import SubprocBatch, SubprocEnvs
+from rlinf_vla.envs.vector import CRASHED, EnvWorkerError, SubprocBatch, SubprocEnvs
 from rlinf_vla.types import Observation
 
 _DOWNLOAD_HINT = "python -m mani_skill.utils.download_asset {uid}"
@@ -197,6 +197,20 @@ def _proprio(env: Any) -> torch.Tensor:
     return torch.cat([p.float() for p in parts], dim=-1)
 
 
+def _make_expert(env: Any, cfg: ManiSkillEnvConfig) -> Any:
+    from rlinf_vla.envs.maniskill.experts import make_expert
+
+    return make_expert(cfg.task, env)
+
+
+def _expert_to_env(actions: torch.Tensor, cfg: ManiSkillEnvConfig) -> torch.Tensor:
+    """Expert actions (gripper +1 close) in the env's gripper convention."""
+    if cfg.gripper_convention == "native":  # ManiSkill's own: +1 opens
+        actions = actions.clone()
+        actions[:, -1] = -actions[:, -1]
+    return actions
+
+
 class ManiSkillCore:
     """One CPU-simulated ManiSkill env, living in a subprocess (see ``rlinf_vla.envs.vector``)."""
 
@@ -208,6 +222,7 @@ class ManiSkillCore:
         self.flip = _flip_gripper(self.env, cfg)
         self.instruction = cfg.instruction or default_instruction(cfg.task)
         self.simplifier = SceneSimplifier() if cfg.fast_render else None
+        self.expert: Any = None  # built on the first expert_action()
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -230,7 +245,15 @@ class ManiSkillCore:
             _reveal_hidden(self.env)
         if self.simplifier is not None:  # after every reset: a reconfigured scene is new
             self.simplifier.apply(self.env.scene)
+        if self.expert is not None:
+            self.expert.reset()
         return self._obs(self.env.get_obs(unflattened=True))
+
+    def expert_action(self) -> np.ndarray:
+        """The scripted expert's action for the current state, float32 ``[A]`` (env units)."""
+        if self.expert is None:
+            self.expert = _make_expert(self.env, self.cfg)
+        return _expert_to_env(self.expert.act(), self.cfg)[0].numpy()
 
     def step(self, action: np.ndarray, render: bool) -> tuple[dict | None, float, bool, bool]:
         action = np.array(action, dtype=np.float32)
@@ -266,6 +289,7 @@ class _GpuBatch:
         self.cameras = _Cameras(self.env, cfg)
         self.flip = _flip_gripper(self.env, cfg)
         self.action_dim = int(self.env.single_action_space.shape[-1])
+        self.expert: Any = None  # built on the first expert_actions()
 
     def _obs(self, raw: dict, rows: torch.Tensor | None = None) -> Observation:
         data = raw["sensor_data"]
@@ -290,8 +314,15 @@ class _GpuBatch:
                 self.env.reset(seed=[int(rid)], options={"env_idx": torch.tensor([i])})
         if self.cfg.show_goal:
             _reveal_hidden(self.env)
+        if self.expert is not None:
+            self.expert.reset(env_ids)
         raw = self.env.get_obs(unflattened=True)
         return self._obs(raw, env_ids)
+
+    def expert_actions(self) -> torch.Tensor:
+        if self.expert is None:
+            self.expert = _make_expert(self.env, self.cfg)
+        return _expert_to_env(self.expert.act(), self.cfg)
 
     def step(
         self, actions: torch.Tensor, active: torch.Tensor, need_obs: torch.Tensor
@@ -358,9 +389,15 @@ class ManiSkillEnv(VectorEnv):
       ``panda_wristcam``), both uint8 ``[B, S, S, 3]`` with ``S = image_size``; ``state``:
       float32 joint positions followed by the TCP pose (xyz + quaternion wxyz), ``[B, 16]`` for
       the Panda.
-    - **Action.** ``pd_ee_delta_pose``: float32 ``[7]`` in ``[-1, 1]``: xyz delta (x0.1 m), XYZ
-      Euler delta (x0.1 rad), gripper (+1 close, -1 open by default). Other controllers via
-      ``control_mode`` (their action size becomes ``action_dim``).
+    - **Action.** ``pd_ee_delta_pose``: float32 ``[7]`` in ``[-1, 1]``: xyz delta (x0.1 m, root
+      frame), rotation delta as XYZ Euler angles of ``-0.1 * a[3:6]`` rad (ManiSkill scales the
+      rotation by its lower bound, -0.1, so ``+a`` turns the negative way; clipped to norm 1;
+      applied in the root frame on the left of the TCP's orientation), gripper (+1 close, -1
+      open by default). Other controllers via ``control_mode`` (their action size becomes
+      ``action_dim``).
+    - **Expert.** :meth:`expert_actions` gives a scripted expert's action from privileged state
+      for PickCube, PushCube and StackCube (``pd_ee_delta_pose`` only; see
+      :mod:`rlinf_vla.envs.maniskill.experts`).
     - **Backends.** GPU: ``num_envs`` envs in one process. CPU: one env per subprocess
       (ManiSkill's CPU simulator holds one env); crashed workers are restarted and their episode
       reported invalid. Missing assets fail at construction, naming the asset and the download
@@ -417,6 +454,30 @@ class ManiSkillEnv(VectorEnv):
     def workers(self) -> SubprocEnvs | None:
         """The subprocess pool of the CPU backend (``None`` on GPU)."""
         return None if self._cpu is None else self._cpu.envs
+
+    def expert_actions(self) -> torch.Tensor:
+        """The scripted expert's action for each env's current state, float32 ``[B, A]``.
+
+        Experts (:mod:`rlinf_vla.envs.maniskill.experts`) read object, goal and TCP poses from
+        the simulator and act in ``control_mode="pd_ee_delta_pose"``; the gripper entry follows
+        ``gripper_convention``. Tasks without an expert, and other control modes, fail naming
+        what is supported.
+        """
+        from rlinf_vla.envs.maniskill.experts import check_expert
+
+        self._check_usable()
+        check_expert(self.cfg.task, self.cfg.control_mode)
+        if self._gpu is not None:
+            return self._gpu.expert_actions().float().cpu()
+        assert self._cpu is not None
+        results = self._cpu.envs.call("expert_action", {i: () for i in range(self.num_envs)})
+        crashed = [i for i, r in results.items() if r is CRASHED]
+        if crashed:
+            raise EnvWorkerError(
+                f"maniskill env(s) {crashed} crashed computing the expert action; they were "
+                f"restarted and lost their episode: call reset()"
+            )
+        return torch.from_numpy(np.stack([results[i] for i in range(self.num_envs)])).float()
 
     def _reset_envs(self, env_ids: torch.Tensor, reset_ids: torch.Tensor) -> Observation:
         if self._gpu is not None:

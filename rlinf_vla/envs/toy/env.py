@@ -97,6 +97,10 @@ class ToyEnv(VectorEnv):
             pos = pos + a * step
         return out.cpu()
 
+    def expert_actions(self) -> torch.Tensor:
+        """The one-step oracle (:meth:`oracle_actions`): ``[B, A]`` straight at the target."""
+        return self.oracle_actions(chunk=1)[:, 0]
+
     # ------------------------------------------------------------------ primitives
     def _reset_envs(self, env_ids: torch.Tensor, reset_ids: torch.Tensor) -> Observation:
         m = self.cfg.num_objects
