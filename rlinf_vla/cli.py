@@ -68,6 +68,18 @@ COMMANDS: dict[str, Command] = {
             "rlinf_vla.pipelines",
         ),
         Command(
+            "collect",
+            "record successful episodes of an env's scripted expert as a LeRobotDataset v3.0",
+            "collect",
+            "rlinf_vla.pipelines.collect",
+        ),
+        Command(
+            "sft",
+            "behaviour cloning of a VLA policy on LeRobot datasets, with greedy evaluation in the simulator",
+            "sft",
+            "rlinf_vla.pipelines.sft",
+        ),
+        Command(
             "eval",
             "success rates of a policy on a LIBERO suite or ManiSkill tasks (parallel envs, resumable reports, videos)",
             "eval",
@@ -255,6 +267,37 @@ def _explain(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
+def describe_keys(config_file: Path) -> list[str]:
+    """The keys a primary config sets itself (not its groups'), as ``section.key = default``
+    with the comment the YAML gives them, for ``--help``."""
+    lines, stack = [], []  # stack: (indent, key) of the enclosing mappings
+    for raw in config_file.read_text().splitlines():
+        text = raw.split(" #", 1)[0].rstrip() if not raw.lstrip().startswith("#") else ""
+        if not text.strip() or text.lstrip().startswith("-") or ":" not in text:
+            continue
+        indent = len(text) - len(text.lstrip())
+        key, _, value = text.strip().partition(":")
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if key == "defaults" and not stack:
+            stack.append((indent, None))
+            continue
+        if any(k is None for _, k in stack):  # inside the defaults list
+            continue
+        comment = raw.split(" # ", 1)[1].strip() if " # " in raw else ""
+        if not value.strip():
+            stack.append((indent, key))
+            continue
+        name = ".".join([k for _, k in stack] + [key])
+        lines.append(f"  {name} = {value.strip()}" + (f"  ({comment})" if comment else ""))
+    return lines
+
+
+def _keys_text(command: Command) -> str:
+    keys = describe_keys(command.config_dir / f"{command.config_name}.yaml")
+    return "\n\nkeys of this command (section.key = default):\n" + "\n".join(keys) if keys else ""
+
+
 # --------------------------------------------------------------------------- argument parsing
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -276,6 +319,7 @@ def _build_parser() -> argparse.ArgumentParser:
             help=command.help,
             description=f"{command.help}\n\nconfig groups (choose with group=choice):\n"
             + "\n".join(lines)
+            + _keys_text(command)
             + "\n\nany value can be set with section.key=value, e.g. cluster.num_cpus=2",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
@@ -290,6 +334,19 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", help="the run folder (it holds metrics.jsonl)")
     p.add_argument("-o", "--output", help="the PNG to write (default: <run_dir>/curves.png)")
+    p = sub.add_parser(
+        "export-episodes",
+        help="convert episodes recorded by `rlinf-vla deploy` into a LeRobotDataset v3.0",
+        description="Convert episodes recorded by `rlinf-vla deploy` (folders with steps.npz and "
+        "meta.json, or folders holding them, e.g. deploy's record.output_dir) into one "
+        "LeRobotDataset v3.0: every recorded camera, the proprio as observation.state, the "
+        "executed action, the instruction as the task.",
+    )
+    p.add_argument("recordings", nargs="+", help="episode folders, or folders of them")
+    p.add_argument("-o", "--output", required=True, help="the dataset folder to write")
+    p.add_argument("--fps", type=int, help="frame rate (default: the recordings' control rate)")
+    p.add_argument("--robot-type", help="the dataset's robot_type (default: the recorded robot)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset at --output")
     from rlinf_vla.doctor import CHECKS
 
     p = sub.add_parser(
@@ -316,6 +373,33 @@ def _plot(run_dir: str, output: str | None) -> int:
     return 0
 
 
+def _export_episodes(args: argparse.Namespace) -> int:
+    from rlinf_vla.data import export_recordings
+
+    folders: list[Path] = []
+    for given in map(Path, args.recordings):
+        if (given / "meta.json").exists():
+            folders.append(given)
+        else:  # a folder of recordings, in name (time) order
+            folders += sorted(f.parent for f in given.glob("*/meta.json"))
+    if not folders:
+        print(
+            f"rlinf-vla export-episodes: no recorded episode (a folder with meta.json) in "
+            f"{', '.join(args.recordings)}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        out = export_recordings(
+            folders, args.output, args.fps, robot_type=args.robot_type, overwrite=args.overwrite
+        )
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        print(f"rlinf-vla export-episodes: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({len(folders)} episodes)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -324,6 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "plot":
         return _plot(args.run_dir, args.output)
+    if args.command == "export-episodes":
+        return _export_episodes(args)
     if args.command == "doctor":
         from rlinf_vla.doctor import run_checks
 

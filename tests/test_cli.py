@@ -107,13 +107,34 @@ def test_the_checks_across_sections_are_named_at_once(capsys, nothing_starts):
     assert "cannot be split evenly over 1 env worker(s) x placement.stages=3" in err
 
 
-def test_every_config_group_choice_composes_and_validates():
+def _tiny_dataset(path: Path) -> Path:
+    """A LeRobot dataset of one 4-frame episode: a 16 x 16 main camera, 16-D state, 7-D action."""
+    import numpy as np
+
+    from rlinf_vla.data import LeRobotWriter
+
+    with LeRobotWriter(path, fps=20, cameras={"main": (16, 16)}, state_dim=16, action_dim=7) as w:
+        w.add_episode(
+            images={"main": np.zeros((4, 16, 16, 3), np.uint8)},
+            state=np.zeros((4, 16), np.float32),
+            action=np.zeros((4, 7), np.float32),
+            task="pick up the cube",
+        )
+    return path
+
+
+def test_every_config_group_choice_composes_and_validates(tmp_path):
+    # what the commands cannot do without: a folder to write, demonstrations to read
+    required = {
+        "collect": [f"collect.output_dir={tmp_path / 'new'}"],
+        "sft": [f"data.paths=[{_tiny_dataset(tmp_path / 'demos')}]"],
+    }
     for command in cli.COMMANDS.values():
         validate, _ = command.load()
         groups = cli.config_groups(command.config_name, command.config_dir)
         for group, choices in groups.items():
             for choice in choices:
-                overrides = [f"{group}={choice}"]
+                overrides = [f"{group}={choice}", *required.get(command.name, [])]
                 if "cluster" in groups and not (group == "cluster" and choice == "ray"):
                     # env, rollout and actor on their own devices need 3
                     devices = 3 if choice == "disaggregated" else 2
@@ -128,4 +149,9 @@ def test_every_config_group_choice_composes_and_validates():
                     overrides.append(
                         f"data.path={Path(__file__).parent / 'reasoning' / 'data' / 'tiny.jsonl'}"
                     )
-                validate(cli.compose(command.config_name, overrides, command.config_dir))
+                cfg = cli.compose(command.config_name, overrides, command.config_dir)
+                if command.name == "collect" and choice == "libero":  # LIBERO has no expert
+                    with pytest.raises(ConfigError, match="no scripted expert"):
+                        validate(cfg)
+                    continue
+                validate(cfg)

@@ -645,3 +645,20 @@ def test_export_recordings(tmp_path):
     with pytest.raises(ValueError, match="different cameras"):
         export_recordings([folders[0], other], tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
+
+
+def test_export_episodes_command_takes_a_deploy_folder(tmp_path, capsys):
+    from rlinf_vla import cli
+
+    _record(tmp_path / "episodes/20261126-1-ep000", 4, "put the cup away", seed=1)
+    _record(tmp_path / "episodes/20261126-2-ep001", 3, "wipe the table", seed=2)
+    out = tmp_path / "ds"
+    assert cli.main(["export-episodes", str(tmp_path / "episodes"), "-o", str(out)]) == 0
+    ds = open_dataset(out)
+    assert [e.length for e in ds.episodes] == [4, 3]
+    assert ds.tasks == ["put the cup away", "wipe the table"]
+    # a second export into the same folder is refused, naming it
+    assert cli.main(["export-episodes", str(tmp_path / "episodes"), "-o", str(out)]) == 2
+    assert str(out) in capsys.readouterr().err
+    assert cli.main(["export-episodes", str(tmp_path / "nothing"), "-o", str(out)]) == 2
+    assert "no recorded episode" in capsys.readouterr().err

@@ -158,3 +158,25 @@ def test_time_limit_is_the_task_registered_one(maniskill) -> None:
         assert env.max_episode_steps == registered
     finally:
         env.close()
+
+
+def test_privileged_state_is_the_tasks_own_state_observation(maniskill) -> None:
+    # ManiSkill itself, in its state observation mode, from the same seed: the object and goal
+    # poses follow the 16 proprio values, in ManiSkill's order.
+    import gymnasium as gym
+
+    raw = gym.make("PushCube-v1", num_envs=1, obs_mode="state_dict", sim_backend="physx_cpu")
+    raw.reset(seed=5)
+    extra = raw.unwrapped.get_obs()["extra"]
+    want = torch.cat([extra["tcp_pose"], extra["goal_pos"], extra["obj_pose"]], dim=-1)[0]
+    raw.close()
+    env = make_env(
+        "maniskill", task="PushCube-v1", num_envs=1, image_size=32, sim_backend="cpu",
+        state_mode="privileged",
+    )  # fmt: skip
+    try:
+        state = env.reset([5]).state[0]
+    finally:
+        env.close()
+    assert state.shape == (16 + 7 + 3 + 7,)
+    torch.testing.assert_close(state[16:], want.float(), atol=1e-6, rtol=0)

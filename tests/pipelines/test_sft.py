@@ -120,3 +120,120 @@ def test_pi0_normalises_with_the_dataset_statistics():
     want = torch.tensor([[2.0 / (0.5 + 1e-6), 0.0, 0.0]])
     got = policy.processor.normalize_actions(x)[..., :3]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+# -- end to end on the toy env ------------------------------------------------------------------
+# One shape, the agent starting at the centre, 2-D actions; the state holds the offset to the
+# target (privileged), so a tiny policy can clone the expert in a few hundred steps on a CPU.
+TOY = [
+    "env=toy",
+    "env.num_objects=1",
+    "env.state_mode=privileged",
+    "env.action_dim=2",
+    "env.max_episode_steps=16",
+    "env.success_radius=0.1",
+    "env.agent_start=center",
+]
+
+
+@pytest.fixture(scope="module")
+def toy_demos(tmp_path_factory):
+    from rlinf_vla import cli
+
+    out = tmp_path_factory.mktemp("demos") / "toy"
+    args = [*TOY, "env.num_envs=8", "collect.episodes=24", f"collect.output_dir={out}"]
+    assert cli.main(["collect", *args]) == 0
+    return out
+
+
+def _sft(out, demos, *extra):
+    from rlinf_vla import cli
+
+    args = [
+        "sft",
+        *TOY,
+        "policy=openvla_oft",
+        "policy.chunk_size=2",
+        f"data.paths=[{demos}]",
+        "sft.lr=1e-3",
+        "runner.eval_episodes=16",
+        "runner.eval_videos=false",
+        "runner.logging.tensorboard=false",
+        "cluster.devices_per_node=1",
+        f"runner.output_dir={out}",
+        *extra,
+    ]
+    return cli.main(args)
+
+
+@pytest.mark.slow
+def test_cloning_the_toy_expert_lowers_the_loss_raises_success_and_resumes(tmp_path, toy_demos):
+    from rlinf_vla.data import open_dataset
+    from rlinf_vla.pipelines.tracking import read_metrics
+
+    run = tmp_path / "sft"
+    common = ["runner.eval_interval=150", "runner.save_interval=75", "runner.eval_at_start=true"]
+    assert _sft(run, toy_demos, "sft.steps=75", *common) == 0
+    assert _sft(run, toy_demos, "sft.steps=150", f"runner.resume={run}", *common) == 0
+    rows = read_metrics(run)
+    assert [r["iteration"] for r in rows] == list(range(151))
+    loss = [r["train/loss"] for r in rows[1:]]
+    assert np.mean(loss[-20:]) < 0.5 * np.mean(loss[:10])
+    assert rows[0]["eval/success_rate"] <= 0.25  # random weights: where the expert never goes
+    assert rows[-1]["eval/success_rate"] >= 0.75
+    # the dataset's statistics travel with the checkpoint, where OpenVLA keeps them
+    import json
+
+    saved = json.loads((run / "checkpoints/step_150/policy/dataset_statistics.json").read_text())
+    [(name, entry)] = saved.items()
+    assert name == "toy"  # the dataset folder names the statistics (unnorm_key)
+    stats = open_dataset(toy_demos).stats
+    np.testing.assert_allclose(entry["action"]["q99"], stats["action"]["q99"], rtol=1e-6)
+    np.testing.assert_allclose(
+        entry["proprio"]["mean"], stats["observation.state"]["mean"], rtol=1e-6
+    )
+    assert entry["num_trajectories"] == 24
+
+
+@pytest.mark.slow
+def test_an_sft_checkpoint_starts_rl(tmp_path, toy_demos):
+    from rlinf_vla import cli
+    from rlinf_vla.pipelines.tracking import read_metrics
+
+    run = tmp_path / "sft"
+    assert _sft(run, toy_demos, "sft.steps=2", "runner.eval_interval=0") == 0
+    args = [
+        "train",
+        *TOY,
+        "env.num_envs=4",
+        "policy=openvla_oft",
+        f"policy.checkpoint={run}/checkpoints/step_2",
+        "runner.max_iterations=1",
+        "runner.rollout_chunks=4",
+        "runner.eval_interval=0",
+        "runner.logging.tensorboard=false",
+        "cluster.devices_per_node=1",
+        f"runner.output_dir={tmp_path / 'rl'}",
+    ]
+    assert cli.main(args) == 0
+    [row] = read_metrics(tmp_path / "rl")
+    assert row["env_steps"] == 4 * 4 * 2  # envs x chunks x the checkpoint's chunk size
+
+
+def _bad(tmp_path, demos, *extra, capsys):
+    assert _sft(tmp_path / "run", demos, *extra) == 2
+    return capsys.readouterr().err
+
+
+def test_datasets_that_do_not_fit_fail_before_anything_starts(
+    tmp_path, toy_demos, nothing_starts, capsys
+):
+    err = _bad(tmp_path, toy_demos, "policy.action_dim=3", capsys=capsys)
+    assert "its actions have 2 dims, the policy 3" in err
+    err = _bad(tmp_path, toy_demos, "policy.image_keys=[wrist]", capsys=capsys)
+    assert "'wrist'" in err and "observation.images.main" in err
+    err = _bad(tmp_path, tmp_path / "nowhere", capsys=capsys)
+    assert "nowhere" in err
+    (tmp_path / "empty").mkdir()
+    err = _bad(tmp_path, tmp_path / "empty", capsys=capsys)
+    assert "info.json" in err

@@ -34,6 +34,7 @@ INSTRUCTIONS: dict[str, str] = {
 REWARD_MODES = ("sparse", "dense", "normalized_dense")
 SIM_BACKENDS = ("auto", "cpu", "gpu")
 GRIPPER_CONVENTIONS = ("close_positive", "native")
+STATE_MODES = ("proprio", "privileged")
 
 
 def default_instruction(task: str) -> str:
@@ -71,7 +72,8 @@ class ManiSkillEnvConfig(EnvConfig):
             ``robot="panda_wristcam"`` for a Panda with a hand camera).
         robot: ManiSkill robot uid; ``None`` = the task's default robot.
         control_mode: ManiSkill controller; the default ``"pd_ee_delta_pose"`` takes the 7-D
-            end-effector delta used by VLAs: xyz (x0.1 m), rpy (XYZ Euler, x0.1 rad), gripper.
+            end-effector delta used by VLAs: xyz (x0.1 m), rotation (XYZ Euler angles of
+            ``-0.1 * a`` rad: ManiSkill scales by its lower bound), gripper.
         gripper_convention: ``"close_positive"`` -> the last action entry is +1 close, -1 open
             (as in LIBERO; ManiSkill's own sign is flipped for you); ``"native"`` -> as given.
         reward_mode: ``"sparse"`` (1 on success), ``"dense"`` or ``"normalized_dense"``.
@@ -90,6 +92,10 @@ class ManiSkillEnvConfig(EnvConfig):
             full meshes.
         worker_timeout_s: seconds a CPU worker may take for one command before it is
             considered hung and restarted.
+        state_mode: ``"proprio"``: ``state`` is the robot's joint positions and TCP pose;
+            ``"privileged"``: followed by the task's own state observation (ManiSkill's
+            ``extra`` of ``obs_mode="state"``: object and goal poses, e.g. 24 more values for
+            PickCube), for policies that learn without reading the scene from the images.
     """
 
     task: str = "PickCube-v1"
@@ -107,6 +113,7 @@ class ManiSkillEnvConfig(EnvConfig):
     shader: str = "minimal"
     fast_render: bool = False
     worker_timeout_s: float = 600.0
+    state_mode: str = "proprio"
 
     @property
     def action_dim(self) -> int | None:
@@ -139,3 +146,6 @@ class ManiSkillEnvConfig(EnvConfig):
             f"must be one of {GRIPPER_CONVENTIONS}",
         )
         check_field(self, "worker_timeout_s", self.worker_timeout_s > 0, "must be > 0")
+        check_field(
+            self, "state_mode", self.state_mode in STATE_MODES, f"must be one of {STATE_MODES}"
+        )

@@ -211,6 +211,29 @@ def _expert_to_env(actions: torch.Tensor, cfg: ManiSkillEnvConfig) -> torch.Tens
     return actions
 
 
+def _task_state(env: Any) -> torch.Tensor:
+    """The task's own state observation (ManiSkill's ``extra`` in ``obs_mode="state"``: object
+    and goal poses...), flattened to ``[n, D]``, whatever the env's observation mode."""
+    from mani_skill.envs.utils.observations import parse_obs_mode_to_struct
+    from mani_skill.utils import common
+
+    saved = env._obs_mode, env.obs_mode_struct
+    env._obs_mode, env.obs_mode_struct = "state_dict", parse_obs_mode_to_struct("state_dict")
+    try:
+        extra = env._get_obs_extra(env.get_info())
+    finally:
+        env._obs_mode, env.obs_mode_struct = saved
+    return common.flatten_state_dict(extra, use_torch=True).float()
+
+
+def _state(env: Any, cfg: ManiSkillEnvConfig) -> torch.Tensor:
+    """``state`` of the observation: :func:`_proprio`, then the task state when privileged."""
+    proprio = _proprio(env)
+    if cfg.state_mode != "privileged":
+        return proprio
+    return torch.cat([proprio, _task_state(env).to(proprio.device)], dim=-1)
+
+
 class ManiSkillCore:
     """One CPU-simulated ManiSkill env, living in a subprocess (see ``rlinf_vla.envs.vector``)."""
 
@@ -234,7 +257,7 @@ class ManiSkillCore:
         data = raw["sensor_data"]
         return {
             "images": {k: data[v]["rgb"][0].cpu().numpy() for k, v in self.cameras.names.items()},
-            "state": _proprio(self.env)[0].cpu().numpy(),
+            "state": _state(self.env, self.cfg)[0].cpu().numpy(),
             "instruction": self.instruction,
         }
 
@@ -294,7 +317,7 @@ class _GpuBatch:
     def _obs(self, raw: dict, rows: torch.Tensor | None = None) -> Observation:
         data = raw["sensor_data"]
         images = {k: data[v]["rgb"] for k, v in self.cameras.names.items()}
-        state = _proprio(self.env)
+        state = _state(self.env, self.cfg)
         if rows is not None:
             idx = rows.to(state.device)
             images = {k: v[idx] for k, v in images.items()}
