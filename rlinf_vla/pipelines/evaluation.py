@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,7 +34,13 @@ from rlinf_vla.types import ChunkResult
 if TYPE_CHECKING:
     from rlinf_vla.envs.video import VideoRecorder
 
-__all__ = ["EVAL_RESET_ID_BASE", "EvalResult", "eval_reset_ids", "greedy_eval"]
+__all__ = [
+    "EVAL_RESET_ID_BASE",
+    "EvalResult",
+    "eval_reset_ids",
+    "evaluate_on_worker",
+    "greedy_eval",
+]
 
 #: First default evaluation reset id (``2**31 - 2**20``): far from ids drawn by training.
 EVAL_RESET_ID_BASE = 2**31 - 2**20
@@ -222,3 +228,28 @@ def _executed_steps(res: ChunkResult, running: torch.Tensor) -> torch.Tensor:
         torch.full_like(running, k, dtype=torch.long),
     )
     return torch.where(running, first_end, torch.zeros_like(first_end))
+
+
+def evaluate_on_worker(
+    rollout: Any,
+    env_name: str,
+    env: dict[str, Any],
+    seed: int,
+    episodes: int,
+    videos: bool,
+    video_dir: Path,
+    logger: Any,
+    step: int,
+) -> dict[str, float]:
+    """One evaluation round of a trainer (``train`` and ``sft``): rollout worker 0 of
+    ``rollout`` runs :func:`greedy_eval` with the weights it holds, on an env of its own made
+    from ``env`` (at most ``episodes`` envs); the driver writes the videos it returns into
+    ``video_dir`` and hands them to ``logger``. Returns the ``eval/*`` metrics."""
+    env_cfg = dict(env, seed=seed, group_size=1)
+    env_cfg["num_envs"] = min(env_cfg.get("num_envs", 1), episodes)
+    [(metrics, blobs)] = rollout.evaluate(env_name, env_cfg, episodes, videos, ranks=[0]).wait()
+    for name, blob in blobs.items():
+        video_dir.mkdir(parents=True, exist_ok=True)
+        (video_dir / name).write_bytes(blob)
+        logger.log_video("eval/video", video_dir / name, step)
+    return metrics

@@ -21,6 +21,7 @@ import torch
 
 from rlinf_vla.pipelines.actor import ActorWorker
 from rlinf_vla.pipelines.config import TrainJob, check_env_split
+from rlinf_vla.pipelines.evaluation import evaluate_on_worker
 from rlinf_vla.pipelines.loop import RunLoop, Say, count_text, device_ranges, device_summary
 from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
 from rlinf_vla.pipelines.tracking import MetricsLogger, last_checkpoint, run_folder
@@ -278,16 +279,17 @@ class EmbodiedRunner:
         r = self.job.runner
         t0 = time.perf_counter()
         self._sync(version=iteration)
-        env_cfg = dict(self.job.env, seed=r.seed, group_size=1)
-        env_cfg["num_envs"] = min(env_cfg.get("num_envs", 1), r.eval_episodes)
-        [(metrics, videos)] = self.rollout.evaluate(
-            self.job.env_name, env_cfg, r.eval_episodes, r.eval_videos, ranks=[0]
-        ).wait()
-        video_dir = self.output_dir / "videos" / f"iter_{iteration}"
-        for name, data in videos.items():
-            video_dir.mkdir(parents=True, exist_ok=True)
-            (video_dir / name).write_bytes(data)
-            logger.log_video("eval/video", video_dir / name, iteration)
+        metrics = evaluate_on_worker(
+            self.rollout,
+            self.job.env_name,
+            self.job.env,
+            r.seed,
+            r.eval_episodes,
+            r.eval_videos,
+            self.output_dir / "videos" / f"iter_{iteration}",
+            logger,
+            iteration,
+        )
         return {**metrics, "time/eval_s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ checkpoints

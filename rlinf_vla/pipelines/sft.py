@@ -483,6 +483,7 @@ class SFTRunner:
 
     def evaluate(self, step: int, logger: Any) -> dict[str, float]:
         """Greedy episodes of the weights after ``step`` steps on held-out scenes."""
+        from rlinf_vla.pipelines.evaluation import evaluate_on_worker
         from rlinf_vla.runtime import wait_all
 
         assert self.rollout is not None
@@ -496,16 +497,17 @@ class SFTRunner:
                 ]
             )
             self._synced = step
-        env_cfg = dict(self.job.env, seed=r.seed, group_size=1)
-        env_cfg["num_envs"] = min(env_cfg.get("num_envs", 1), r.eval_episodes)
-        [(metrics, videos)] = self.rollout.evaluate(
-            self.job.env_name, env_cfg, r.eval_episodes, r.eval_videos, ranks=[0]
-        ).wait()
-        video_dir = self.output_dir / "videos" / f"step_{step}"
-        for name, blob in videos.items():
-            video_dir.mkdir(parents=True, exist_ok=True)
-            (video_dir / name).write_bytes(blob)
-            logger.log_video("eval/video", video_dir / name, step)
+        metrics = evaluate_on_worker(
+            self.rollout,
+            self.job.env_name,
+            self.job.env,
+            r.seed,
+            r.eval_episodes,
+            r.eval_videos,
+            self.output_dir / "videos" / f"step_{step}",
+            logger,
+            step,
+        )
         return {**metrics, "time/eval_s": time.perf_counter() - t0}
 
     def save(self, step: int) -> Path:
