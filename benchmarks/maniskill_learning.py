@@ -108,8 +108,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of sft and RL (not of the demos)")
     p.add_argument("--image-size", type=int, default=64, help="camera image side")
     p.add_argument("--chunk", type=int, default=4, help="actions per policy call")
-    p.add_argument("--sft-steps", type=int, default=1500)
-    p.add_argument("--ppo-iterations", type=int, default=20)
+    p.add_argument("--sft-steps", type=int, default=1000)
+    p.add_argument("--ppo-iterations", type=int, default=40)
     p.add_argument("--grpo-iterations", type=int, default=20)
     p.add_argument("--envs", type=int, default=8, help="training envs (CPU processes)")
     p.add_argument("--eval-episodes", type=int, default=64)
@@ -150,7 +150,7 @@ def main() -> None:
             "sft.lr=3e-4",
             "sft.batch_size=64",
             "sft.micro_batch_size=64",
-            f"runner.eval_interval={max(1, steps // 5)}",
+            f"runner.eval_interval={max(1, steps // 4)}",
             "runner.eval_at_start=true",
             f"runner.eval_episodes={args.eval_episodes}",
             f"runner.save_interval={steps}",
@@ -174,7 +174,7 @@ def main() -> None:
                 f"policy.checkpoint={checkpoint}",
                 f"algo={algo}",
                 *extra,
-                "algo.lr=1e-4",
+                "algo.lr=1e-5",  # 1e-4 collapses the chunk-level Gaussian (approx_kl 5)
                 "runner.rollout_chunks=13",
                 f"runner.max_iterations={iterations}",
                 f"runner.eval_interval={max(1, iterations // 4)}",
