@@ -36,17 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from rlinf_vla import cli
+from rlinf_vla.eval.stats import wilson_interval
 from rlinf_vla.pipelines.tracking import read_metrics
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval of a success rate."""
-    if n == 0:
-        return (math.nan, math.nan)
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (centre - half, centre + half)
 
 
 def env_args(args: argparse.Namespace, num_envs: int) -> list[str]:
@@ -196,7 +187,7 @@ def main() -> None:
     base = None
     for name, (final, curve) in rows.items():
         rate = float(final["eval/success_rate"])
-        lo, hi = wilson(round(rate * n), n)
+        lo, hi = wilson_interval(round(rate * n), n) or (math.nan, math.nan)
         label = {"sft": f"sft ({steps} steps)"}.get(name, f"{name} from sft")
         if name == "sft":
             base = rate

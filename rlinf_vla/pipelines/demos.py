@@ -159,12 +159,11 @@ class Demonstrations:
         if n == 0:
             raise ValueError("the datasets hold no frames")
         # chunk target rows: t, t+1, ..., t+K-1 clamped to the episode's last frame
-        starts = torch.zeros(n, dtype=torch.long)
         ends = torch.zeros(n, dtype=torch.long)
         change = torch.nonzero(episode[1:] != episode[:-1]).flatten() + 1
         bounds = [0, *change.tolist(), n]
         for a, b in itertools.pairwise(bounds):
-            starts[a:b], ends[a:b] = a, b - 1
+            ends[a:b] = b - 1
         steps = torch.arange(chunk_size)
         self.targets = torch.minimum(torch.arange(n)[:, None] + steps, ends[:, None])
         self.episode = episode
