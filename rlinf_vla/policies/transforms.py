@@ -6,7 +6,6 @@ Normalisation statistics follow the layouts of the official checkpoints (see eac
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,16 +14,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "Bounds",
     "BoundsQ99",
     "EnvGripper",
+    "ProprioBounds",
     "ProprioBoundsQ99",
     "RLDSGripper",
     "ZScore",
     "center_crop",
+    "crop_and_resize",
+    "float_to_uint8_tf",
     "images_to_float",
     "normalize_images",
     "resize_images",
     "resize_with_pad",
+    "rlds_resize",
 ]
 
 
@@ -43,14 +47,100 @@ def resize_images(x: Tensor, size: int, mode: str = "bicubic") -> Tensor:
     return y.clamp(0.0, 1.0)
 
 
+def crop_and_resize(
+    x: Tensor, box: Sequence[float], size: tuple[int, int], extrapolation_value: float = 0.0
+) -> Tensor:
+    """TensorFlow's ``tf.image.crop_and_resize`` (bilinear) of every image of ``[B, C, H, W]``
+    with one ``box`` ``(y1, x1, y2, x2)`` in normalised coordinates, to ``size`` ``(h, w)``.
+
+    TF's kernel maps a normalised coordinate ``y`` to the pixel coordinate ``y (H - 1)``
+    (corner-aligned) and samples, in float32, ``in_y(i) = y1 (H - 1) + i (y2 - y1) (H - 1) /
+    (h - 1)`` (``0.5 (y1 + y2) (H - 1)`` when ``h == 1``), likewise for x, then interpolates
+    ``top = tl + (tr - tl) fx``, ``bottom = bl + (br - bl) fx``, ``top + (bottom - top) fy``
+    between the pixels at ``floor`` and ``ceil``; points outside ``[0, H - 1]`` get
+    ``extrapolation_value``. No antialiasing. Returns float32.
+    """
+    h_in, w_in = x.shape[-2:]
+    y1, x1, y2, x2 = (torch.tensor(float(v), dtype=torch.float32) for v in box)
+    ys = _tf_sample_points(y1, y2, h_in, size[0], x.device)
+    xs = _tf_sample_points(x1, x2, w_in, size[1], x.device)
+    ys_ok = (ys >= 0) & (ys <= h_in - 1)
+    xs_ok = (xs >= 0) & (xs <= w_in - 1)
+    ys_c, xs_c = ys.clamp(0, h_in - 1), xs.clamp(0, w_in - 1)
+    top, bottom = ys_c.floor().long(), ys_c.ceil().long()
+    left, right = xs_c.floor().long(), xs_c.ceil().long()
+    fy = (ys_c - top.float()).view(-1, 1)
+    fx = (xs_c - left.float()).view(1, -1)
+    img = x.float()
+    rows_t, rows_b = img[..., top, :], img[..., bottom, :]
+    tl, tr = rows_t[..., left], rows_t[..., right]
+    bl, br = rows_b[..., left], rows_b[..., right]
+    t = tl + (tr - tl) * fx
+    b = bl + (br - bl) * fx
+    out = t + (b - t) * fy
+    inside = ys_ok.view(-1, 1) & xs_ok.view(1, -1)
+    return torch.where(inside, out, torch.full_like(out, extrapolation_value))
+
+
+def _tf_sample_points(lo: Tensor, hi: Tensor, n_in: int, n_out: int, device: Any) -> Tensor:
+    """The float32 sample coordinates of TF's ``crop_and_resize`` along one axis."""
+    if n_out == 1:
+        return (0.5 * (lo + hi) * (n_in - 1)).view(1).to(device)
+    scale = (hi - lo) * (n_in - 1) / (n_out - 1)
+    i = torch.arange(n_out, dtype=torch.float32)
+    return (lo * (n_in - 1) + i * scale).to(device)
+
+
 def center_crop(x: Tensor, area_scale: float = 0.9) -> Tensor:
-    """Crop the central ``area_scale`` of the image area and resize back to the input size
-    (OpenVLA-OFT's test-time counterpart of its random-crop augmentation)."""
-    h, w = x.shape[-2:]
-    ch, cw = round(h * math.sqrt(area_scale)), round(w * math.sqrt(area_scale))
-    top, left = (h - ch) // 2, (w - cw) // 2
-    crop = x[..., top : top + ch, left : left + cw]
-    return F.interpolate(crop, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
+    """The official test-time crop of OpenVLA and OpenVLA-OFT (``crop_and_resize`` in their
+    ``experiments/robot/openvla_utils.py``, the counterpart of the RLDS random-crop
+    augmentation): a centred box of side ``sqrt(area_scale)`` (float32, as TF computes it)
+    cut and resampled to the input size by :func:`crop_and_resize`."""
+    side = torch.tensor(area_scale, dtype=torch.float32).sqrt().clamp(0, 1)
+    offset = (1 - side) / 2
+    box = (offset.item(), offset.item(), (offset + side).item(), (offset + side).item())
+    return crop_and_resize(x, box, (x.shape[-2], x.shape[-1]))
+
+
+def float_to_uint8_tf(x: Tensor) -> Tensor:
+    """``tf.image.convert_image_dtype(clip(x, 0, 1), tf.uint8, saturate=True)``: float32
+    ``x * 255.5`` truncated (not rounded) to ``uint8``, as the official crop returns it."""
+    return (x.float().clamp(0, 1) * 255.5).clamp(0, 255).to(torch.uint8)
+
+
+def rlds_resize(images: Tensor, size: int, jpeg: bool = True, quality: int = 95) -> Tensor:
+    """The resize of the RLDS dataset builder, which the official OpenVLA / OpenVLA-OFT
+    evaluations apply to every camera image (``resize_image`` / ``resize_image_for_policy``):
+    a JPEG round trip (TF's ``encode_jpeg`` defaults: quality 95, 4:2:0 chroma subsampling),
+    then a Lanczos-3 antialiased resize to ``size x size``, rounded to ``uint8``.
+
+    Done with PIL on the host, image by image: ``uint8 [B, H, W, 3]`` (any device) ->
+    ``uint8 [B, size, size, 3]`` on the CPU. PIL's Lanczos runs in fixed point on 8-bit
+    pixels, TF's in float32 before the rounding: a pixel may differ by one level.
+    ``jpeg=False`` skips the round trip (OFT skips the whole step for images already at the
+    model size).
+    """
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != torch.uint8:
+        raise ValueError(
+            f"images must be uint8 [B, H, W, 3], got {images.dtype} {tuple(images.shape)}"
+        )
+    out = []
+    for frame in images.cpu().numpy():
+        img = Image.fromarray(frame, "RGB")
+        if jpeg:
+            buf = io.BytesIO()
+            img.save(buf, format="JPEG", quality=quality, subsampling=2)
+            buf.seek(0)
+            img = Image.open(buf).convert("RGB")
+        if img.size != (size, size):
+            img = img.resize((size, size), Image.LANCZOS)
+        out.append(np.asarray(img, dtype=np.uint8))
+    return torch.from_numpy(np.stack(out))
 
 
 def resize_with_pad(x: Tensor, size: int) -> Tensor:
@@ -78,58 +168,89 @@ def _vec(stats: Mapping[str, Any], key: str, dim: int | None = None) -> Tensor:
     return v if dim is None else v[:dim]
 
 
-class BoundsQ99:
-    """OpenVLA's ``BOUNDS_Q99`` normalisation with a per-dim mask.
+class Bounds:
+    """OpenVLA-OFT's ``BOUNDS`` normalisation (min/max, its ALOHA checkpoints) with a per-dim
+    mask; :class:`BoundsQ99` is the same with the 1st/99th percentiles.
 
-    ``normalize: x_n = clip(2 (x - q01) / (q99 - q01 + 1e-8) - 1, -1, 1)`` where ``mask``
-    (``x`` itself elsewhere); ``unnormalize: x = 0.5 (x_n + 1) (q99 - q01 + eps) + q01`` where
-    ``mask``. ``stats`` holds ``q01``, ``q99`` and optionally ``mask`` (default all ``True``),
-    as ``dataset_statistics.json[<dataset>]["action"]``.
+    ``normalize`` (the RLDS training data's): ``x_n = clip(2 (x - lo) / (hi - lo + 1e-8) - 1,
+    -1, 1)`` where ``mask`` (``x`` itself elsewhere), and 0 on dims with ``min == max``;
+    ``unnormalize`` (``predict_action``): ``x = 0.5 (x_n + 1) (hi - lo + eps) + lo`` where
+    ``mask``. ``stats`` is ``dataset_statistics.json[<dataset>]["action"]``: ``lo``/``hi``
+    under :attr:`low_key`/:attr:`high_key`, ``mask`` optional (default all ``True``).
     """
 
+    low_key = "min"
+    high_key = "max"
+
     def __init__(self, stats: Mapping[str, Any], eps: float = 0.0) -> None:
-        self.q01 = _vec(stats, "q01")
-        self.q99 = _vec(stats, "q99")
+        for key in (self.low_key, self.high_key):
+            if key not in stats:
+                raise KeyError(
+                    f"{type(self).__name__} needs the statistics' {key!r} entry; they have "
+                    f"{sorted(stats)}"
+                )
+        self.low = _vec(stats, self.low_key)
+        self.high = _vec(stats, self.high_key)
         mask = stats.get("mask")
         self.mask = (
-            torch.ones_like(self.q01, dtype=torch.bool)
+            torch.ones_like(self.low, dtype=torch.bool)
             if mask is None
             else torch.as_tensor(mask, dtype=torch.bool)
         )
+        # The training data zeroes the dims with min == max (whatever the bounds).
+        if "min" in stats and "max" in stats:
+            self.constant = _vec(stats, "min") == _vec(stats, "max")
+        else:
+            self.constant = self.low == self.high
         self.eps = eps
 
     @property
     def dim(self) -> int:
-        return self.q01.numel()
+        return self.low.numel()
 
     def _parts(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         d = x.shape[-1]
         if d > self.dim:
             raise ValueError(f"statistics have {self.dim} dims, data has {d}")
-        return (self.q01[:d].to(x.device), self.q99[:d].to(x.device), self.mask[:d].to(x.device))
+        return (self.low[:d].to(x.device), self.high[:d].to(x.device), self.mask[:d].to(x.device))
 
     def normalize(self, x: Tensor) -> Tensor:
-        q01, q99, mask = self._parts(x)
-        y = (2 * (x.float() - q01) / (q99 - q01 + 1e-8) - 1).clamp(-1, 1)
-        y = torch.where(q01 == q99, torch.zeros_like(y), y)
-        return torch.where(mask, y, x.float())
+        lo, hi, mask = self._parts(x)
+        y = (2 * (x.float() - lo) / (hi - lo + 1e-8) - 1).clamp(-1, 1)
+        y = torch.where(mask, y, x.float())
+        constant = self.constant[: x.shape[-1]].to(x.device)
+        return torch.where(constant, torch.zeros_like(y), y)
 
     def unnormalize(self, x: Tensor) -> Tensor:
-        q01, q99, mask = self._parts(x)
-        y = 0.5 * (x.float() + 1) * (q99 - q01 + self.eps) + q01
+        lo, hi, mask = self._parts(x)
+        y = 0.5 * (x.float() + 1) * (hi - lo + self.eps) + lo
         return torch.where(mask, y, x.float())
 
 
-class ProprioBoundsQ99(BoundsQ99):
-    """OpenVLA-OFT's ``normalize_proprio`` at inference: ``clip(where(mask, 2 (x - q01) /
-    (q99 - q01 + 1e-8) - 1, x), -1, 1)``. Unlike the training data's action normalisation
-    (:class:`BoundsQ99`) a dim with ``q01 == q99`` is not zeroed (it goes to -1 or +1) and the
-    clip covers unmasked dims too."""
+class BoundsQ99(Bounds):
+    """OpenVLA's ``BOUNDS_Q99`` normalisation: :class:`Bounds` between ``q01`` and ``q99``."""
+
+    low_key = "q01"
+    high_key = "q99"
+
+
+class ProprioBounds(Bounds):
+    """OpenVLA-OFT's ``normalize_proprio`` at inference: ``clip(where(mask, 2 (x - lo) /
+    (hi - lo + 1e-8) - 1, x), -1, 1)`` (min/max here, q01/q99 in :class:`ProprioBoundsQ99`).
+    Unlike the training data's action normalisation a dim with ``lo == hi`` is not zeroed (it
+    goes to -1 or +1) and the clip covers unmasked dims too."""
 
     def normalize(self, x: Tensor) -> Tensor:
-        q01, q99, mask = self._parts(x)
-        y = 2 * (x.float() - q01) / (q99 - q01 + 1e-8) - 1
+        lo, hi, mask = self._parts(x)
+        y = 2 * (x.float() - lo) / (hi - lo + 1e-8) - 1
         return torch.where(mask, y, x.float()).clamp(-1, 1)
+
+
+class ProprioBoundsQ99(ProprioBounds):
+    """:class:`ProprioBounds` between ``q01`` and ``q99`` (OFT's LIBERO checkpoints)."""
+
+    low_key = "q01"
+    high_key = "q99"
 
 
 class ZScore:

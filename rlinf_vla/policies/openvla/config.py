@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from rlinf_vla.policies.base import PolicyConfig, check
 
-__all__ = ["VISION_BACKBONES", "OpenVLAConfig"]
+__all__ = [
+    "IMAGE_PIPELINES",
+    "VISION_BACKBONES",
+    "CheckpointFiles",
+    "OpenVLAConfig",
+    "backbone_mean_std",
+    "checkpoint_files",
+]
+
+#: ``image_pipeline`` values (see :class:`OpenVLAConfig`).
+IMAGE_PIPELINES = ("auto", "rlds", "torch")
 
 #: Prismatic ``vision_backbone_id`` -> (timm ids, image sizes, act-layer overrides).
 VISION_BACKBONES: dict[str, tuple[tuple[str, ...], tuple[int, ...], tuple[str | None, ...]]] = {
@@ -28,6 +41,89 @@ VISION_BACKBONES: dict[str, tuple[tuple[str, ...], tuple[int, ...], tuple[str | 
         (None, "quick_gelu"),
     ),
 }
+
+
+def backbone_mean_std(timm_id: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The exact normalisation of a timm backbone's pretraining (Prismatic takes it from timm);
+    the released checkpoints' ``preprocessor_config.json`` holds rounded copies, which win."""
+    if "siglip" in timm_id:
+        return (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+    if "clip" in timm_id:
+        return (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+    return (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """What the files of a checkpoint folder say about its conventions.
+
+    Attributes:
+        path: the folder.
+        written_here: its ``config.json`` has the ``rlinf_vla`` section this package writes
+            (otherwise it is an official checkpoint, or another tool's).
+        recorded: that section (empty for an official checkpoint).
+        preprocessor: ``preprocessor_config.json``, or ``None``.
+    """
+
+    path: Path
+    written_here: bool
+    recorded: dict[str, Any]
+    preprocessor: dict[str, Any] | None
+
+
+def checkpoint_files(checkpoint: str | None) -> CheckpointFiles | None:
+    """The :class:`CheckpointFiles` of a checkpoint folder; ``None`` without a checkpoint or
+    when the folder has no ``config.json`` (nothing to read conventions from)."""
+    if not checkpoint:
+        return None
+    path = Path(checkpoint)
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    pre = path / "preprocessor_config.json"
+    return CheckpointFiles(
+        path=path,
+        written_here="rlinf_vla" in data,
+        recorded=dict(data.get("rlinf_vla") or {}),
+        preprocessor=json.loads(pre.read_text()) if pre.is_file() else None,
+    )
+
+
+def preprocessor_mean_std(
+    data: dict[str, Any], n: int, source: str
+) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+    """Per-backbone ``(means, stds)`` of a ``preprocessor_config.json``: those of
+    ``tvf_normalize_params`` (what the official ``PrismaticImageProcessor`` normalises with:
+    the loaded JSON overrides the values it derives from ``means``/``stds``), else ``means``
+    and ``stds``."""
+    if data.get("tvf_normalize_params"):
+        params = data["tvf_normalize_params"]
+        means = [p.get("mean") for p in params]
+        stds = [p.get("std") for p in params]
+    else:
+        means, stds = data.get("means"), data.get("stds")
+    ok = (
+        isinstance(means, list)
+        and isinstance(stds, list)
+        and len(means) == len(stds) == n
+        and all(isinstance(v, list) and len(v) == 3 for v in [*means, *stds])
+    )
+    if not ok:
+        raise ValueError(
+            f"{source} does not hold 3 means and 3 stds for each of the {n} backbone(s) "
+            f"(tvf_normalize_params or means/stds); set image_mean and image_std"
+        )
+    return (
+        tuple(tuple(float(x) for x in m) for m in means),
+        tuple(tuple(float(x) for x in sd) for sd in stds),
+    )
+
+
+#: Norm-stats keys of the official LIBERO fine-tunes (``libero_spatial_no_noops``...), which
+#: were trained with random-crop augmentation: their evaluation needs ``center_crop``.
+LIBERO_FINETUNE_KEY = re.compile(r"^libero_.*_no_noops$")
+
 
 #: Same module and key structure as openvla-7b, about 0.4 M parameters (MODELS.md §1.12).
 TINY_OPENVLA: dict[str, Any] = {
@@ -72,12 +168,33 @@ class OpenVLAConfig(PolicyConfig):
 
     Inputs and sampling:
         image_keys: cameras fed to the model, in order (OpenVLA: one, ``main``).
-        center_crop: crop the central 90% of the image area before resizing.
+        image_pipeline: how a camera image becomes the model's ``S x S`` input. ``rlds``: the
+            official evaluations' (and the RLDS training data's) path: a JPEG round trip at
+            quality 95 and a Lanczos-3 antialiased resize to ``S`` with PIL on the host, in
+            ``uint8``; the center crop (if on) is quantised back to ``uint8`` as the official
+            one. ``torch``: a bicubic antialiased resize in float on the policy's device (no
+            JPEG, no quantisation; this package's fast path). ``auto``: ``rlds`` for a
+            checkpoint this package did not write (an official one), the recorded value for
+            one it wrote (``torch`` if it recorded none), ``torch`` without a checkpoint.
+        center_crop: after the resize, cut the centred box of side ``sqrt(0.9)`` and resample
+            it to ``S`` on TensorFlow's ``crop_and_resize`` grid, as the official evaluations
+            of checkpoints trained with random-crop augmentation do. ``auto``: on for an
+            official LIBERO fine-tune (a ``libero_*_no_noops`` dataset in its statistics, or
+            ``image_aug`` in its folder name: the official evaluation asserts it), off for
+            other official checkpoints and without a checkpoint; the recorded value for a
+            checkpoint this package wrote.
+        image_mean: per backbone, the 3 channel means the pixels are normalised with; empty ->
+            the checkpoint's ``preprocessor_config.json`` (``tvf_normalize_params``, else
+            ``means``: the released checkpoints hold bfloat16-rounded values such as
+            0.484375), else the backbone's exact ImageNet / SigLIP values.
+        image_std: the matching standard deviations (set both or neither).
         temperature: sampling temperature of the action tokens (RLinf: 1.0 train).
         top_k: keep only the k most likely action tokens (0 = off).
         norm_stats: ``dataset_statistics.json`` (``{dataset: {"action": {q01, q99, mask}}}``).
         unnorm_key: which dataset's statistics un-normalise the actions; required when
-            ``norm_stats`` has several.
+            ``norm_stats`` has several. As the official LIBERO evaluation, ``<key>_no_noops``
+            is used when ``<key>`` is absent and it is present (``libero_spatial`` ->
+            ``libero_spatial_no_noops``).
         gripper: the convention of the last action dim the model outputs. ``rlds``: OpenVLA's
             RLDS data (1 = open, 0 = close), which every official OpenVLA and OpenVLA-OFT
             checkpoint learned; env actions get ``-sign(2 a - 1)`` (+1 close, -1 open, what
@@ -105,7 +222,10 @@ class OpenVLAConfig(PolicyConfig):
     pad_to_multiple_of: int = 64
     n_action_bins: int = 256
     image_keys: tuple[str, ...] = ("main",)
-    center_crop: bool = False
+    image_pipeline: str = "auto"
+    center_crop: bool | str = "auto"
+    image_mean: tuple[tuple[float, ...], ...] = ()
+    image_std: tuple[tuple[float, ...], ...] = ()
     temperature: float = 1.0
     top_k: int = 0
     norm_stats: dict[str, Any] | None = None
@@ -144,6 +264,25 @@ class OpenVLAConfig(PolicyConfig):
             "must be 'resize-naive' or 'letterbox'",
         )
         check(self, "image_keys", len(self.image_keys) >= 1, "must name at least one camera")
+        files = checkpoint_files(self.checkpoint)
+        official = files is not None and not files.written_here
+        check(
+            self,
+            "image_pipeline",
+            self.image_pipeline in IMAGE_PIPELINES,
+            f"must be one of {list(IMAGE_PIPELINES)}",
+        )
+        if self.image_pipeline == "auto":
+            self.image_pipeline = "rlds" if official else "torch"
+        if self.center_crop == "auto":
+            self.center_crop = self.default_center_crop(files)
+        check(
+            self,
+            "center_crop",
+            isinstance(self.center_crop, bool),
+            "must be true, false or auto",
+        )
+        self._resolve_mean_std(files, n)
         check(self, "gripper", self.gripper in ("auto", "rlds", "env"), "must be auto, rlds or env")
         if self.gripper == "auto":  # a checkpoint's folder decides it before (config_from_dir)
             self.gripper = "env"
@@ -156,12 +295,53 @@ class OpenVLAConfig(PolicyConfig):
             f"must lie in [2, base vocab {self.base_vocab_size}]",
         )
         if self.norm_stats is not None and self.unnorm_key is not None:
+            no_noops = f"{self.unnorm_key}_no_noops"
+            if self.unnorm_key not in self.norm_stats and no_noops in self.norm_stats:
+                self.unnorm_key = no_noops  # the official LIBERO evaluation's fallback
             check(
                 self,
                 "unnorm_key",
                 self.unnorm_key in self.norm_stats,
                 f"is not in norm_stats (known: {sorted(self.norm_stats)})",
             )
+
+    def default_center_crop(self, files: CheckpointFiles | None) -> bool:
+        """``center_crop=auto``: on for an official LIBERO fine-tune (see the class
+        docstring), off otherwise (a checkpoint this package wrote records its value)."""
+        if files is None or files.written_here:
+            return False
+        keys = self.norm_stats or {}
+        return any(LIBERO_FINETUNE_KEY.match(k) for k in keys) or "image_aug" in files.path.name
+
+    def _resolve_mean_std(self, files: CheckpointFiles | None, n: int) -> None:
+        if bool(self.image_mean) != bool(self.image_std):
+            raise ValueError(
+                f"{type(self).__name__}: set both image_mean and image_std, or neither "
+                f"(got image_mean={self.image_mean!r}, image_std={self.image_std!r})"
+            )
+        if not self.image_mean:
+            if files is not None and files.preprocessor is not None:
+                source = str(files.path / "preprocessor_config.json")
+                means, stds = preprocessor_mean_std(files.preprocessor, n, source)
+            else:
+                means, stds = zip(*(backbone_mean_std(t) for t in self.timm_model_ids), strict=True)
+            self.image_mean, self.image_std = tuple(means), tuple(stds)
+        self.image_mean = tuple(tuple(float(x) for x in m) for m in self.image_mean)
+        self.image_std = tuple(tuple(float(x) for x in sd) for sd in self.image_std)
+        for name in ("image_mean", "image_std"):
+            values = getattr(self, name)
+            check(
+                self,
+                name,
+                len(values) == n and all(len(v) == 3 for v in values),
+                f"needs 3 values for each of the {n} backbone(s)",
+            )
+        check(
+            self,
+            "image_std",
+            all(x > 0 for sd in self.image_std for x in sd),
+            "must be > 0",
+        )
 
     @property
     def base_vocab_size(self) -> int:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from rlinf_vla.policies.base import require_cameras
-from rlinf_vla.policies.openvla.config import OpenVLAConfig
+from rlinf_vla.policies.openvla.config import OpenVLAConfig, backbone_mean_std
 from rlinf_vla.policies.tokenizers import (
     ActionTokenizer,
     build_offline_tokenizer,
@@ -22,15 +22,19 @@ from rlinf_vla.policies.tokenizers import (
     load_text_tokenizer,
 )
 from rlinf_vla.policies.transforms import (
+    Bounds,
     BoundsQ99,
     EnvGripper,
     Identity,
+    ProprioBounds,
     ProprioBoundsQ99,
     RLDSGripper,
     center_crop,
+    float_to_uint8_tf,
     images_to_float,
     normalize_images,
     resize_images,
+    rlds_resize,
 )
 from rlinf_vla.types import Observation
 
@@ -62,15 +66,6 @@ class PromptBatch:
 
     input_ids: Tensor
     attention_mask: Tensor
-
-
-def backbone_mean_std(timm_id: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The normalisation of a timm backbone's pretraining (Prismatic takes it from timm)."""
-    if "siglip" in timm_id:
-        return (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
-    if "clip" in timm_id:
-        return (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
-    return (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def load_norm_stats(path: Path) -> dict[str, Any] | None:
@@ -117,17 +112,22 @@ class OpenVLAProcessor:
         self.eos_id = int(tokenizer.eos_token_id)
         self.pad_id = int(config.text_config.get("pad_token_id", config.base_vocab_size))
         self.space_id = int(tokenizer.convert_tokens_to_ids("▁"))
-        self.mean_std = [backbone_mean_std(t) for t in config.timm_model_ids]
+        self.mean_std = list(zip(config.image_mean, config.image_std, strict=True))
         stats = select_stats(config.norm_stats, config.unnorm_key)
         self.action_stats = stats.get("action") if stats else None
         self.proprio_stats = stats.get("proprio") if stats else None
+        action_cls, proprio_cls = self.normalization_classes()
         self.action_norm = (
-            BoundsQ99(self.action_stats, eps=self.unnorm_eps) if stats else Identity()
+            action_cls(self.action_stats, eps=self.unnorm_eps) if stats else Identity()
         )
         self.gripper = RLDSGripper() if config.gripper == "rlds" else EnvGripper()
         self.proprio_norm = (
-            ProprioBoundsQ99(self.proprio_stats) if self.proprio_stats is not None else Identity()
+            proprio_cls(self.proprio_stats) if self.proprio_stats is not None else Identity()
         )
+
+    def normalization_classes(self) -> tuple[type[Bounds], type[ProprioBounds]]:
+        """The action and proprio normalisations: OpenVLA's ``BOUNDS_Q99``."""
+        return BoundsQ99, ProprioBoundsQ99
 
     @classmethod
     def make_tokenizer(cls, config: OpenVLAConfig, checkpoint: Path | None = None) -> Any:
@@ -150,25 +150,55 @@ class OpenVLAProcessor:
         return tok
 
     # -- inputs ---------------------------------------------------------------------------------
+    #: ``image_pipeline=rlds`` does the JPEG round trip also for images already at the model
+    #: size (openvla's ``resize_image`` always runs; OFT's ``resize_image_for_policy`` only for
+    #: other sizes).
+    rlds_jpeg_at_model_size: bool = True
+
     def pixel_values(self, obs: Observation, device: torch.device | str | None = None) -> Tensor:
         """``float32 [B, 3 * n_backbones * n_cameras, S, S]``: per camera, one normalised copy
         per backbone (DINOv2 channels first, then SigLIP), cameras in ``image_keys`` order.
 
         With ``device`` the ``uint8`` images move there first and the transforms run there (a
-        quarter of the bytes of the float pixels cross to a GPU, and the resize runs on it)."""
+        quarter of the bytes of the float pixels cross to a GPU, and the resize runs on it);
+        ``image_pipeline=rlds`` resizes on the host first."""
         cfg = self.config
         require_cameras(obs, cfg.image_keys, self.policy_name)
-        size = cfg.image_sizes[0]
         out = []
         for key in cfg.image_keys:
-            x = images_to_float(obs.images[key].to(device))
-            if cfg.image_resize_strategy == "letterbox":
-                x = _letterbox(x, self.mean_std[0][0])
-            if cfg.center_crop:
-                x = center_crop(x, 0.9)
-            x = resize_images(x, size)
+            x = self.camera_pixels(obs.images[key], device)
             out += [normalize_images(x, mean, std) for mean, std in self.mean_std]
         return torch.cat(out, dim=1)
+
+    def camera_pixels(self, images: Tensor, device: torch.device | str | None = None) -> Tensor:
+        """One camera's ``uint8 [B, H, W, 3]`` -> ``float32 [B, 3, S, S]`` in ``[0, 1]``, before
+        the per-backbone normalisation: resized (``image_pipeline``), then center-cropped."""
+        cfg = self.config
+        size = cfg.image_sizes[0]
+        if cfg.image_pipeline == "rlds":
+            # The official order: the RLDS resize squashes to S x S (so a letterbox has nothing
+            # left to pad), the crop works on uint8 pixels and returns uint8 pixels.
+            same = tuple(images.shape[1:3]) == (size, size)
+            jpeg = self.rlds_jpeg_at_model_size or not same
+            if jpeg:
+                images = rlds_resize(images, size, jpeg=jpeg)
+            x = images_to_float(images.to(device))
+            if cfg.center_crop:
+                x = float_to_uint8_tf(center_crop(x, 0.9)).float() / 255.0
+            return x
+        x = images_to_float(images.to(device))
+        if cfg.image_resize_strategy == "letterbox":
+            x = _letterbox(x, self.letterbox_fill)
+        x = resize_images(x, size)
+        if cfg.center_crop:
+            x = center_crop(x, 0.9)
+        return x
+
+    @property
+    def letterbox_fill(self) -> tuple[float, ...]:
+        """Prismatic's letterbox colour: ``int(255 * mean)`` of the last backbone's mean (the
+        official processor's loop over the backbones keeps the last one)."""
+        return tuple(int(m * 255) / 255.0 for m in self.config.image_mean[-1])
 
     def prompt(self, instruction: str) -> str:
         return PROMPT.format(instruction=instruction.lower())
