@@ -354,3 +354,54 @@ def test_gripper_convention_comes_from_the_checkpoint(saved, tmp_path):
 def test_unknown_gripper_convention_is_named():
     with pytest.raises(ValueError, match="gripper must be auto, rlds or env"):
         make_policy("openvla", preset="tiny", gripper="rdls")
+
+
+# ----------------------------------------------------------------------------------------------
+# Official LIBERO fine-tunes: center crop, RLDS image pipeline, unnorm key
+# ----------------------------------------------------------------------------------------------
+def _official_copy(saved, folder, norm_stats):
+    """``saved`` as an official checkpoint: no rlinf_vla section, no RL heads, given stats."""
+    folder.mkdir()
+    for f in saved.iterdir():
+        if f.is_file() and f.name != "rl_heads.safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((saved / "config.json").read_text())
+    tiny = {"timm_kwargs": config.pop("rlinf_vla")["timm_kwargs"]}
+    config["norm_stats"] = norm_stats
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "dataset_statistics.json").write_text(json.dumps(norm_stats))
+    return folder, tiny
+
+
+def test_official_libero_finetune_gets_the_official_preprocessing(saved, tmp_path):
+    stats = {"libero_spatial_no_noops": bounds_stats(7)["toy_dataset"]}
+    path, tiny = _official_copy(saved, tmp_path / "libero", stats)
+    cfg = make_policy("openvla", checkpoint=str(path), unnorm_key="libero_spatial", **tiny).config
+    # run_libero_eval.py: center_crop asserted, unnorm key + "_no_noops", resize_image (rlds)
+    assert cfg.center_crop is True and cfg.image_pipeline == "rlds"
+    assert cfg.unnorm_key == "libero_spatial_no_noops"
+    # an explicit setting is an explicit deviation
+    off = make_policy("openvla", checkpoint=str(path), center_crop=False, **tiny).config
+    assert off.center_crop is False
+    torch_path = make_policy("openvla", checkpoint=str(path), image_pipeline="torch", **tiny)
+    assert torch_path.config.image_pipeline == "torch"
+
+
+def test_other_official_checkpoints_are_not_cropped(saved, tmp_path):
+    stats = {"bridge_orig": bounds_stats(7)["toy_dataset"]}
+    path, tiny = _official_copy(saved, tmp_path / "base", stats)
+    cfg = make_policy("openvla", checkpoint=str(path), **tiny).config
+    assert cfg.center_crop is False and cfg.image_pipeline == "rlds"
+    # trained with image augmentation (the official eval's "image_aug" in the run name)
+    aug, _ = _official_copy(saved, tmp_path / "openvla-7b+bridge--image_aug", stats)
+    assert make_policy("openvla", checkpoint=str(aug), **tiny).config.center_crop is True
+
+
+def test_checkpoint_written_here_keeps_its_recorded_preprocessing(tmp_path):
+    stats = {"libero_spatial_no_noops": bounds_stats(7)["toy_dataset"]}
+    make_policy("openvla", preset="tiny", norm_stats=stats, seed=0).save_pretrained(tmp_path)
+    recorded = json.loads((tmp_path / "config.json").read_text())["rlinf_vla"]
+    assert recorded["center_crop"] is False
+    cfg = make_policy("openvla", checkpoint=str(tmp_path)).config
+    assert cfg.center_crop is False  # recorded, though the stats name a LIBERO fine-tune
+    assert cfg.image_pipeline == recorded.get("image_pipeline", "torch")

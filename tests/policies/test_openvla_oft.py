@@ -181,3 +181,133 @@ def test_greedy_mean_is_not_clipped_samples_are():
     assert greedy.tolist() == pytest.approx([0.5 * (1.5 + 1) * (5 + 1e-8) - 2] * 6)
     sampled = policy.act(obs).actions[0, 0, :6]
     assert sampled.tolist() == pytest.approx([0.5 * (1.0 + 1) * (5 + 1e-8) - 2] * 6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Official ALOHA checkpoints: min/max bounds, 25-step chunks, 14 dims, three cameras
+# ----------------------------------------------------------------------------------------------
+ALOHA_KEY = "aloha1_put_X_into_pot_300_demos"
+
+
+def _aloha_stats() -> dict:
+    lo = [-1.0 - 0.1 * i for i in range(14)]
+    hi = [1.0 + 0.2 * i for i in range(14)]
+    entry = {"min": lo, "max": hi, "q01": [v / 2 for v in lo], "q99": [v / 2 for v in hi]}
+    return {ALOHA_KEY: {"action": dict(entry), "proprio": dict(entry)}}
+
+
+@pytest.fixture(scope="module")
+def aloha_official(tmp_path_factory):
+    """An OFT ALOHA run folder as finetune.py writes it (no rlinf_vla section)."""
+    src = tmp_path_factory.mktemp("aloha_src")
+    make_policy(
+        "openvla_oft",
+        preset="tiny",
+        action_dim=14,
+        proprio_dim=14,
+        chunk_size=2,
+        norm_stats=_aloha_stats(),
+        seed=0,
+    ).save_pretrained(src)
+    path = tmp_path_factory.mktemp("aloha_official")
+    for f in src.iterdir():
+        if f.is_file() and f.name != "rl_heads.safetensors":
+            (path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    tiny = {"timm_kwargs": config.pop("rlinf_vla")["timm_kwargs"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path, tiny
+
+
+def test_official_aloha_checkpoint_gets_the_aloha_constants(aloha_official):
+    path, tiny = aloha_official
+    cfg = make_policy("openvla_oft", checkpoint=str(path), **tiny).config
+    # openvla-oft's ALOHA_CONSTANTS: NUM_ACTIONS_CHUNK 25, ACTION_DIM 14, PROPRIO_DIM 14, BOUNDS
+    assert (cfg.chunk_size, cfg.action_dim, cfg.proprio_dim) == (25, 14, 14)
+    assert cfg.action_normalization == "bounds"
+    assert cfg.gripper == "env"  # joint angles go to the robot unchanged
+    assert cfg.image_keys == ("main", "left_wrist", "right_wrist")
+    assert cfg.center_crop is True and cfg.image_pipeline == "rlds"
+    # explicit values win
+    mine = make_policy(
+        "openvla_oft",
+        checkpoint=str(path),
+        chunk_size=8,
+        action_normalization="bounds_q99",
+        image_keys=["main"],
+        **tiny,
+    ).config
+    assert (mine.chunk_size, mine.action_normalization, mine.image_keys) == (
+        8,
+        "bounds_q99",
+        ("main",),
+    )
+
+
+def test_aloha_min_max_unnormalisation_by_hand(aloha_official):
+    path, tiny = aloha_official
+    proc = make_policy("openvla_oft", checkpoint=str(path), **tiny).processor
+    stats = _aloha_stats()[ALOHA_KEY]
+    x = torch.linspace(-1, 1, 14).expand(2, 3, 14)
+    got = proc.unnormalize_actions(x)[0, 0].tolist()
+    # _unnormalize_actions (BOUNDS): 0.5 (x + 1) (max - min + 1e-8) + min, every dim (no mask)
+    lo, hi = stats["action"]["min"], stats["action"]["max"]
+    expected = [
+        0.5 * (v + 1) * (b - a + 1e-8) + a for v, a, b in zip(x[0, 0].tolist(), lo, hi, strict=True)
+    ]
+    assert got == pytest.approx(expected, abs=1e-5)
+    assert got[0] == pytest.approx(-1.0) and got[-1] == pytest.approx(1.0 + 0.2 * 13)
+    # normalize_proprio (BOUNDS): clip(2 (s - min) / (max - min + 1e-8) - 1, -1, 1)
+    state = torch.tensor([[0.5 * i - 2 for i in range(14)]])
+    obs = Observation(images={}, state=state, instruction=["x"])
+    got_p = proc.proprio(obs, 14)[0].tolist()
+    lo, hi = stats["proprio"]["min"], stats["proprio"]["max"]
+    expected_p = [
+        min(1.0, max(-1.0, 2 * (s - a) / (b - a + 1e-8) - 1))
+        for s, a, b in zip(state[0].tolist(), lo, hi, strict=True)
+    ]
+    assert got_p == pytest.approx(expected_p, abs=1e-6)
+    # with q01/q99 (the LIBERO bounds) the same actions would be half as large
+    q99 = make_policy(
+        "openvla_oft", checkpoint=str(path), action_normalization="bounds_q99", **tiny
+    ).processor
+    assert q99.unnormalize_actions(x)[0, 0].tolist() == pytest.approx(
+        [v / 2 for v in expected], abs=1e-5
+    )
+
+
+def test_aloha_policy_acts_with_25_step_chunks(aloha_official):
+    path, tiny = aloha_official
+    policy = make_policy("openvla_oft", checkpoint=str(path), **tiny)
+    obs = make_obs(1, ("main", "left_wrist", "right_wrist"), 14)
+    assert policy.act(obs, greedy=True).actions.shape == (1, 25, 14)
+
+
+def test_written_here_keeps_recorded_chunk_and_bounds(tmp_path):
+    stats = _aloha_stats()
+    make_policy(
+        "openvla_oft",
+        preset="tiny",
+        action_dim=14,
+        proprio_dim=14,
+        chunk_size=3,
+        action_normalization="bounds",
+        norm_stats=stats,
+        seed=0,
+    ).save_pretrained(tmp_path)
+    cfg = make_policy("openvla_oft", checkpoint=str(tmp_path)).config
+    assert (cfg.chunk_size, cfg.action_normalization, cfg.gripper) == (3, "bounds", "env")
+
+
+def test_libero_official_keeps_the_libero_constants(saved, tmp_path):
+    for f in saved.iterdir():
+        if f.is_file() and f.name != "rl_heads.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((saved / "config.json").read_text())
+    tiny = {"timm_kwargs": config.pop("rlinf_vla")["timm_kwargs"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    stats = {"libero_10_no_noops": bounds_stats(7, 8)["toy_dataset"]}
+    (tmp_path / "dataset_statistics.json").write_text(json.dumps(stats))
+    cfg = make_policy("openvla_oft", checkpoint=str(tmp_path), **tiny).config
+    assert (cfg.chunk_size, cfg.action_normalization, cfg.gripper) == (8, "bounds_q99", "rlds")
+    assert cfg.image_keys == ("main", "wrist") and cfg.unnorm_key is None

@@ -2,15 +2,51 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from rlinf_vla.policies.base import check
-from rlinf_vla.policies.openvla.config import TINY_OPENVLA, OpenVLAConfig
+from rlinf_vla.policies.openvla.config import TINY_OPENVLA, CheckpointFiles, OpenVLAConfig
 
-__all__ = ["OpenVLAOFTConfig"]
+__all__ = ["PLATFORMS", "OpenVLAOFTConfig", "detect_platform"]
 
 TINY_OFT: dict[str, Any] = {**TINY_OPENVLA, "proprio_dim": 8}
+
+#: openvla-oft's ``prismatic/vla/constants.py``: per robot platform, the chunk size
+#: (``NUM_ACTIONS_CHUNK``), action and proprio sizes and ``ACTION_PROPRIO_NORMALIZATION_TYPE``
+#: its checkpoints were trained with; plus the cameras of its evaluation (ALOHA: the
+#: third-person image, then the left and right wrist images).
+PLATFORMS: dict[str, dict[str, Any]] = {
+    "libero": {
+        "chunk_size": 8,
+        "action_dim": 7,
+        "proprio_dim": 8,
+        "action_normalization": "bounds_q99",
+    },
+    "aloha": {
+        "chunk_size": 25,
+        "action_dim": 14,
+        "proprio_dim": 14,
+        "action_normalization": "bounds",
+        "image_keys": ("main", "left_wrist", "right_wrist"),
+    },
+    "bridge": {
+        "chunk_size": 5,
+        "action_dim": 7,
+        "proprio_dim": 7,
+        "action_normalization": "bounds_q99",
+    },
+}
+
+
+def detect_platform(names: Iterable[str]) -> str:
+    """The platform of an official OFT checkpoint as ``constants.py`` decides it: the first of
+    ``libero``, ``aloha``, ``bridge`` found in ``names`` (here: the dataset key that
+    un-normalises, or all of them, and the folder name; upstream: the command line),
+    ``libero`` when none is."""
+    text = " ".join(names).lower()
+    return next((p for p in PLATFORMS if p in text), "libero")
 
 
 @dataclass
@@ -18,9 +54,17 @@ class OpenVLAOFTConfig(OpenVLAConfig):
     """OpenVLA-OFT settings (plus :class:`OpenVLAConfig`); defaults are the LIBERO ones.
 
     Attributes:
-        chunk_size: actions decoded in one pass (``NUM_ACTIONS_CHUNK``: 8 for LIBERO).
+        chunk_size: actions decoded in one pass (``NUM_ACTIONS_CHUNK``: 8 for LIBERO, 25 for
+            ALOHA). An official checkpoint gets its platform's (:data:`PLATFORMS`) unless set.
+        action_normalization: the bounds of the action and proprio normalisation (OFT's
+            ``ACTION_PROPRIO_NORMALIZATION_TYPE``). ``bounds_q99``: q01/q99 (LIBERO, Bridge);
+            ``bounds``: min/max (ALOHA: absolute joint angles must not be clipped to the
+            percentiles). ``auto``: the platform's for an official checkpoint (an ``aloha``
+            dataset key -> ``bounds``), the recorded value for one this package wrote,
+            ``bounds_q99`` otherwise.
         image_keys: cameras in order: third-person ``main`` then ``wrist`` (LIBERO).
-        center_crop: crop the central 90% of the image area (OFT trains with random crops).
+        center_crop: the official test-time crop (OFT trains with random crops; its LIBERO
+            and ALOHA evaluations crop).
         use_proprio: append the proprio projector token after the image patches.
         proprio_dim: size of ``obs.state`` (8 for LIBERO).
         action_head: ``l1_gaussian`` -> the upstream L1-regression head (``MLPResNet``) gives
@@ -34,8 +78,9 @@ class OpenVLAOFTConfig(OpenVLAConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": TINY_OFT, "full": {}}
 
     chunk_size: int = 8
+    action_normalization: str = "auto"
     image_keys: tuple[str, ...] = ("main", "wrist")
-    center_crop: bool = True
+    center_crop: bool | str = True
     use_proprio: bool = True
     proprio_dim: int = 8
     action_head: Literal["l1_gaussian", "discrete"] = "l1_gaussian"
@@ -45,6 +90,14 @@ class OpenVLAOFTConfig(OpenVLAConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.action_normalization == "auto":  # a checkpoint's folder decides it before
+            self.action_normalization = "bounds_q99"
+        check(
+            self,
+            "action_normalization",
+            self.action_normalization in ("bounds_q99", "bounds"),
+            "must be auto, bounds_q99 or bounds",
+        )
         self.log_std_range = tuple(float(x) for x in self.log_std_range)
         check(
             self,
@@ -63,3 +116,7 @@ class OpenVLAOFTConfig(OpenVLAConfig):
             self.use_fused_vision_backbone,
             "must be true: OFT's multi-image input needs the fused DINOv2+SigLIP backbone",
         )
+
+    def default_center_crop(self, files: CheckpointFiles | None) -> bool:
+        """``center_crop=auto``: on (every official OFT evaluation crops)."""
+        return True

@@ -42,8 +42,9 @@ from rlinf_vla.policies.heads import (
     gaussian_entropy,
     gaussian_logprob,
 )
+from rlinf_vla.policies.openvla.config import checkpoint_files
 from rlinf_vla.policies.openvla.model import OpenVLAPolicy
-from rlinf_vla.policies.openvla_oft.config import OpenVLAOFTConfig
+from rlinf_vla.policies.openvla_oft.config import PLATFORMS, OpenVLAOFTConfig, detect_platform
 from rlinf_vla.policies.openvla_oft.processor import OpenVLAOFTProcessor
 from rlinf_vla.types import ActOutput, EvalOutput, Observation
 
@@ -122,6 +123,19 @@ def find_checkpoint_file(path: Path, pattern: str) -> Path | None:
     if len(found) > 1:
         raise ValueError(f"several {pattern} checkpoints in {path}: {[p.name for p in found]}")
     return found[0] if found else None
+
+
+def official_platform_settings(path: Path, values: dict[str, Any]) -> dict[str, Any]:
+    """The settings an official OFT checkpoint was trained and evaluated with: its platform's
+    :data:`PLATFORMS` entry (from the un-normalising dataset key, or all of them, and the
+    folder name), plus ``gripper=env`` for ALOHA (absolute joint angles, sent unchanged)."""
+    key = values.get("unnorm_key")
+    names = [key] if key else list(values.get("norm_stats") or {})
+    platform = detect_platform([*names, path.name])
+    settings = dict(PLATFORMS[platform])
+    if platform == "aloha":
+        settings["gripper"] = "env"
+    return settings
 
 
 def _load_pt(file: Path) -> dict[str, Tensor]:
@@ -267,6 +281,8 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             "action_head_blocks",
             "init_log_std",
             "log_std_range",
+            "action_normalization",
+            "image_pipeline",
         )
         data["rlinf_vla"].update({k: cfg[k] for k in extra})
         return data
@@ -286,7 +302,13 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
     @classmethod
     def config_from_dir(cls, path: Path, **overrides: Any) -> OpenVLAOFTConfig:
         """OpenVLA's config fields, with the head type, proprio size and block count read from
-        the OFT checkpoint files when the directory has no ``rlinf_vla`` section."""
+        the OFT checkpoint files when the directory has no ``rlinf_vla`` section.
+
+        An official checkpoint (no ``rlinf_vla`` section) also gets its platform's settings
+        (:data:`PLATFORMS`, chosen as OFT's ``constants.py`` does, from its dataset keys and
+        folder name): chunk size and normalisation, sizes the weights do not give, and for
+        ALOHA three cameras and no gripper mapping (its actions are joint angles). Keys in
+        ``overrides`` win."""
         if find_checkpoint_file(path, "vision_backbone") is not None:
             raise NotImplementedError(
                 f"{path} holds a FiLM vision backbone (vision_backbone--*checkpoint.pt); "
@@ -306,6 +328,13 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             inferred["proprio_dim"] = int(_load_pt(proprio)["fc1.weight"].shape[1])
         config = super().config_from_dir(path)  # architecture + rlinf_vla section
         merged = {**config.to_dict(), **inferred, **overrides}
+        files = checkpoint_files(str(path))
+        if files is not None and not files.written_here:
+            platform = official_platform_settings(path, merged)
+            for key, value in platform.items():
+                if key in inferred or overrides.get(key, "auto") != "auto":
+                    continue  # the weights' sizes and the caller's values win
+                merged[key] = value
         if merged.get("gripper") == "auto":
             merged["gripper"] = config.gripper  # the checkpoint's convention
         merged["checkpoint"] = str(path)
