@@ -9,10 +9,13 @@
   ``AutoTokenizer`` exactly like an official tokenizer.
 - :func:`load_text_tokenizer`: ``AutoTokenizer`` on a folder with ``tokenizer.json`` or
   ``tokenizer.model``.
+- :func:`save_tokenizer`: ``save_pretrained`` with a ``tokenizer_config.json`` that older
+  ``transformers`` releases (the official code's pins) can read.
 """
 
 from __future__ import annotations
 
+import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,7 @@ __all__ = [
     "build_offline_tokenizer",
     "has_tokenizer_files",
     "load_text_tokenizer",
+    "save_tokenizer",
 ]
 
 #: Special tokens of the Llama-2 SentencePiece vocabulary, by id.
@@ -174,3 +178,25 @@ def load_text_tokenizer(path: str | Path) -> Any:
             ) from None
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")
+
+
+#: ``tokenizer_config.json`` keys that only transformers >= 5 writes and reads.
+_TRANSFORMERS5_KEYS = ("backend",)
+
+
+def save_tokenizer(tokenizer: Any, path: str | Path, tokenizer_class: str) -> None:
+    """``tokenizer.save_pretrained(path)``, then ``tokenizer_config.json`` names
+    ``tokenizer_class`` instead of what transformers 5 writes (``TokenizersBackend``, a class
+    that transformers 4.x, the official OpenVLA code's pin, does not know), and loses the
+    transformers-5-only keys. With ``tokenizer.json`` saved, transformers 4.x's
+    ``AutoTokenizer`` builds the fast class of that name from it (``LlamaTokenizer`` ->
+    ``LlamaTokenizerFast``), as for a released checkpoint.
+    """
+    path = Path(path)
+    tokenizer.save_pretrained(str(path))
+    file = path / "tokenizer_config.json"
+    config = json.loads(file.read_text())
+    config["tokenizer_class"] = tokenizer_class
+    for key in _TRANSFORMERS5_KEYS:
+        config.pop(key, None)
+    file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

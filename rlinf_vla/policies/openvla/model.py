@@ -43,11 +43,8 @@ from rlinf_vla.policies.base import (
 )
 from rlinf_vla.policies.heads import ValueHead, categorical_logprob_entropy, restricted_logits
 from rlinf_vla.policies.openvla.config import OpenVLAConfig
-from rlinf_vla.policies.openvla.processor import (
-    OpenVLAProcessor,
-    backbone_mean_std,
-    load_norm_stats,
-)
+from rlinf_vla.policies.openvla.processor import OpenVLAProcessor, load_norm_stats
+from rlinf_vla.policies.tokenizers import save_tokenizer
 from rlinf_vla.types import ActOutput, EvalOutput, Observation
 
 __all__ = [
@@ -55,6 +52,7 @@ __all__ = [
     "PrismaticProjector",
     "PrismaticVLA",
     "PrismaticVisionBackbone",
+    "attach_remote_code",
     "prismatic_config_json",
     "prismatic_kwargs_from_json",
 ]
@@ -239,16 +237,16 @@ _RL_FIELDS = (
 
 def prismatic_config_json(cfg: OpenVLAConfig, extra_rl: tuple[str, ...] = ()) -> dict[str, Any]:
     """The ``config.json`` of an OpenVLA checkpoint (``OpenVLAConfig`` fields of the official
-    remote code, plus an ``rlinf_vla`` section with the RL settings and tiny timm overrides)."""
+    remote code, plus an ``rlinf_vla`` section with the RL settings and tiny timm overrides).
+
+    It has no ``auto_map``: that names the official remote-code files, which this package does
+    not ship; :func:`attach_remote_code` adds both when a folder that has the files is at hand.
+    """
     fused = cfg.use_fused_vision_backbone
     text = {"model_type": "llama", **cfg.text_config}
     rl = cfg.to_dict()
     return {
         "architectures": ["OpenVLAForActionPrediction"],
-        "auto_map": {
-            "AutoConfig": "configuration_prismatic.OpenVLAConfig",
-            "AutoModelForVision2Seq": "modeling_prismatic.OpenVLAForActionPrediction",
-        },
         "model_type": "openvla",
         "vision_backbone_id": cfg.vision_backbone_id,
         "llm_backbone_id": cfg.llm_backbone_id,
@@ -307,25 +305,74 @@ def checkpoint_gripper(data: dict[str, Any]) -> str:
 
 
 def write_preprocessor_config(cfg: OpenVLAConfig, path: Path) -> None:
-    """``preprocessor_config.json`` as the official ``PrismaticImageProcessor`` writes it."""
-    means, stds = zip(*(backbone_mean_std(t) for t in cfg.timm_model_ids), strict=True)
+    """``preprocessor_config.json`` with the fields the official ``PrismaticImageProcessor``
+    saves, normalising with the config's ``image_mean`` / ``image_std`` (a loaded checkpoint's
+    own values): as ``means`` / ``stds`` and as ``tvf_normalize_params``, which the official
+    class reads back in place of the values it would derive. No ``auto_map`` (see
+    :func:`attach_remote_code`)."""
     size = cfg.image_sizes[0]
     n = len(cfg.timm_model_ids)
+    means = [[float(x) for x in m] for m in cfg.image_mean]
+    stds = [[float(x) for x in sd] for sd in cfg.image_std]
     data = {
-        "auto_map": {
-            "AutoImageProcessor": "processing_prismatic.PrismaticImageProcessor",
-            "AutoProcessor": "processing_prismatic.PrismaticProcessor",
-        },
         "image_processor_type": "PrismaticImageProcessor",
         "processor_class": "PrismaticProcessor",
         "use_fused_vision_backbone": cfg.use_fused_vision_backbone,
         "image_resize_strategy": cfg.image_resize_strategy,
         "input_sizes": [[3, size, size]] * n,
         "interpolations": ["bicubic"] * n,
-        "means": [list(m) for m in means],
-        "stds": [list(s) for s in stds],
+        "means": means,
+        "stds": stds,
+        "tvf_normalize_params": [
+            {"mean": m, "std": sd, "inplace": False} for m, sd in zip(means, stds, strict=True)
+        ],
     }
     (path / "preprocessor_config.json").write_text(json.dumps(data, indent=2))
+
+
+#: The official remote-code files of an OpenVLA / OpenVLA-OFT checkpoint folder (the released
+#: checkpoints ship them; their ``auto_map`` entries name them).
+REMOTE_CODE_FILES = (
+    "configuration_prismatic.py",
+    "modeling_prismatic.py",
+    "processing_prismatic.py",
+)
+#: ``auto_map`` of the released ``config.json`` and ``preprocessor_config.json``.
+REMOTE_CODE_AUTO_MAP = {
+    "config.json": {
+        "AutoConfig": "configuration_prismatic.OpenVLAConfig",
+        "AutoModelForVision2Seq": "modeling_prismatic.OpenVLAForActionPrediction",
+    },
+    "preprocessor_config.json": {
+        "AutoImageProcessor": "processing_prismatic.PrismaticImageProcessor",
+        "AutoProcessor": "processing_prismatic.PrismaticProcessor",
+    },
+}
+
+
+def attach_remote_code(path: str | Path, source: str | Path) -> bool:
+    """Make an exported folder ``path`` loadable by the official code
+    (``AutoModelForVision2Seq.from_pretrained(path, trust_remote_code=True)`` and
+    ``AutoProcessor``): copy the official remote-code files from checkpoint folder ``source``
+    (e.g. the ``openvla/openvla-7b`` snapshot the policy was fine-tuned from) and add the
+    ``auto_map`` entries that name them.
+
+    Returns:
+        ``False``, changing nothing, when ``source`` lacks one of :data:`REMOTE_CODE_FILES`.
+    """
+    import shutil
+
+    path, source = Path(path), Path(source)
+    if not all((source / f).is_file() for f in REMOTE_CODE_FILES):
+        return False
+    for name in REMOTE_CODE_FILES:
+        if (path / name).resolve() != (source / name).resolve():
+            shutil.copyfile(source / name, path / name)
+    for file, auto_map in REMOTE_CODE_AUTO_MAP.items():
+        data = json.loads((path / file).read_text())
+        data["auto_map"] = dict(auto_map)
+        (path / file).write_text(json.dumps(data, indent=2))
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -601,8 +648,15 @@ class OpenVLAPolicy(Policy):
 
     def save_pretrained(self, path: str | Path) -> None:
         """``config.json``, ``model.safetensors`` (sharded above 5 GB), ``dataset_statistics.json``,
-        ``preprocessor_config.json``, the tokenizer files, ``rl_heads.safetensors`` (value head)
-        and, with LoRA, the peft adapter in ``lora_adapter/`` (the weights file is merged)."""
+        ``preprocessor_config.json``, the tokenizer files (``tokenizer_class: LlamaTokenizer``,
+        as the released checkpoints, readable by transformers 4.40), ``rl_heads.safetensors``
+        (value head) and, with LoRA, the peft adapter in ``lora_adapter/`` (the weights file is
+        merged).
+
+        The official remote code (``*_prismatic.py``) and the ``auto_map`` naming it are written
+        only when the checkpoint the policy was loaded from has the files (they are copied from
+        there, :func:`attach_remote_code`); otherwise ``attach_remote_code(path, <a folder
+        that has them>)`` adds them later."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(self._config_json(), indent=2))
@@ -612,7 +666,10 @@ class OpenVLAPolicy(Policy):
                 json.dumps(self.config.norm_stats, indent=2)
             )
         write_preprocessor_config(self.config, path)
-        self.processor.tokenizer.save_pretrained(str(path))
+        save_tokenizer(self.processor.tokenizer, path, "LlamaTokenizer")
+        for source in (self.config.checkpoint, path):
+            if source and attach_remote_code(path, source):
+                break
         save_rl_heads(self, path, self._rl_heads)
         if self.has_lora:
             self.save_lora_adapter(path / "lora_adapter")
