@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -34,13 +35,14 @@ COMMON_KEYS = [
     VLM + r"vision_tower\.vision_model\.encoder\.layers\.\d+\.mlp\.(fc1|fc2)\.(weight|bias)",
     VLM + r"vision_tower\.vision_model\.post_layernorm\.(weight|bias)",
     VLM + r"multi_modal_projector\.linear\.(weight|bias)",
-    VLM + r"language_model\.embed_tokens\.weight",
+    P + r"paligemma\.lm_head\.weight",  # tied to the token embedding; openpi stores this name
     VLM + r"language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.weight",
     VLM + r"language_model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight",
     VLM + r"language_model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight",
     VLM + r"language_model\.norm\.weight",
     P + r"gemma_expert\.model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.weight",
     P + r"gemma_expert\.model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight",
+    P + r"gemma_expert\.lm_head\.weight",  # unused, but in openpi's state dict
     r"(action_in_proj|action_out_proj)\.(weight|bias)",
 ]
 PI0_KEYS = [
@@ -87,18 +89,20 @@ def test_checkpoint_has_openpi_key_names(saved, name):
         assert sd["action_time_mlp_in.weight"].shape == (32, 2 * 32)
     config = json.loads((saved[name] / "config.json").read_text())
     assert config["action_dim"] == 8 and config["action_horizon"] == 4
-    assert "norm_stats" in json.loads((saved[name] / "norm_stats.json").read_text())
+    stats = saved[name] / "assets" / "default" / "norm_stats.json"
+    assert "norm_stats" in json.loads(stats.read_text())
 
 
 def test_lerobot_prefix_and_tied_embedding_load(saved, tmp_path):
     src = saved["pi0"]
     sd = load_file(str(src / "model.safetensors"))
     embed = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
-    sd["paligemma_with_expert.paligemma.lm_head.weight"] = sd.pop(embed)  # the tied copy
+    sd[embed] = sd.pop("paligemma_with_expert.paligemma.lm_head.weight")  # the other tied name
     sd["paligemma_with_expert.gemma_expert.lm_head.weight"] = torch.zeros(3, 32)  # unused
     save_file({f"model.{k}": v for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
-    for f in ("config.json", "norm_stats.json", "tokenizer.json", "tokenizer_config.json"):
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / f).write_bytes((src / f).read_bytes())
+    shutil.copytree(src / "assets", tmp_path / "assets")
     obs = make_obs(2, CAMERAS, 8)
     a = make_policy("pi0", checkpoint=str(src)).act(obs, greedy=True).actions
     b = make_policy("pi0", checkpoint=str(tmp_path)).act(obs, greedy=True).actions
@@ -234,3 +238,59 @@ def test_actions_are_unnormalised_by_hand(name):
     quantile = (x + 1) / 2 * (5.0 + 1e-6) - 2.0  # π0.5: q01 = -2, q99 = 3
     expected = zscore if name == "pi0" else quantile
     torch.testing.assert_close(out.actions, expected, rtol=0, atol=1e-5)
+
+
+# -- greedy actions: the ODE from sampled (default) or zero noise ------------------------------
+def euler_by_hand(p, obs, x):
+    """openpi's ``sample_actions``: ``x <- x + dt v(x, t)``, ``dt = -1/K``, ``t = 1, 1 - 1/K, ...``
+    (3 steps for the tiny preset)."""
+    k = p.config.num_steps
+    for step in range(k):
+        x = x - (1.0 / k) * p.velocity(obs, x, torch.full((x.shape[0],), 1.0 - step / k))
+    return x
+
+
+@pytest.mark.parametrize("name", ["pi0", "pi05"])
+def test_greedy_zero_noise_integrates_from_zeros(name):
+    p = build(name, greedy_noise="zero")
+    obs = make_obs(2, CAMERAS, 8)
+    out = p.act(obs, greedy=True)
+    x = euler_by_hand(p, obs, torch.zeros(2, 4, 8))
+    torch.testing.assert_close(out.replay["chain"][:, -1], x, rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        out.actions, p.processor.unnormalize_actions(x[:, :2]), rtol=0, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("name", ["pi0", "pi05"])
+def test_greedy_sample_noise_integrates_the_ode_from_a_seeded_draw(name):
+    obs = make_obs(2, CAMERAS, 8)
+    p = build(name, greedy_seed=1)
+    rng = torch.get_rng_state()
+    out = p.act(obs, greedy=True)
+    assert torch.equal(torch.get_rng_state(), rng)  # torch's global RNG is not drawn from
+    x0 = out.replay["chain"][:, 0]
+    assert torch.equal(x0, p.greedy_initial_noise(obs))
+    assert x0.abs().min() > 0 and not torch.equal(x0[0], x0[1])
+    # the plain ODE (also for Flow-SDE: no drift term at its step 0) from that draw
+    torch.testing.assert_close(
+        out.replay["chain"][:, -1], euler_by_hand(p, obs, x0.clone()), rtol=0, atol=1e-5
+    )
+    # equal seeds: equal actions (another policy object, or the same one again); other seeds:
+    # other actions
+    assert torch.equal(build(name, greedy_seed=1).act(obs, greedy=True).actions, out.actions)
+    assert torch.equal(p.act(obs, greedy=True).actions, out.actions)
+    other = build(name, greedy_seed=2).act(obs, greedy=True).actions
+    assert (other - out.actions).abs().max() > 1e-3
+    # an observation's noise does not depend on its batch
+    torch.testing.assert_close(p.greedy_initial_noise(obs.select([1]))[0], x0[1], rtol=0, atol=0)
+
+
+def test_greedy_sample_noise_is_standard_normal():
+    p = build("pi0")
+    obs = make_obs(64, CAMERAS, 8, seed=3)
+    x = p.greedy_initial_noise(obs)  # 64 x 4 x 8 draws
+    assert abs(x.mean().item()) < 0.1 and abs(x.std().item() - 1) < 0.1
+    # each observation its own draw: rows far apart (independent rows: distance ~ sqrt(64))
+    dist = torch.cdist(x.flatten(1), x.flatten(1))
+    assert dist[~torch.eye(64, dtype=torch.bool)].min() > 4

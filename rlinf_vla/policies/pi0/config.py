@@ -127,6 +127,14 @@ class Pi0Config(PolicyConfig):
         value_source: ``expert`` (mean of the expert's action outputs, π0) or ``prefix``
             (mean of the VLM prefix outputs, π0.5); ``auto`` picks by model.
         time_beta: ``(alpha, beta)`` of the training time distribution.
+
+    Greedy actions (``act(obs, greedy=True)``: the ODE, no SDE step or learned noise):
+        greedy_noise: where the integration starts. ``sample`` (openpi's ``sample_actions``):
+            a ``N(0, I)`` draw from a generator seeded by ``greedy_seed`` and a hash of the
+            observation, so equal observations give equal actions (reproducible evaluation,
+            whatever the batching) and torch's global RNG is not used. ``zero``: the noise
+            mode ``x_0 = 0`` (this package's behaviour before; not openpi's).
+        greedy_seed: the seed of ``sample``; another seed gives other noise.
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": TINY_PI0, "full": {}}
@@ -159,6 +167,8 @@ class Pi0Config(PolicyConfig):
     time_beta: tuple[float, float] = (1.5, 1.0)
     min_period: float = 4e-3
     max_period: float = 4.0
+    greedy_noise: Literal["sample", "zero"] = "sample"
+    greedy_seed: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -214,6 +224,12 @@ class Pi0Config(PolicyConfig):
             "must be 'flow_sde' or 'flow_noise'",
         )
         check(self, "noise_level", self.noise_level > 0, "must be > 0")
+        check(
+            self,
+            "greedy_noise",
+            self.greedy_noise in ("sample", "zero"),
+            "must be 'sample' or 'zero'",
+        )
         lo, hi = self.noise_std_range
         check(self, "noise_std_range", 0 < lo < hi, "must be (low, high) with 0 < low < high")
         check(self, "image_keys", len(self.image_keys) >= 1, "must name at least one camera")

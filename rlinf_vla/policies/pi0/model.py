@@ -28,12 +28,24 @@ RL (RLinf / πRL; MODELS.md §4), with ``Δ = t_k - t_{k+1}``, ``x0 = x - t v``,
 
 Log-probs are per element of the executed actions ``[:, :K_exec, :A_env]``, then summed to the
 configured granularity. ``replay``: ``chain [B, K+1, H, D]`` (every denoising state) and, for
-Flow-SDE, ``denoise_index [B]``. Greedy ``act`` integrates the ODE from the noise mode
-``x_0 = 0``, so it is deterministic.
+Flow-SDE, ``denoise_index [B]``.
+
+Greedy ``act`` integrates the ODE (no SDE / learned noise) from ``x_0``: by default
+(``greedy_noise="sample"``) a ``N(0, I)`` draw, as openpi's ``sample_actions`` starts from, taken
+from a generator seeded by ``greedy_seed`` and a hash of each observation
+(:meth:`Pi0Policy.greedy_initial_noise`), so greedy actions are a fixed function of the
+observation (reproducible evaluations, whatever the batching, and untouched by torch's global
+RNG); ``greedy_noise="zero"`` starts from the noise mode ``x_0 = 0`` instead.
+
+Export (:meth:`Pi0Policy.save_pretrained`): openpi's PyTorch checkpoint layout, which
+``openpi.policies.policy_config.create_trained_policy`` serves: one ``model.safetensors`` whose keys
+are exactly those that ``safetensors.torch.load_model(PI0Pytorch(...), ...)`` requires (strict),
+and ``assets/<asset_id>/norm_stats.json``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -65,6 +77,7 @@ from rlinf_vla.policies.pi0.processor import (
     Pi0Inputs,
     Pi0Processor,
     find_norm_stats,
+    write_openpi_norm_stats,
 )
 from rlinf_vla.types import ActOutput, EvalOutput, Observation
 
@@ -320,6 +333,16 @@ class PaliGemmaWithExpert(nn.Module):
 # Policy
 # ----------------------------------------------------------------------------------------------
 _OPENPI_PREFIX = "paligemma_with_expert."
+#: openpi's ``PaliGemmaForConditionalGeneration`` output head, tied to the token embedding:
+#: ``safetensors.torch.save_model`` stores the pair under this (alphabetically first) name.
+_TIED_HEAD = "paligemma_with_expert.paligemma.lm_head.weight"
+_EMBED = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+#: openpi's expert is a ``GemmaForCausalLM`` whose ``embed_tokens`` is removed after its
+#: ``lm_head`` was tied to it: the head stays, an unused ``[vocab, expert width]`` parameter
+#: that openpi's strict loader still requires.
+_EXPERT_HEAD = "paligemma_with_expert.gemma_expert.lm_head.weight"
+#: ``assets/<asset_id>/`` of an export when neither the config nor the checkpoint names one.
+DEFAULT_ASSET_ID = "default"
 #: Optional keys of openpi / lerobot files that this port does not use.
 _IGNORED_KEYS = re.compile(
     r"paligemma_with_expert\.(gemma_expert\.lm_head\.weight|gemma_expert\.model\.embed_tokens\.weight)"
@@ -510,6 +533,31 @@ class Pi0Policy(Policy):
         """Per-element ``[B, H, D]`` -> the executed actions ``[B, K, A]``."""
         return x[:, : self.config.chunk_size, : self.config.action_dim]
 
+    def greedy_initial_noise(self, obs: Observation) -> Tensor:
+        """Greedy ``act``'s starting noise ``x_0`` ``float32 [B, H, D]`` (on the CPU): per
+        observation, ``N(0, I)`` drawn by a CPU generator seeded with a hash of ``greedy_seed``
+        and the observation (its images, state and instruction). Equal observations get equal
+        noise whatever their batch, other observations independent-looking draws, and torch's
+        global RNG is left alone; ``greedy_noise="zero"`` gives zeros."""
+        cfg = self.config
+        shape = (cfg.action_horizon, cfg.max_action_dim)
+        if cfg.greedy_noise == "zero":
+            return torch.zeros(obs.batch_size, *shape)
+        rows = []
+        images = {k: obs.images[k].cpu().contiguous() for k in sorted(obs.images)}
+        state = obs.state.detach().cpu().float().contiguous() if obs.state is not None else None
+        for i in range(obs.batch_size):
+            h = hashlib.blake2b(digest_size=8, key=str(cfg.greedy_seed).encode())
+            for k, img in images.items():
+                h.update(k.encode())
+                h.update(img[i].numpy().tobytes())
+            if state is not None:
+                h.update(state[i].numpy().tobytes())
+            h.update(obs.instruction[i].encode())
+            g = torch.Generator().manual_seed(int.from_bytes(h.digest(), "little") >> 1)
+            rows.append(torch.randn(shape, generator=g))
+        return torch.stack(rows)
+
     @torch.no_grad()
     def act(self, obs: Observation, greedy: bool = False) -> ActOutput:
         cfg = self.config
@@ -517,7 +565,10 @@ class Pi0Policy(Policy):
         prefix = self._prefix_pass(inputs)
         b, device = obs.batch_size, self.device
         shape = (b, cfg.action_horizon, cfg.max_action_dim)
-        x = torch.zeros(shape, device=device) if greedy else torch.randn(shape, device=device)
+        if greedy:
+            x = self.greedy_initial_noise(obs).to(device)
+        else:
+            x = torch.randn(shape, device=device)
         n_choices = cfg.num_steps - 1 if cfg.sde_ignore_last else cfg.num_steps
         if cfg.noise_method == "flow_sde":
             chosen = (
@@ -530,7 +581,12 @@ class Pi0Policy(Policy):
         chain, steps = [x], []
         for k in range(cfg.num_steps):
             ks = torch.full((b,), k, dtype=torch.long, device=device)
-            stochastic = chosen == k if cfg.noise_method == "flow_sde" else ks >= 0
+            if greedy:  # the plain ODE at every step (Flow-SDE's drift term left out too)
+                stochastic = torch.zeros(b, dtype=torch.bool, device=device)
+            elif cfg.noise_method == "flow_sde":
+                stochastic = chosen == k
+            else:
+                stochastic = ks >= 0
             mean, std, out = self._transition(inputs, prefix, x, ks, stochastic)
             steps.append((mean, std, out))
             x = mean if greedy else mean + std * torch.randn_like(mean)
@@ -622,12 +678,13 @@ class Pi0Policy(Policy):
         counts: Mapping[str, int],
     ) -> dict[str, Any]:
         """openpi's ``norm_stats.json`` layout: ``{"actions": ..., "state": ...}`` with
-        ``mean``, ``std``, ``q01``, ``q99`` (π0 normalises by mean/std, π0.5 by quantiles)."""
+        ``mean``, ``std``, ``q01``, ``q99`` (π0 normalises by mean/std, π0.5 by quantiles); the
+        dataset's name is the asset id they are exported under (openpi's are dataset ids)."""
         keys = ("mean", "std", "q01", "q99")
         stats = {"actions": {k: list(action[k]) for k in keys}}
         if state is not None:
             stats["state"] = {k: list(state[k]) for k in keys}
-        return {"norm_stats": stats}
+        return {"norm_stats": stats, "asset_id": name}
 
     def loss(
         self,
@@ -669,16 +726,21 @@ class Pi0Policy(Policy):
 
     # -- checkpoints -------------------------------------------------------------------------
     def official_state_dict(self) -> dict[str, Tensor]:
-        """openpi's PyTorch keys (``vision_tower.vision_model.``, tied ``lm_head`` dropped)."""
+        """openpi's ``PI0Pytorch`` state dict as its ``safetensors.torch.save_model`` writes it:
+        ``vision_tower.vision_model.`` names (transformers 4.53), the tied token embedding under
+        ``paligemma.lm_head.weight`` and the unused expert ``lm_head`` (zeros, see
+        :data:`_EXPERT_HEAD`); the RL heads are not part of it."""
         out: dict[str, Tensor] = {}
         merged = self.merged_state_dict(self.paligemma_with_expert)
         for k, v in merged.items():
-            if k == "paligemma.lm_head.weight":
-                continue  # tied to the token embedding
             k = k.replace(
                 "paligemma.model.vision_tower.", "paligemma.model.vision_tower.vision_model."
             )
             out[_OPENPI_PREFIX + k] = v
+        out[_TIED_HEAD] = out.pop(_EMBED)
+        vocab, dtype = out[_TIED_HEAD].shape[0], out[_TIED_HEAD].dtype
+        width = int(self.config.expert_config["hidden_size"])
+        out[_EXPERT_HEAD] = torch.zeros(vocab, width, dtype=dtype)
         for name, module in self.named_children():
             if name in ("paligemma_with_expert", *self._rl_heads):
                 continue
@@ -687,13 +749,23 @@ class Pi0Policy(Policy):
         return out
 
     def save_pretrained(self, path: str | Path) -> None:
-        """``model.safetensors`` (openpi keys), ``config.json`` (openpi's fields + an
-        ``rlinf_vla`` section), ``norm_stats.json`` (openpi layout), the tokenizer files and
-        ``rl_heads.safetensors`` (value head, noise net); with LoRA also ``lora_adapter/``."""
+        """An openpi PyTorch checkpoint folder, which openpi's ``create_trained_policy`` serves
+        and this package loads back:
+
+        - ``model.safetensors``: one file (openpi reads no shards) holding exactly the keys of
+          :meth:`official_state_dict`;
+        - ``config.json``: the fields openpi's converter writes, plus an ``rlinf_vla`` section;
+        - ``assets/<asset_id>/norm_stats.json``: the statistics in openpi's layout, under the
+          config's ``asset_id`` (a loaded openpi checkpoint's own, or the dataset's name after
+          ``rlinf-vla sft``), else :data:`DEFAULT_ASSET_ID`; openpi's serving reads the asset id
+          of its training config, so set ``asset_id`` to that one;
+        - the tokenizer files, ``rl_heads.safetensors`` (value head, noise net) and with LoRA
+          ``lora_adapter/``; openpi ignores these.
+        """
         cfg = self.config
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_safetensors_dir(self.official_state_dict(), path)
+        save_safetensors_dir(self.official_state_dict(), path, max_shard_bytes=2**62)
         data = {
             "action_dim": cfg.max_action_dim,
             "action_horizon": cfg.action_horizon,
@@ -705,9 +777,16 @@ class Pi0Policy(Policy):
         }
         (path / "config.json").write_text(json.dumps(data, indent=2))
         if cfg.norm_stats is not None:
-            (path / "norm_stats.json").write_text(
-                json.dumps({"norm_stats": cfg.norm_stats}, indent=2)
-            )
+            asset_id = cfg.asset_id
+            if asset_id is None:
+                asset_id = DEFAULT_ASSET_ID
+                log.warning(
+                    "%s: normalisation statistics written to assets/%s/norm_stats.json; openpi "
+                    "serving reads assets/<its training config's asset_id>/: set asset_id to it",
+                    path,
+                    asset_id,
+                )
+            write_openpi_norm_stats(path, asset_id, cfg.norm_stats)
         self.processor.tokenizer.save_pretrained(str(path))
         save_rl_heads(self, path, self._rl_heads)
         if self.has_lora:
@@ -775,9 +854,11 @@ class Pi0Policy(Policy):
                 kwargs["norm_stats"] = found.stats
                 if found.normalization is not None:
                     kwargs["normalization"] = found.normalization
+                if found.asset_id is not None:
+                    kwargs["asset_id"] = found.asset_id  # an export writes them there again
             elif not ours:
-                # this package's save_pretrained writes norm_stats.json whenever the policy had
-                # statistics, so only its own checkpoints may lack them
+                # this package's save_pretrained writes the statistics whenever the policy had
+                # them, so only its own checkpoints may lack them
                 places = "\n  ".join(NORM_STATS_LOCATIONS)
                 raise FileNotFoundError(
                     f"{path} holds no normalisation statistics; looked for\n  {places}\n"
@@ -824,12 +905,10 @@ class Pi0Policy(Policy):
             for k, v in self.state_dict().items()
             if not k.startswith(tuple(f"{h}." for h in self._rl_heads))
         }
-        tied = "paligemma_with_expert.paligemma.lm_head.weight"
-        embed = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
-        if embed not in weights and tied in weights:
-            weights[embed] = weights[tied]
-        weights.pop(tied, None)
-        expected.pop(tied, None)
+        if _EMBED not in weights and _TIED_HEAD in weights:
+            weights[_EMBED] = weights[_TIED_HEAD]
+        weights.pop(_TIED_HEAD, None)
+        expected.pop(_TIED_HEAD, None)
         check_state_dict(expected, weights, str(path))
         self.load_state_dict(weights, strict=False)
         load_rl_heads(self, path, self._rl_heads)
@@ -869,4 +948,6 @@ _NOT_SAVED = (
     "seed",
     "norm_stats",
     "asset_id",
+    "greedy_noise",
+    "greedy_seed",
 )

@@ -36,6 +36,7 @@ __all__ = [
     "find_norm_stats",
     "openpi_asset_ids",
     "read_openpi_norm_stats",
+    "write_openpi_norm_stats",
 ]
 
 
@@ -47,8 +48,9 @@ def discretize_state(state: Tensor) -> Tensor:
 
 #: Where :func:`find_norm_stats` looks, in this order (for error messages and the docs).
 NORM_STATS_LOCATIONS = (
-    "norm_stats.json (this package's save_pretrained)",
-    "assets/<asset_id>/norm_stats.json at any depth (openpi; the asset id may hold a '/')",
+    "norm_stats.json at the top (checkpoints of earlier versions of this package)",
+    "assets/<asset_id>/norm_stats.json at any depth (openpi and this package's save_pretrained; "
+    "the asset id may hold a '/')",
     "policy_postprocessor*.json / policy_preprocessor*.json with their normalizer .safetensors "
     "(lerobot >= 0.4)",
     "normalize_inputs.* / normalize_targets.* / unnormalize_outputs.* buffers in "
@@ -72,17 +74,38 @@ class CheckpointNormStats:
         source: the file(s) they were read from.
         normalization: ``zscore`` / ``quantile`` when the files record the mode (lerobot's
             ``norm_map`` / ``normalization_mapping``), else ``None`` (openpi: by model).
+        asset_id: the openpi asset id of ``assets/<asset_id>/norm_stats.json``, else ``None``.
     """
 
     stats: dict[str, Any]
     source: str
     normalization: str | None = None
+    asset_id: str | None = None
 
 
 def read_openpi_norm_stats(file: Path) -> dict[str, Any]:
     """One openpi ``norm_stats.json`` (``{"norm_stats": {...}}``, or the bare inner dict)."""
     data = json.loads(Path(file).read_text())
     return data.get("norm_stats", data)
+
+
+#: The statistics openpi's ``NormStats`` holds (``mean`` and ``std`` are required there).
+OPENPI_STATS = ("mean", "std", "q01", "q99")
+
+
+def write_openpi_norm_stats(path: Path, asset_id: str, stats: dict[str, Any]) -> Path:
+    """Write ``stats`` (``{"state": {...}, "actions": {...}}``) where openpi's serving reads
+    them, ``path/assets/<asset_id>/norm_stats.json``, in the layout of openpi's
+    ``normalize.save``: ``{"norm_stats": {key: {"mean", "std", "q01", "q99"}}}`` (other
+    statistics, e.g. lerobot's ``min`` / ``max``, are left out). Returns the file."""
+    out = {
+        key: {k: [float(x) for x in value[k]] for k in OPENPI_STATS if value.get(k) is not None}
+        for key, value in stats.items()
+    }
+    file = Path(path) / "assets" / asset_id / "norm_stats.json"
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps({"norm_stats": out}, indent=2))
+    return file
 
 
 def openpi_asset_ids(path: Path) -> list[str]:
@@ -112,7 +135,7 @@ def find_norm_stats(path: Path, asset_id: str | None = None) -> CheckpointNormSt
             raise FileNotFoundError(
                 f"asset_id={asset_id!r}: no {file}; asset ids in {path}: {openpi_asset_ids(path)}"
             )
-        return CheckpointNormStats(read_openpi_norm_stats(file), str(file))
+        return CheckpointNormStats(read_openpi_norm_stats(file), str(file), asset_id=asset_id)
     top = path / "norm_stats.json"
     if top.is_file():
         return CheckpointNormStats(read_openpi_norm_stats(top), str(top))
@@ -124,7 +147,7 @@ def find_norm_stats(path: Path, asset_id: str | None = None) -> CheckpointNormSt
         )
     if ids:
         file = path / "assets" / ids[0] / "norm_stats.json"
-        return CheckpointNormStats(read_openpi_norm_stats(file), str(file))
+        return CheckpointNormStats(read_openpi_norm_stats(file), str(file), asset_id=ids[0])
     return _lerobot_processor_stats(path) or _lerobot_buffer_stats(path)
 
 
