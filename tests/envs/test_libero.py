@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -149,3 +150,125 @@ def test_all_130_tasks_build_reset_and_step() -> None:
         assert len(seen) >= 100  # a few LIBERO-90 tasks share an instruction across scenes
     finally:
         env.close()
+
+
+def _official_loop_scenes(suite: str, task_id: int, seed: int, episodes: int) -> list[dict]:
+    """What the official LIBERO evaluation loops (OpenVLA-OFT's run_libero_eval.py: seed 0;
+    openpi's examples/libero/main.py: seed 7) set up for episodes 0 .. episodes - 1 of a task,
+    written out with LIBERO alone: one simulator per task (LIBERO's default hard reset),
+    ``env.seed(seed)`` once, then per episode: reset, init state ``k``, 10 no-op steps.
+    Returns per episode numpy's RNG state at the start of its reset (the seed it gets), the
+    fixture poses after the init state and the simulator state after the no-op steps."""
+    from libero.libero import benchmark
+    from libero.libero.envs import OffScreenRenderEnv
+
+    bench = benchmark.get_benchmark_dict()[suite]()
+    init_states = bench.get_task_init_states(task_id)
+    env = OffScreenRenderEnv(
+        bddl_file_name=bench.get_task_bddl_file_path(task_id), camera_heights=64, camera_widths=64
+    )
+    try:
+        env.seed(seed)
+        out = []
+        for k in range(episodes):
+            rng = np.random.get_state()
+            env.reset()
+            env.set_init_state(init_states[k])
+            model = env.sim.model
+            fixtures = {
+                name: np.concatenate(
+                    (
+                        model.body_pos[model.body_name2id(f.root_body)],
+                        model.body_quat[model.body_name2id(f.root_body)],
+                    )
+                )
+                for name, f in env.env.fixtures_dict.items()
+            }
+            for _ in range(10):
+                env.step([0, 0, 0, 0, 0, 0, -1])
+            out.append(
+                {"rng": rng, "fixtures": fixtures, "sim_state": env.sim.get_state().flatten()}
+            )
+        return out
+    finally:
+        env.close()
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+def test_scene_of_an_init_state_is_the_official_loops_episode() -> None:
+    """libero_spatial task 3 (a cabinet and a stove, re-placed on every reset): the reset to
+    init state k gets the RNG state of the official loop's episode k (numpy seeded once with 0,
+    k resets before) and gives its fixtures and, after the 10 settle steps, its simulator state,
+    bit for bit, whichever init states were reset before. The openpi loop's seed 7 and the
+    earlier seeding by reset id (``scene_seed=None``) are checked on the RNG state."""
+    pytest.importorskip("libero.libero")
+    from rlinf_vla.envs.libero.config import LiberoEnvConfig
+    from rlinf_vla.envs.libero.env import LiberoCore, suite_tasks
+
+    reference = _official_loop_scenes("libero_spatial", 3, seed=0, episodes=3)
+    openpi = _official_loop_scenes("libero_spatial", 3, seed=7, episodes=2)
+    tasks = suite_tasks("libero_spatial")
+    cfg = LiberoEnvConfig(
+        suite="libero_spatial", task_ids=(0, 3), image_size=64, fast_render=True, num_envs=1
+    )
+    core = LiberoCore(cfg, (tasks[0], tasks[3]))
+    started: list[tuple] = []
+    reset = core._reset_robosuite
+
+    def recording_reset() -> None:
+        started.append(np.random.get_state())
+        reset()
+
+    core._reset_robosuite = recording_reset
+    try:
+        for k in (2, 0, 1):  # out of order: 2 first replays the resets of 0 and 1
+            core.reset(50 * 1 + k)
+            ref = reference[k]
+            rng = started[-1]
+            assert np.array_equal(rng[1], ref["rng"][1]) and rng[2] == ref["rng"][2]
+            scene = core.scene_state()
+            assert scene["fixtures"].keys() == ref["fixtures"].keys()
+            for name, pose in ref["fixtures"].items():
+                assert np.array_equal(scene["fixtures"][name], pose), name
+            assert np.array_equal(scene["sim_state"], ref["sim_state"])
+        # The fixtures differ between episodes (so the checks above could fail).
+        moved = reference[0]["fixtures"]["flat_stove_1"] - reference[1]["fixtures"]["flat_stove_1"]
+        assert np.abs(moved[:3]).max() > 1e-3
+
+        core.cfg = dataclasses.replace(cfg, scene_seed=7)
+        core._scene_rng.clear()
+        core.reset(50 + 1)
+        assert np.array_equal(started[-1][1], openpi[1]["rng"][1])
+        assert not np.array_equal(openpi[1]["rng"][1], reference[1]["rng"][1])
+
+        core.cfg = dataclasses.replace(cfg, scene_seed=None)
+        core.reset(50 + 1)
+        np.random.seed(51)  # the reset id
+        assert np.array_equal(started[-1][1], np.random.get_state()[1])
+    finally:
+        core.close()
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+def test_scene_of_a_trial_does_not_depend_on_task_ids() -> None:
+    """(task 3, init state 4) of libero_spatial: the same fixtures, simulator state, images
+    and proprio whether task_ids=[0, 3] (reset id 54) or task_ids=[3] (reset id 4)."""
+    pytest.importorskip("libero.libero")
+    seen = []
+    for task_ids, reset_id in (([0, 3], 54), ([3], 4)):
+        env = make_env("libero", suite="libero_spatial", task_ids=task_ids, num_envs=1, **FAST)
+        try:
+            obs = env.reset(torch.tensor([reset_id]))
+            seen.append((obs, env.scene_state()))
+        finally:
+            env.close()
+    (obs_a, scene_a), (obs_b, scene_b) = seen
+    assert obs_a.instruction == obs_b.instruction
+    for name, pose in scene_a["fixtures"].items():
+        assert np.array_equal(scene_b["fixtures"][name], pose), name
+    assert np.array_equal(scene_a["sim_state"], scene_b["sim_state"])
+    for cam in ("main", "wrist"):
+        assert torch.equal(obs_a.images[cam], obs_b.images[cam]), cam
+    assert torch.equal(obs_a.state, obs_b.state)

@@ -26,6 +26,11 @@ DEFAULT_MAX_STEPS: dict[str, int] = {
 }
 #: Official init states per task; reset ids map onto (task, init state) with it.
 INIT_STATES_PER_TASK = 50
+#: ``scene_seed`` of the official LIBERO evaluation loops: their ``env.seed(...)`` call.
+OFFICIAL_SCENE_SEEDS: dict[int, str] = {
+    0: "OpenVLA / OpenVLA-OFT experiments/robot/libero/run_libero_eval.py (env.seed(0))",
+    7: "openpi examples/libero/main.py (env.seed(args.seed), seed 7)",
+}
 RENDER_BACKENDS = ("egl", "osmesa")
 
 
@@ -46,6 +51,15 @@ class LiberoEnvConfig(EnvConfig):
             CPU rendering; the table loses its mirror image, so images differ slightly from the
             official LIBERO renders).
         render_backend: MuJoCo offscreen backend, ``"egl"`` or ``"osmesa"``.
+        scene_seed: how the scene of a reset is seeded. LIBERO re-places its fixtures
+            (cabinets, stoves: model body poses that an init state does not hold) with numpy's
+            global RNG on every reset. With an int ``s``, the reset to init state ``k`` of a task
+            draws what the official evaluation loops draw for episode ``k``: numpy seeded with
+            ``s`` when the task's simulator is built (``env.seed(s)``), then ``k`` resets before
+            this one. The scene is then a function of (task, init state) only, whatever
+            ``task_ids`` selects. The official loops use 0 (OpenVLA, OpenVLA-OFT) and 7
+            (openpi). ``None``: seed every reset with its reset id (the scene of a (task, init
+            state) then changes with the position of the task in ``task_ids``).
         worker_timeout_s: seconds a worker may take for one command (a task switch rebuilds
             its simulator) before it is considered hung and restarted.
     """
@@ -58,6 +72,7 @@ class LiberoEnvConfig(EnvConfig):
     fast_render: bool = False
     render_backend: str = "egl"
     worker_timeout_s: float = 600.0
+    scene_seed: int | None = 0
 
     @property
     def action_dim(self) -> int:
@@ -94,3 +109,11 @@ class LiberoEnvConfig(EnvConfig):
             f"must be one of {RENDER_BACKENDS}",
         )
         check_field(self, "worker_timeout_s", self.worker_timeout_s > 0, "must be > 0")
+        if self.scene_seed is not None:
+            self.scene_seed = int(self.scene_seed)
+            check_field(
+                self,
+                "scene_seed",
+                0 <= self.scene_seed < 2**32,
+                "must lie in [0, 2**32) or be null (seed each reset with its reset id)",
+            )

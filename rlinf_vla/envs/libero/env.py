@@ -168,6 +168,8 @@ class LiberoCore:
         self.init_states: np.ndarray | None = None
         self.render = True
         self._images: dict[str, np.ndarray] = {}
+        # scene_seed: numpy's RNG state at the start of reset k of each task (by position).
+        self._scene_rng: dict[int, list[tuple]] = {}
 
     def _build(self, pos: int) -> None:
         if self.env is not None:
@@ -228,19 +230,43 @@ class LiberoCore:
         if pos != self.task_pos:
             self._build(pos)
         assert self.init_states is not None
-        self.render = self.cfg.settle_steps == 0
+        state %= len(self.init_states)
+        self.render = False
         with contextlib.redirect_stdout(io.StringIO()):
-            # LIBERO re-places fixtures (cabinets, stoves: model body poses, not part of the
-            # init state) with numpy's global RNG on every reset: seed it with the reset id.
-            self.env.seed(int(reset_id) % 2**32)
+            self._seed_scene(pos, state, int(reset_id))
             self._reset_robosuite()
-            raw = self.env.set_init_state(self.init_states[state % len(self.init_states)])
+            if self.cfg.scene_seed is not None and len(self._scene_rng[pos]) == state + 1:
+                self._scene_rng[pos].append(np.random.get_state())
+            self.render = self.cfg.settle_steps == 0
+            raw = self.env.set_init_state(self.init_states[state])
             self._clear_episode_memory()
             for k in range(self.cfg.settle_steps):
                 self.render = k == self.cfg.settle_steps - 1
                 raw, *_ = self.env.step(SETTLE_ACTION)
         self.render = True
         return self._obs(raw)
+
+    def _seed_scene(self, pos: int, state: int, reset_id: int) -> None:
+        """Put numpy's global RNG where the reset to init state ``state`` of task ``pos``
+        starts (LIBERO re-places fixtures with it on every reset; see ``scene_seed``).
+
+        ``scene_seed = s``: the official loops build a task's simulator, call ``env.seed(s)``
+        and reset it once per episode, so episode ``k`` starts from the RNG after ``k``
+        resets. The state at the start of each reset is kept per task; reaching ``k`` for the
+        first time replays the resets before it (without rendering). ``None``: the reset id.
+        """
+        if self.cfg.scene_seed is None:
+            self.env.seed(reset_id % 2**32)
+            return
+        states = self._scene_rng.get(pos)
+        if states is None:
+            self.env.seed(self.cfg.scene_seed)
+            states = self._scene_rng[pos] = [np.random.get_state()]
+        while len(states) <= state:
+            np.random.set_state(states[-1])
+            self._reset_robosuite()
+            states.append(np.random.get_state())
+        np.random.set_state(states[state])
 
     def _reset_robosuite(self) -> None:
         # LIBERO's own ``reset()`` retries forever and swallows every exception (``finally:
@@ -283,6 +309,17 @@ class LiberoCore:
         obs = self._obs(raw) if render or success else None
         return obs, float(success), success, success
 
+    def scene_state(self) -> dict[str, Any]:
+        """The current scene, for checks: ``fixtures`` (name -> body position (3) and
+        quaternion (4), the poses a reset places) and ``sim_state`` (MuJoCo's flattened time,
+        qpos and qvel)."""
+        model = self.env.sim.model
+        fixtures = {}
+        for name, fixture in self.env.env.fixtures_dict.items():
+            body = model.body_name2id(fixture.root_body)
+            fixtures[name] = np.concatenate((model.body_pos[body], model.body_quat[body]))
+        return {"fixtures": fixtures, "sim_state": self.env.sim.get_state().flatten()}
+
     def close(self) -> None:
         if self.env is not None:
             self.env.close()
@@ -304,8 +341,11 @@ class LiberoEnv(VectorEnv):
     - **Randomisation.** None beyond the 50 official init states per task. Reset id ``r``
       selects task ``(r // 50) % n_tasks`` of the selected tasks and init state ``r % 50``
       (:func:`reset_id_to_task_state`), so ids ``0 .. 50 * n_tasks - 1`` cover every (task,
-      state) pair. After setting the state, ``settle_steps`` (10) no-op actions with the gripper
-      open let objects settle; they are not part of the episode.
+      state) pair. The fixtures an init state does not hold (cabinets, stoves) are placed as
+      the official evaluation loops place them for that init state (``scene_seed``), so a
+      (task, init state) is the same scene whatever ``task_ids`` selects. After setting the
+      state, ``settle_steps`` (10) no-op actions with the gripper open let objects settle;
+      they are not part of the episode.
     - **Success.** The task's BDDL goal predicates hold (``check_success``); it terminates the
       episode with reward 1.0 (0 otherwise). Time limits per suite: spatial 220, object 280,
       goal 300, libero_10 520, libero_90 400 steps (``max_steps``; ``max_episode_steps``
@@ -367,6 +407,11 @@ class LiberoEnv(VectorEnv):
     def workers(self) -> SubprocEnvs:
         """The subprocess pool (one LIBERO simulator per env)."""
         return self._batch.envs
+
+    def scene_state(self, env_id: int = 0) -> dict[str, Any]:
+        """The scene of env ``env_id`` (:meth:`LiberoCore.scene_state`): fixture poses and the
+        simulator state."""
+        return self.workers.call("scene_state", {env_id: ()})[env_id]
 
     def task_of(self, reset_ids: torch.Tensor) -> list[LiberoTask]:
         """The task each reset id selects."""
