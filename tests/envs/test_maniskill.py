@@ -180,3 +180,29 @@ def test_privileged_state_is_the_tasks_own_state_observation(maniskill) -> None:
         env.close()
     assert state.shape == (16 + 7 + 3 + 7,)
     torch.testing.assert_close(state[16:], want.float(), atol=1e-6, rtol=0)
+
+
+def test_default_robot_with_a_hand_camera_gives_the_wrist_image(maniskill) -> None:
+    """StackCube, PegInsertionSide and PlugCharger register ``panda_wristcam`` as their robot:
+    with ``wrist`` and no ``robot`` the config (what pre-flight checks read) and the built env
+    both have a wrist image; PickCube's default ``panda`` has none."""
+    from rlinf_vla.envs.maniskill.config import ManiSkillEnvConfig
+
+    def cameras(task: str, **kw) -> tuple[str, ...]:
+        return ManiSkillEnvConfig(task=task, **kw).cameras
+
+    for task in ("StackCube-v1", "PegInsertionSide-v1", "PlugCharger-v1"):
+        assert cameras(task, wrist=True) == ("main", "wrist"), task
+        assert cameras(task, wrist=False) == ("main",), task
+    assert cameras("StackCube-v1", wrist=True, robot="panda") == ("main",)
+    assert cameras("PickCube-v1", wrist=True) == ("main",)
+    assert cameras("PickCube-v1", wrist=True, robot="panda_wristcam") == ("main", "wrist")
+    env = make_env(
+        "maniskill", task="StackCube-v1", num_envs=1, image_size=32, sim_backend="cpu", wrist=True
+    )
+    try:
+        obs = env.reset(torch.tensor([0]))
+    finally:
+        env.close()
+    assert set(obs.images) == {"main", "wrist"}
+    assert obs.images["wrist"].shape == (1, 32, 32, 3)

@@ -125,10 +125,15 @@ class ManiSkillEnvConfig(EnvConfig):
 
     @property
     def cameras(self) -> tuple[str, ...]:
-        """``main``, plus ``wrist`` when asked for and the robot has a hand camera (its name
-        says ``wristcam``; a task's default robot, ``robot=None``, is assumed to have none)."""
-        has_hand_camera = self.robot is not None and "wristcam" in self.robot
-        return ("main", "wrist") if self.wrist and has_hand_camera else ("main",)
+        """``main``, plus ``wrist`` when asked for (``wrist``) and the robot carries a camera:
+        ``robot``, or with ``robot=None`` the task's default robot as ManiSkill registers it
+        (StackCube, PegInsertionSide and PlugCharger use ``panda_wristcam``). Imports ManiSkill
+        when ``wrist`` is set."""
+        if not self.wrist:
+            return ("main",)
+        from rlinf_vla.envs.maniskill.env import robot_has_camera
+
+        return ("main", "wrist") if robot_has_camera(self.task, self.robot) else ("main",)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -113,6 +113,42 @@ def check_task(task: str) -> Any:
     return spec
 
 
+def default_robot(task: str) -> str | None:
+    """The robot uid ``task`` builds when ``robot`` is not set: its registered default
+    ``robot_uids``, else the default of its constructor's ``robot_uids`` argument; ``None``
+    when neither names a single robot (a class that passes a fixed robot to its parent,
+    several robots)."""
+    import inspect
+
+    import_maniskill()
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    if task not in REGISTERED_ENVS:
+        raise ValueError(f"unknown ManiSkill task {task!r}; known tasks: {sorted(REGISTERED_ENVS)}")
+    spec = REGISTERED_ENVS[task]
+    uid = (spec.default_kwargs or {}).get("robot_uids")
+    if uid is None:
+        param = inspect.signature(spec.cls.__init__).parameters.get("robot_uids")
+        uid = None if param is None else param.default
+    return uid if isinstance(uid, str) else None
+
+
+def robot_has_camera(task: str, robot: str | None) -> bool:
+    """Whether the robot of ``task`` (``robot``, else :func:`default_robot`) carries its own
+    camera, which the env shows as ``images["wrist"]`` (see ``_Cameras``): its agent class
+    defines sensors. An unknown default robot counts as having none."""
+    uid = robot if robot is not None else default_robot(task)
+    if uid is None:
+        return False
+    import_maniskill()
+    from mani_skill.agents.base_agent import BaseAgent
+    from mani_skill.agents.registration import REGISTERED_AGENTS
+
+    if uid not in REGISTERED_AGENTS:
+        raise ValueError(f"unknown ManiSkill robot {uid!r}; known: {sorted(REGISTERED_AGENTS)}")
+    return REGISTERED_AGENTS[uid].agent_cls._sensor_configs is not BaseAgent._sensor_configs
+
+
 def _make_kwargs(cfg: ManiSkillEnvConfig, num_envs: int, gpu: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "num_envs": num_envs,
