@@ -7,11 +7,13 @@ the trials, without starting any process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
+from rlinf_vla.eval import protocol as protocols
 from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 
@@ -42,6 +44,10 @@ class EvalConfig:
     """The ``eval`` section.
 
     Attributes:
+        protocol: ``official`` (LIBERO: the official evaluation loop's episode for every
+            (task, init state), and its env settings, checked), ``package`` (the env settings
+            as given, unchecked) or ``None`` (LIBERO: ``official``; other envs: ``package``,
+            their only protocol). See :mod:`rlinf_vla.eval.protocol`.
         trials_per_task: trials of every task. LIBERO: init states ``0 .. n - 1`` of each task,
             each used once (at most 50; 50 is the standard protocol). Other envs: seeds
             ``seed .. seed + n - 1``.
@@ -63,6 +69,7 @@ class EvalConfig:
         progress: show a progress bar (trials done and success rate per suite).
     """
 
+    protocol: str | None = None
     trials_per_task: int = 50
     tasks: list[str] | None = None
     seed: int = 0
@@ -79,6 +86,11 @@ class EvalConfig:
     def __post_init__(self) -> None:
         positive = ("trials_per_task", "envs_per_worker", "video_fps", "policy_threads")
         check_at_least(self, "eval", positive, 1)
+        if self.protocol is not None and self.protocol not in protocols.PROTOCOLS:
+            raise ConfigError(
+                f"eval.protocol={self.protocol!r}: known protocols: "
+                f"{', '.join(protocols.PROTOCOLS)} (or null: the env's default)"
+            )
         if self.retries < 0:
             raise ConfigError(f"eval.retries must be >= 0, got {self.retries}")
         if self.seed < 0:
@@ -127,6 +139,7 @@ class EvalJob:
     trials: list[Trial] = field(default_factory=list)
     output_dir: str = ""
     identity: dict[str, Any] = field(default_factory=dict)
+    protocol: dict[str, Any] = field(default_factory=lambda: {"name": "package"})
 
 
 # ------------------------------------------------------------------------------- validation
@@ -268,6 +281,7 @@ def validate(cfg: Any) -> EvalJob:
             require_ffmpeg("set eval.videos=none")
         except RuntimeError as e:
             raise ConfigError(f"eval.videos={ev.videos}: {e}") from None
+    protocol = protocols.resolve(env_name, ev.protocol)
     if env_name == "libero":
         _check_libero(env, ev)
     elif env_name != "maniskill" and ev.tasks is not None:
@@ -282,10 +296,23 @@ def validate(cfg: Any) -> EvalJob:
         policy = checkpoint_settings(policy_name, policy)
     elif policy.get("seed") is None:
         policy["seed"] = ev.seed  # random (preset) weights: the same ones on every run
+    protocols.check(env_name, protocol, env_cfg)
     pol = policy_config_for(policy_name, policy)
-    check_fit(env_name, env_spec(env_name, env_cfg), pol)
     if env_name == "maniskill":
-        _check_maniskill_tasks(ev.tasks or [env_cfg.task])
+        # Every task is checked with its own default robot (some carry a hand camera).
+        tasks = ev.tasks or [env_cfg.task]
+        for task in tasks:
+            try:
+                spec = env_spec(env_name, dataclasses.replace(env_cfg, task=task))
+            except ValueError as e:  # an unknown task or robot
+                raise ConfigError(f"eval.tasks / env.task: {e}") from None
+            try:
+                check_fit(env_name, spec, pol)
+            except ConfigError as e:
+                raise ConfigError(f"task {task}: {e}") from None
+        _check_maniskill_tasks(tasks)
+    else:
+        check_fit(env_name, env_spec(env_name, env_cfg), pol)
     job = EvalJob(
         cluster=cluster,
         env_name=env_name,
@@ -294,6 +321,7 @@ def validate(cfg: Any) -> EvalJob:
         policy=policy,
         eval=ev,
         output_dir=ev.output_dir or _default_output_dir(env_name, env),
+        protocol=protocols.describe(env_name, protocol, env_cfg),
     )
     job.trials = plan_trials(env_name, env_cfg, ev)
     job.identity = identity(job)
@@ -319,7 +347,8 @@ def plan_trials(env_name: str, env_cfg: Any, ev: EvalConfig) -> list[Trial]:
 
     LIBERO: the selected tasks of ``env.suite`` x init states ``0 .. trials_per_task - 1``;
     the reset id of task position ``p`` and init state ``s`` is ``50 p + s``, which the LIBERO
-    env maps back to exactly that (task, init state). Other envs: ``eval.tasks`` (or the env's
+    env maps back to exactly that (task, init state); with ``env.scene_seed`` set (the
+    default) the scene depends on the task and the init state only, not on ``p``. Other envs: ``eval.tasks`` (or the env's
     own task) x seeds ``seed .. seed + trials_per_task - 1``, the seed being the reset id.
     """
     n = ev.trials_per_task
@@ -356,4 +385,5 @@ def identity(job: EvalJob) -> dict[str, Any]:
         "policy": policy,
         "greedy": job.eval.greedy,
         "seed": job.eval.seed if job.env_name != "libero" else None,
+        "protocol": job.protocol,
     }

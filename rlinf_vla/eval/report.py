@@ -5,8 +5,9 @@ trial is scheduled, so an interrupted evaluation loses at most the episodes that
 A re-run into the same folder reads it back (a torn last line from a killed process is
 dropped) and skips those trials. The reports are rewritten from the log:
 
-- ``results.json``: ``trials`` (sorted by suite, task index, init state), per-task and
-  per-suite counts with success rates and Wilson 95% intervals, ``overall``; nothing in it
+- ``results.json``: the ``protocol``, ``trials`` (sorted by suite, task index, init state),
+  per-task and per-suite counts with success rates (errors counted as failures, and over
+  valid trials only) and Wilson 95% intervals, ``overall``; nothing in it
   depends on timing or scheduling, so an interrupted-and-resumed run writes the same file as
   an uninterrupted one.
 - ``results.csv``: one row per trial.
@@ -182,35 +183,42 @@ def render_summary(results: dict[str, Any]) -> str:
     planned, done = results.get("planned"), len(results["trials"])
     if planned is not None and done < planned:
         lines += [f"**Incomplete: {done} of {planned} planned trials finished.**", ""]
+    proto = results.get("protocol")
+    if proto:
+        seed = proto.get("scene_seed")
+        where = f", scene seed {seed}" if "scene_seed" in proto else ""
+        loop = f" (reproduces {proto['reference_loop']})" if proto.get("reference_loop") else ""
+        lines += [f"Protocol: {proto['name']}{where}{loop}", ""]
     lines += [
-        "Success rate (%) over valid trials, with its Wilson 95% interval. Error trials (a",
-        "simulator that crashed on every attempt) are neither successes nor failures.",
+        "Success rate (%) over all trials, error trials (a simulator that crashed on every",
+        "attempt) counted as failures, with its Wilson 95% interval; then the rate over valid",
+        "trials only (errors left out).",
         "",
-        "| Suite | Success (%) | 95% CI | Successes / valid | Errors |",
-        "|---|---:|---|---:|---:|",
+        "| Suite | Success (%) | 95% CI | Successes / trials | Excl. errors (%) | Errors |",
+        "|---|---:|---|---:|---:|---:|",
     ]
-    for suite, s in results["suites"].items():
+    rows = list(results["suites"].items())
+    if len(results["suites"]) > 1:
+        rows.append(("**all**", results["overall"]))
+    for suite, s in rows:
         lines.append(
             f"| {suite} | {_pct(s['success_rate'])} | {_ci(s['ci95'])} | "
-            f"{s['successes']} / {s['valid']} | {s['errors']} |"
-        )
-    if len(results["suites"]) > 1:
-        s = results["overall"]
-        lines.append(
-            f"| **all** | {_pct(s['success_rate'])} | {_ci(s['ci95'])} | "
-            f"{s['successes']} / {s['valid']} | {s['errors']} |"
+            f"{s['successes']} / {s['trials']} | {_pct(s['success_rate_valid'])} | "
+            f"{s['errors']} |"
         )
     lines += [
         "",
         "## Per task",
         "",
-        "| Suite | # | Task | Success (%) | 95% CI | Successes / valid | Errors |",
-        "|---|---:|---|---:|---|---:|---:|",
+        "| Suite | # | Task | Success (%) | 95% CI | Successes / trials | Excl. errors (%) "
+        "| Errors |",
+        "|---|---:|---|---:|---|---:|---:|---:|",
     ]
     for t in results["tasks"]:
         lines.append(
             f"| {t['suite']} | {t['task_index']} | {t['task']} | {_pct(t['success_rate'])} | "
-            f"{_ci(t['ci95'])} | {t['successes']} / {t['valid']} | {t['errors']} |"
+            f"{_ci(t['ci95'])} | {t['successes']} / {t['trials']} | "
+            f"{_pct(t['success_rate_valid'])} | {t['errors']} |"
         )
     errors = [t for t in results["trials"] if t.get("error")]
     if errors:

@@ -88,7 +88,7 @@ class _Queue:
 
 
 class _Progress:
-    """A progress bar per suite: trials done, success rate over valid trials, errors."""
+    """A progress bar per suite: trials done, success rate (errors as failures), errors."""
 
     def __init__(self, enabled: bool, planned: dict[str, int]) -> None:
         self.counts = {s: [0, 0, 0] for s in planned}  # done, successes, errors
@@ -114,10 +114,11 @@ class _Progress:
         c[1] += bool(record["success"]) and not record["error"]
         c[2] += bool(record["error"])
         if self._bar is not None:
-            valid = c[0] - c[2]
-            rate = f"success {100 * c[1] / valid:5.1f}% ({c[1]}/{valid})" if valid else ""
+            rate = f"success {100 * c[1] / c[0]:5.1f}% ({c[1]}/{c[0]})"
             if c[2]:
-                rate += f" errors {c[2]}"
+                valid = c[0] - c[2]
+                excl = f"{100 * c[1] / valid:.1f}%" if valid else "n/a"
+                rate += f" errors {c[2]} (excl. errors {excl})"
             self._bar.update(self._ids[record["suite"]], advance=1, rate=rate)
 
     def __enter__(self) -> _Progress:
@@ -169,6 +170,7 @@ def header(job: EvalJob) -> dict[str, Any]:
     env = job.env
     return {
         "env_name": job.env_name,
+        "protocol": job.protocol,
         "suite": env.get("suite") if job.env_name == "libero" else None,
         "tasks": sorted({t.task for t in job.trials}) if job.env_name != "libero" else None,
         "policy_name": job.policy_name,

@@ -1,7 +1,8 @@
 """Success rates with Wilson score intervals, per task and per suite.
 
-Error trials (a simulator that crashed twice) are counted apart: they are neither successes nor
-failures and never enter a rate or its interval.
+Error trials (a simulator that crashed on every attempt) are reported two ways: the headline
+rate counts them as failures (``successes / trials``, as the official loops, which count every
+episode they start), and ``success_rate_valid`` leaves them out (``successes / valid``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def summarize(trials: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
 
     A trial with a non-empty ``error`` is an error; otherwise ``success`` decides. Returns
     ``trials`` (all), ``valid`` (successes + failures), ``successes``, ``failures``, ``errors``,
-    ``success_rate`` (``successes / valid``, ``None`` without valid trials) and ``ci95``
-    (``[low, high]`` or ``None``).
+    ``success_rate`` (``successes / trials``: errors count as failures; ``None`` without
+    trials) with its ``ci95`` (``[low, high]`` or ``None``), and ``success_rate_valid``
+    (``successes / valid``: errors left out; ``None`` without valid trials) with its
+    ``ci95_valid``.
     """
     n = successes = errors = 0
     for t in trials:
@@ -53,15 +56,18 @@ def summarize(trials: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         elif t.get("success"):
             successes += 1
     valid = n - errors
-    ci = wilson_interval(successes, valid)
+    ci = wilson_interval(successes, n)
+    ci_valid = wilson_interval(successes, valid)
     return {
         "trials": n,
         "valid": valid,
         "successes": successes,
         "failures": valid - successes,
         "errors": errors,
-        "success_rate": successes / valid if valid else None,
+        "success_rate": successes / n if n else None,
         "ci95": list(ci) if ci is not None else None,
+        "success_rate_valid": successes / valid if valid else None,
+        "ci95_valid": list(ci_valid) if ci_valid is not None else None,
     }
 
 

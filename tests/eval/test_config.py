@@ -81,3 +81,84 @@ def test_training_renders_fast_and_evaluation_renders_the_full_scene() -> None:
         assert compose("train", [f"env={env}"]).env.fast_render is True
         job = eval_job(f"env={env}", "policy=openvla")
         assert job.env["fast_render"] is False, env
+
+
+def test_libero_defaults_to_the_official_protocol() -> None:
+    """The official loops' settings: 256 px, full-quality renders, 10 settle steps, the
+    per-suite time limits, scene seed 0 (OpenVLA-OFT) or 7 (openpi); recorded in the job."""
+    job = eval_job("env=libero", "policy=openvla")
+    assert job.protocol["name"] == "official"
+    assert (
+        job.protocol["scene_seed"] == 0 and "run_libero_eval.py" in job.protocol["reference_loop"]
+    )
+    assert (job.env["image_size"], job.env["fast_render"], job.env["settle_steps"]) == (
+        256,
+        False,
+        10,
+    )
+    assert job.protocol["max_steps"] == {
+        "libero_spatial": 220,
+        "libero_object": 280,
+        "libero_goal": 300,
+        "libero_10": 520,
+        "libero_90": 400,
+    }
+    assert job.identity["protocol"]["name"] == "official"
+    openpi = eval_job("env=libero", "policy=openvla", "env.scene_seed=7")
+    assert openpi.protocol["scene_seed"] == 7 and "openpi" in openpi.protocol["reference_loop"]
+    assert eval_job("env=toy", "policy=openvla").protocol == {"name": "package"}
+
+
+def test_departures_from_the_official_protocol_name_the_keys() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"eval\.protocol=official.*env\.image_size=128 \(official: 256\); "
+        r"env\.fast_render=True \(official: False\).*eval\.protocol=package",
+    ):
+        eval_job("env=libero", "env.image_size=128", "env.fast_render=true")
+    with pytest.raises(ConfigError, match=r"env\.settle_steps=2 \(official: 10\)"):
+        eval_job("env=libero", "env.settle_steps=2")
+    with pytest.raises(ConfigError, match=r"env\.max_episode_steps=10 \(official: None\)"):
+        eval_job("env=libero", "+env.max_episode_steps=10")
+    with pytest.raises(ConfigError, match=r"env\.max_steps=\{'libero_goal': 5\}"):
+        eval_job("env=libero", "+env.max_steps={libero_goal: 5}")
+    with pytest.raises(ConfigError, match=r"env\.scene_seed=3 \(official: 0: .*7: openpi"):
+        eval_job("env=libero", "env.scene_seed=3")
+    with pytest.raises(ConfigError, match=r"env\.scene_seed=None"):
+        eval_job("env=libero", "env.scene_seed=null")
+    with pytest.raises(ConfigError, match=r"eval\.protocol='offical': known protocols: official"):
+        eval_job("env=libero", "eval.protocol=offical")
+    with pytest.raises(ConfigError, match=r"eval\.protocol=official: env 'toy' has no official"):
+        eval_job("env=toy", "policy=openvla", "eval.protocol=official")
+    # The package protocol takes the env settings as given, and says so in the results.
+    job = eval_job(
+        "env=libero", "env.image_size=128", "env.scene_seed=null", "eval.protocol=package"
+    )
+    assert job.protocol["name"] == "package" and job.protocol["reference_loop"] is None
+    assert job.protocol["scene_seed"] is None and job.protocol["image_size"] == 128
+
+
+@pytest.mark.sim
+def test_stackcube_with_its_hand_camera_passes_the_preflight() -> None:
+    """StackCube, PegInsertionSide and PlugCharger carry a hand camera on their default robot,
+    so a main + wrist policy fits them with env.wrist=true; PickCube's default robot has none."""
+    pytest.importorskip("mani_skill")
+    wrist_policy = (
+        "env=maniskill",
+        "env.wrist=true",
+        "policy=openvla_oft",
+        "+policy.proprio_dim=16",
+    )
+    tasks = "eval.tasks=[StackCube-v1,PegInsertionSide-v1,PlugCharger-v1]"
+    job = eval_job(*wrist_policy, tasks, "eval.trials_per_task=2")
+    assert [t.task for t in job.trials] == [
+        "StackCube-v1",
+        "StackCube-v1",
+        "PegInsertionSide-v1",
+        "PegInsertionSide-v1",
+        "PlugCharger-v1",
+        "PlugCharger-v1",
+    ]
+    assert eval_job(*wrist_policy, "env.task=StackCube-v1").trials[0].task == "StackCube-v1"
+    with pytest.raises(ConfigError, match=r"task PickCube-v1: .*camera\(s\) \['wrist'\]"):
+        eval_job(*wrist_policy, "eval.tasks=[StackCube-v1,PickCube-v1]")

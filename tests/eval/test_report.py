@@ -40,18 +40,24 @@ def test_log_drops_a_torn_line_and_appends_after_it(tmp_path) -> None:
 
 def test_reports(tmp_path) -> None:
     records = [_rec(0, True), _rec(1, False), _rec(2, None, "env crashed (after 2 attempt(s))")]
-    results = build_results(records, {"env_name": "libero", "policy_name": "openvla_oft"})
+    header = {"env_name": "libero", "policy_name": "openvla_oft"}
+    results = build_results(records, {**header, "protocol": {"name": "official", "scene_seed": 0}})
     write_reports(tmp_path, results)
     data = json.loads((tmp_path / "results.json").read_text())
     assert [t["init_state"] for t in data["trials"]] == [0, 1, 2]
+    assert data["protocol"] == {"name": "official", "scene_seed": 0}
     suite = data["suites"]["libero_goal"]
     assert suite["successes"] == 1 and suite["valid"] == 2 and suite["errors"] == 1
+    # The crashed trial is a failure in the headline rate (1 of 3), left out of the other.
+    assert suite["success_rate"] == pytest.approx(1 / 3) and suite["success_rate_valid"] == 0.5
     with open(tmp_path / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["success"] for r in rows] == ["True", "False", ""]
     assert rows[2]["error"].startswith("env crashed")
     summary = (tmp_path / "summary.md").read_text()
-    assert "| libero_goal | 50.0 | [9.5, 90.5] | 1 / 2 | 1 |" in summary
+    # Wilson 95% of 1 / 3: [6.1, 79.2]%; of 1 / 2 (errors left out): 50.0%.
+    assert "| libero_goal | 33.3 | [6.1, 79.2] | 1 / 3 | 50.0 | 1 |" in summary
+    assert "Protocol: official, scene seed 0" in summary
     assert "init state 2: env crashed" in summary
     write_reports(tmp_path, results)
     assert json.loads((tmp_path / "results.json").read_text()) == data

@@ -82,6 +82,7 @@ def test_libero_two_tasks_end_to_end(ray_cluster, tmp_path, capsys) -> None:
             "env.suite=libero_goal",
             "env.task_ids=[2,5]",
             "env.num_envs=2",
+            "eval.protocol=package",  # small, cheap renders and short episodes
             "env.image_size=64",
             "env.fast_render=true",
             "env.settle_steps=2",
@@ -106,6 +107,7 @@ def test_libero_two_tasks_end_to_end(ray_cluster, tmp_path, capsys) -> None:
             assert (out / t["video"]).stat().st_size > 1000
     assert set(results["suites"]) == {"libero_goal"} and len(results["tasks"]) == 2
     assert results["suites"]["libero_goal"]["valid"] == 6
+    assert results["protocol"]["name"] == "package" and results["protocol"]["image_size"] == 64
     rows = (out / "results.csv").read_text().splitlines()
     assert len(rows) == 7 and rows[0].startswith("suite,task,task_index,init_state")
     assert "policy.checkpoint is not set" not in capsys.readouterr().err
@@ -114,7 +116,8 @@ def test_libero_two_tasks_end_to_end(ray_cluster, tmp_path, capsys) -> None:
 @pytest.mark.sim
 def test_crashed_env_is_retried_once_then_an_error(ray_cluster, tmp_path) -> None:
     """An env that never answers in time (worker_timeout_s) is killed and restarted; after one
-    retry the trial is recorded as an error, outside the success rate."""
+    retry the trial is recorded as an error: a failure in the headline rate, left out of the
+    rate over valid trials."""
     pytest.importorskip("libero.libero")
     out = tmp_path / "eval"
     torch.manual_seed(1234)
@@ -130,7 +133,9 @@ def test_crashed_env_is_retried_once_then_an_error(ray_cluster, tmp_path) -> Non
         )
     )
     suite = results["suites"]["libero_goal"]
-    assert suite["errors"] == 2 and suite["valid"] == 0 and suite["success_rate"] is None
+    assert suite["errors"] == 2 and suite["valid"] == 0 and suite["trials"] == 2
+    assert suite["success_rate"] == 0.0 and suite["success_rate_valid"] is None
+    assert results["protocol"]["name"] == "official"
     for t in results["trials"]:
         assert t["success"] is None and t["steps"] is None
         assert "no answer within 0.01 s" in t["error"] and "after 2 attempt(s)" in t["error"]
@@ -138,6 +143,55 @@ def test_crashed_env_is_retried_once_then_an_error(ray_cluster, tmp_path) -> Non
     # eval seeds its own draws and gives the caller's global RNG back where it left it
     draw = torch.rand(3)
     assert torch.equal(draw, torch.rand(3, generator=torch.Generator().manual_seed(1234)))
+
+
+@pytest.mark.sim
+def test_results_record_the_protocol_and_both_rates(tmp_path) -> None:
+    """libero_goal task 4 x 4 init states, one of them crashed: results.json and the printed
+    table give 1 of 4 (the crash a failure) as the headline and 1 of 3 without it."""
+    pytest.importorskip("libero.libero")
+    from rlinf_vla.eval.report import render_summary
+    from rlinf_vla.eval.runner import finalize
+
+    job = eval_job(
+        "env=libero",
+        "env.suite=libero_goal",
+        "env.task_ids=[4]",
+        "eval.trials_per_task=4",
+        f"eval.output_dir={tmp_path}",
+    )
+    log = TrialLog(tmp_path)
+    outcomes = [(True, None), (False, None), (None, "the simulator crashed"), (False, None)]
+    for trial, (success, error) in zip(job.trials, outcomes, strict=True):
+        log.append(
+            {
+                "suite": trial.suite,
+                "task": trial.task,
+                "task_index": trial.task_index,
+                "init_state": trial.init_state,
+                "reset_id": trial.reset_id,
+                "success": success,
+                "steps": None if error else 300,
+                "error": error,
+                "instruction": "x",
+                "video": None,
+            }
+        )
+    finalize(job, log)
+    results = json.loads((tmp_path / "results.json").read_text())
+    proto = results["protocol"]
+    assert proto["name"] == "official" and proto["scene_seed"] == 0
+    assert proto["settle_steps"] == 10 and proto["image_size"] == 256
+    assert proto["max_steps"]["libero_goal"] == 300
+    suite = results["suites"]["libero_goal"]
+    assert (suite["trials"], suite["successes"], suite["errors"]) == (4, 1, 1)
+    assert suite["success_rate"] == 0.25 and suite["success_rate_valid"] == pytest.approx(1 / 3)
+    # Wilson 95%: 1 of 4 -> [4.6, 69.9]%.
+    assert suite["ci95"] == pytest.approx([0.045587, 0.699358], abs=1e-6)
+    table = render_summary(results)
+    assert "| libero_goal | 25.0 | [4.6, 69.9] | 1 / 4 | 33.3 | 1 |" in table
+    assert "Protocol: official, scene seed 0" in table
+    assert (tmp_path / "summary.md").read_text() == table
 
 
 @pytest.mark.sim

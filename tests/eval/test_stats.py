@@ -1,4 +1,5 @@
-"""Wilson intervals against hand computations; error trials stay out of the rates."""
+"""Wilson intervals against hand computations; error trials count as failures in the headline
+rate and are left out of the rate over valid trials."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _t(task: str, success: bool | None, error: str | None = None, suite: str = "
     return {"suite": suite, "task": task, "task_index": 0, "success": success, "error": error}
 
 
-def test_errors_are_neither_successes_nor_failures() -> None:
+def test_errors_count_as_failures_in_the_headline_rate() -> None:
     trials = [
         _t("a", True),
         _t("a", True),
@@ -56,13 +57,24 @@ def test_errors_are_neither_successes_nor_failures() -> None:
     ]
     s = summarize(trials[:4])
     assert (s["trials"], s["valid"], s["successes"], s["failures"], s["errors"]) == (4, 3, 2, 1, 1)
-    assert s["success_rate"] == pytest.approx(2 / 3)
-    assert s["ci95"] == pytest.approx(list(wilson_interval(2, 3)))
+    # Headline: 2 successes of 4 trials. Wilson, p = 0.5, n = 4: centre 0.5,
+    # half = 1.96 / (1 + 3.8415 / 4) * sqrt(0.25 / 4 + 3.8415 / 64) = 0.99980 * 0.35003.
+    assert s["success_rate"] == 0.5
+    assert s["ci95"] == pytest.approx([0.150039, 0.849961], abs=1e-6)
+    # Errors left out: 2 of 3.
+    assert s["success_rate_valid"] == pytest.approx(2 / 3)
+    assert s["ci95_valid"] == pytest.approx([0.207660, 0.938508], abs=1e-6)
     agg = aggregate(trials)
     by_task = {t["task"]: t for t in agg["tasks"]}
-    assert by_task["b"]["success_rate"] == 1.0 and by_task["b"]["valid"] == 1
+    assert by_task["b"]["success_rate"] == 0.5 and by_task["b"]["success_rate_valid"] == 1.0
     suite = agg["suites"]["s"]
-    assert suite["successes"] == 3 and suite["valid"] == 4 and suite["errors"] == 2
-    assert agg["overall"]["valid"] == 5 and agg["overall"]["success_rate"] == pytest.approx(0.8)
+    assert suite["successes"] == 3 and suite["trials"] == 6 and suite["errors"] == 2
+    assert suite["success_rate"] == 0.5 and suite["success_rate_valid"] == 0.75
+    assert agg["overall"]["success_rate"] == pytest.approx(4 / 7)
+    assert agg["overall"]["success_rate_valid"] == pytest.approx(0.8)
     only_errors = summarize([_t("x", None, "boom")])
-    assert only_errors["success_rate"] is None and only_errors["ci95"] is None
+    # 0 of 1: [0, z^2 / (1 + z^2)] = [0, 3.841459 / 4.841459].
+    assert only_errors["success_rate"] == 0.0
+    assert only_errors["ci95"] == pytest.approx([0.0, 0.793451], abs=1e-6)
+    assert only_errors["success_rate_valid"] is None and only_errors["ci95_valid"] is None
+    assert summarize([])["success_rate"] is None
