@@ -1,9 +1,9 @@
 """Greedy evaluation: the success rate of a policy's most likely actions on fixed scenes.
 
 :func:`greedy_eval` runs ``episodes`` episodes, each from a given reset id, with
-``policy.act(obs, greedy=True)`` (OpenVLA: the arg-max action tokens; π0: the ODE from the
-noise mode) and reports their success, return and length. The scenes are fixed by the reset ids,
-so two evaluations of the same policy on the same env give the same numbers, and evaluations of
+``policy.act(obs, greedy=True)`` (OpenVLA: the arg-max action tokens; π0: the ODE from
+seeded noise as openpi, or from the noise mode with ``greedy_noise=zero``) and reports their
+success, return and length. The scenes are fixed by the reset ids, so two evaluations of the same policy on the same env give the same numbers, and evaluations of
 successive checkpoints compare the policies on the same scenes.
 
 The training envs draw their reset ids by hashing (seed, group, episode) into ``[0, 2**31)``

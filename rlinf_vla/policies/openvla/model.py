@@ -227,6 +227,7 @@ _RL_FIELDS = (
     "detach_value_input",
     "image_keys",
     "center_crop",
+    "image_pipeline",
     "temperature",
     "top_k",
     "unnorm_key",

@@ -282,7 +282,6 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             "init_log_std",
             "log_std_range",
             "action_normalization",
-            "image_pipeline",
         )
         data["rlinf_vla"].update({k: cfg[k] for k in extra})
         return data
