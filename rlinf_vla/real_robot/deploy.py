@@ -30,6 +30,7 @@ from rlinf_vla.config import ConfigError, from_section, to_dict
 from rlinf_vla.real_robot.kinematics import matrix_to_rotvec
 from rlinf_vla.real_robot.robot import Robot
 from rlinf_vla.real_robot.safety import EStop, SafetyConfig, SafetyFilter
+from rlinf_vla.real_robot.validation import require_finite
 
 __all__ = ["ROBOTS", "DeployJob", "EpisodeResult", "make_robot", "run", "run_episode", "validate"]
 
@@ -79,6 +80,7 @@ class ActionConfig:
     actions_per_query: int = 0
 
     def __post_init__(self) -> None:
+        require_finite(self, "action")
         if self.translation_scale <= 0 or self.rotation_scale <= 0:
             raise ValueError("action.translation_scale and action.rotation_scale must be > 0")
         if self.actions_per_query < 0:
@@ -116,6 +118,7 @@ class DeployJob:
     record: RecordConfig = field(default_factory=RecordConfig)
 
     def __post_init__(self) -> None:
+        require_finite(self, "")
         if not self.server.startswith(("ws://", "wss://")):
             raise ValueError(f"server must be a ws:// or wss:// URL, got {self.server!r}")
         if not self.instruction.strip():
@@ -124,6 +127,8 @@ class DeployJob:
             raise ValueError("episodes and max_steps must be >= 1")
         if self.control_rate_hz is not None and not 0 < self.control_rate_hz <= 1000:
             raise ValueError(f"control_rate_hz must be in (0, 1000], got {self.control_rate_hz}")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
 
 
 _TOP = {f for f in DeployJob.__dataclass_fields__}
@@ -263,7 +268,12 @@ def run_episode(
                     metric[:6] = metric[:6] * scale
             cmd = safety(metric, state, clock(), scheduled)
             if not estop.triggered:
-                robot.command(cmd.target_pos, cmd.target_rot, cmd.gripper_closed)
+                robot.command(
+                    cmd.target_pos,
+                    cmd.target_rot,
+                    cmd.gripper_closed,
+                    joint_target=cmd.joint_target,
+                )
             steps += 1
             if writer is not None:
                 executed = np.concatenate(

@@ -8,8 +8,9 @@ only when a :class:`Franka` is built (``pip install 'rlinf-vla[robot]'``):
   image needs franky built from source against the matching libfranka (see docs/deploy.md).
 - ``pyrealsense2``: the RealSense colour streams, one per camera serial number.
 
-:meth:`Franka.command` sends an absolute Cartesian target with ``asynchronous=True``: franky
-replaces the running motion with the new target, and its Ruckig trajectory generation keeps
+:meth:`Franka.command` sends the joint goal the safety layer checked (``JointMotion``; an
+absolute Cartesian target when none is given) with ``asynchronous=True``: franky replaces the
+running motion with the new target, and its Ruckig trajectory generation keeps
 velocity, acceleration and jerk within the robot's limits scaled by
 ``relative_dynamics_factor``. The safety layer runs before this adapter; the robot's own
 collision reflexes (``set_collision_behavior``) run after it.
@@ -27,6 +28,7 @@ import numpy as np
 from rlinf_vla.real_robot.kinematics import matrix_to_quat_xyzw, quat_xyzw_to_matrix
 from rlinf_vla.real_robot.robot import Robot, RobotState
 from rlinf_vla.real_robot.sim import HOME
+from rlinf_vla.real_robot.validation import require_finite
 
 __all__ = ["Franka", "FrankaConfig"]
 
@@ -70,6 +72,7 @@ class FrankaConfig:
         self.home = tuple(float(x) for x in self.home)
         self.torque_thresholds = tuple(float(x) for x in self.torque_thresholds)
         self.force_thresholds = tuple(float(x) for x in self.force_thresholds)
+        require_finite(self, "robot")
         if not 0.01 <= self.relative_dynamics_factor <= 1.0:
             raise ValueError(
                 f"robot.relative_dynamics_factor must be in [0.01, 1], got {self.relative_dynamics_factor}"
@@ -159,14 +162,22 @@ class Franka(Robot):
         self._gripper_closed = False
         return self.read()
 
-    def command(self, target_pos: np.ndarray, target_rot: np.ndarray, gripper_closed: bool) -> None:
+    def command(
+        self,
+        target_pos: np.ndarray,
+        target_rot: np.ndarray,
+        gripper_closed: bool,
+        joint_target: np.ndarray | None = None,
+    ) -> None:
         franky = self._franky
-        target = franky.Affine(
-            np.asarray(target_pos, dtype=np.float64), matrix_to_quat_xyzw(target_rot)
-        )
-        self.robot.move(
-            franky.CartesianMotion(target, franky.ReferenceType.Absolute), asynchronous=True
-        )
+        if joint_target is not None:  # the joint goal the safety layer checked
+            motion = franky.JointMotion([float(x) for x in joint_target])
+        else:
+            target = franky.Affine(
+                np.asarray(target_pos, dtype=np.float64), matrix_to_quat_xyzw(target_rot)
+            )
+            motion = franky.CartesianMotion(target, franky.ReferenceType.Absolute)
+        self.robot.move(motion, asynchronous=True)
         if gripper_closed != self._gripper_closed:
             if gripper_closed:
                 self.gripper.grasp_async(

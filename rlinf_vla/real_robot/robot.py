@@ -71,10 +71,20 @@ class Robot(ABC):
         """Read joints, TCP pose, gripper and every camera."""
 
     @abstractmethod
-    def command(self, target_pos: np.ndarray, target_rot: np.ndarray, gripper_closed: bool) -> None:
+    def command(
+        self,
+        target_pos: np.ndarray,
+        target_rot: np.ndarray,
+        gripper_closed: bool,
+        joint_target: np.ndarray | None = None,
+    ) -> None:
         """Start moving the TCP towards ``target_pos [3]`` / ``target_rot [3, 3]`` (base frame)
         and the gripper towards closed/open. Returns without waiting for the motion; the
-        deploy loop paces the calls at the control rate."""
+        deploy loop paces the calls at the control rate.
+
+        ``joint_target [7]``, when given, is the joint configuration reaching that pose whose
+        step the safety layer checked against the joint speed bound: a backend moves to it
+        (not to another IK solution of the same pose), so the bound holds on what executes."""
 
     @abstractmethod
     def stop(self) -> None:

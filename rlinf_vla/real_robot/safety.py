@@ -43,6 +43,7 @@ from rlinf_vla.real_robot.kinematics import (
     rotvec_to_matrix,
 )
 from rlinf_vla.real_robot.robot import RobotState
+from rlinf_vla.real_robot.validation import require_finite
 
 __all__ = [
     "INTERVENTIONS",
@@ -59,6 +60,7 @@ __all__ = [
     "is_stale",
     "joint_step_for",
     "limit_joint_velocity",
+    "pose_error",
 ]
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,11 @@ class SafetyConfig:
         gripper_min_interval_s: minimum time between two gripper toggles.
         watchdog_s: hold position when no fresh action arrived within this deadline.
         tcp_offset_m: tool-centre-point distance from the flange (Franka Hand: 0.1034).
+        tracking_margin_m / tracking_margin_rad: the arm's tracking error budget. Targets are
+            kept this far inside the box, the translation / rotation bounds and each joint's
+            step bound, so that the *measured* motion (target plus tracking error) respects
+            the configured limits. Measure it on the arm (the simulated Panda: under 1 mm and
+            5 mrad at 10 Hz).
     """
 
     workspace_min: tuple[float, float, float] = (0.25, -0.4, 0.05)
@@ -102,11 +109,14 @@ class SafetyConfig:
     gripper_min_interval_s: float = 0.5
     watchdog_s: float = 0.5
     tcp_offset_m: float = 0.1034
+    tracking_margin_m: float = 0.001
+    tracking_margin_rad: float = 0.005
 
     def __post_init__(self) -> None:
         self.workspace_min = tuple(float(x) for x in self.workspace_min)
         self.workspace_max = tuple(float(x) for x in self.workspace_max)
         self.max_joint_velocity = tuple(float(x) for x in self.max_joint_velocity)
+        require_finite(self, "safety")
         if len(self.workspace_min) != 3 or len(self.workspace_max) != 3:
             raise ValueError("safety.workspace_min/workspace_max need 3 values (x, y, z)")
         if any(lo >= hi for lo, hi in zip(self.workspace_min, self.workspace_max, strict=True)):
@@ -124,6 +134,23 @@ class SafetyConfig:
                 f"safety.max_translation_m={self.max_translation_m} is above 0.1 m per step; "
                 "that is not a safety limit"
             )
+        if not 0 <= self.tracking_margin_m < self.max_translation_m:
+            raise ValueError(
+                f"safety.tracking_margin_m={self.tracking_margin_m} must be in "
+                f"[0, max_translation_m={self.max_translation_m})"
+            )
+        if not 0 <= self.tracking_margin_rad < self.max_rotation_rad:
+            raise ValueError(
+                f"safety.tracking_margin_rad={self.tracking_margin_rad} must be in "
+                f"[0, max_rotation_rad={self.max_rotation_rad})"
+            )
+        if any(
+            hi - lo <= 2 * self.tracking_margin_m
+            for lo, hi in zip(self.workspace_min, self.workspace_max, strict=True)
+        ):
+            raise ValueError("safety: the workspace box is narrower than twice tracking_margin_m")
+        if self.tcp_offset_m < 0:
+            raise ValueError(f"safety.tcp_offset_m must be >= 0, got {self.tcp_offset_m}")
         if self.gripper_debounce_steps < 1:
             raise ValueError("safety.gripper_debounce_steps must be >= 1")
         if self.gripper_min_interval_s < 0:
@@ -162,21 +189,41 @@ def clamp_to_workspace(
 
 
 def joint_step_for(
-    q: np.ndarray, dp: np.ndarray, dr: np.ndarray, tcp: float = 0.1034, iters: int = 8
+    q: np.ndarray,
+    dp: np.ndarray,
+    dr: np.ndarray,
+    tcp: float = 0.1034,
+    iters: int = 8,
+    tol: float = 1e-9,
 ) -> np.ndarray:
     """The joint step ``dq [7]`` that moves the TCP by ``(dp, dr)``, by damped Gauss-Newton on
-    the exact kinematics (the minimum-norm solution of the redundant arm, to first order)."""
+    the exact kinematics from ``q`` (the minimum-norm solution of the redundant arm, to first
+    order). Stops after ``iters`` iterations or once the pose error is below ``tol``."""
     p0, r0 = panda_fk(q, tcp)
     target_p, target_r = p0 + dp, rotvec_to_matrix(dr) @ r0
     qq = np.asarray(q, dtype=np.float64).copy()
     for _ in range(iters):
         p, r = panda_fk(qq, tcp)
         err = np.concatenate([target_p - p, matrix_to_rotvec(target_r @ r.T)])
-        if np.linalg.norm(err) < 1e-9:
+        if np.linalg.norm(err) < tol:
             break
         jac = panda_jacobian(qq, tcp)
         qq = qq + jac.T @ np.linalg.solve(jac @ jac.T + 1e-6 * np.eye(6), err)
     return qq - q
+
+
+def pose_error(
+    q: np.ndarray, dq: np.ndarray, dp: np.ndarray, dr: np.ndarray, tcp: float = 0.1034
+) -> tuple[float, float]:
+    """How far ``q + dq`` puts the TCP from the step ``(dp, dr)`` away from ``q``: ``(m, rad)``."""
+    p0, r0 = panda_fk(q, tcp)
+    p, r = panda_fk(np.asarray(q) + dq, tcp)
+    rot = matrix_to_rotvec(rotvec_to_matrix(dr) @ r0 @ r.T)
+    return float(np.linalg.norm(p0 + dp - p)), float(np.linalg.norm(rot))
+
+
+#: A joint step must put the TCP this close to the commanded step (m, rad) to be executed.
+IK_TOLERANCE = (1e-6, 1e-5)
 
 
 def limit_joint_velocity(
@@ -186,29 +233,39 @@ def limit_joint_velocity(
     dt: float,
     max_qd: np.ndarray,
     tcp: float = 0.1034,
-    rounds: int = 3,
-) -> tuple[np.ndarray, np.ndarray, float]:
-    """Scale the TCP step ``(dp [3], dr [3])`` so the joint step it needs stays bounded.
+    rounds: int = 12,
+) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    """Scale the TCP step ``(dp [3], dr [3])`` so the joint step that executes it is bounded.
 
-    The joint step ``dq`` is solved on the exact Panda kinematics (:func:`joint_step_for`); the
-    twist is scaled by ``s = min(1, min_i max_qd_i * dt / |dq_i|)`` and, because ``dq`` is only
-    linear in the twist to first order, solved and scaled again (``rounds`` times), keeping
-    the accumulated scale. Near a singularity ``dq`` grows and ``s`` shrinks, so the arm slows
-    down instead of whipping.
+    The joint step ``dq`` is solved on the exact Panda kinematics to convergence
+    (:func:`joint_step_for`) and checked: it must reach the step within :data:`IK_TOLERANCE`
+    and satisfy ``|dq_i| <= max_qd_i * dt``. Otherwise the twist is scaled by ``0.98 / over``
+    (``over = max_i |dq_i| / (max_qd_i dt)``, halved when the solve did not converge) and
+    solved again, because ``dq`` is only linear in the twist to first order. The ``dq``
+    returned is the one checked, and the backend executes exactly ``q + dq``
+    (:attr:`SafeCommand.joint_target`), so the bound holds on the executed joint step, not
+    on a second IK's guess. Near a singularity ``dq`` grows and ``s`` shrinks: the arm slows
+    down instead of whipping; if no scale passes within ``rounds`` the arm holds (``s = 0``).
 
     Returns:
-        ``(dp', dr', s)`` with ``s`` in ``[0, 1]``.
+        ``(dp', dr', s, dq)`` with ``s`` in ``[0, 1]`` and ``dq [7]`` the checked joint step.
     """
     allowed = np.asarray(max_qd, dtype=np.float64) * dt
     dp, dr = np.asarray(dp, dtype=np.float64), np.asarray(dr, dtype=np.float64)
+    q = np.asarray(q, dtype=np.float64)
     total = 1.0
     for _ in range(rounds):
-        need = np.abs(joint_step_for(q, dp * total, dr * total, tcp))
-        over = float(np.max(need / allowed))
-        if over <= 1.0:
-            break
-        total *= 0.999 / over
-    return dp * total, dr * total, float(total)
+        step_p, step_r = dp * total, dr * total
+        dq = joint_step_for(q, step_p, step_r, tcp, iters=50, tol=1e-12)
+        err_p, err_r = pose_error(q, dq, step_p, step_r, tcp)
+        over = float(np.max(np.abs(dq) / allowed))
+        if err_p <= IK_TOLERANCE[0] and err_r <= IK_TOLERANCE[1]:
+            if over <= 1.0:
+                return step_p, step_r, float(total), dq
+            total *= 0.98 / over
+        else:
+            total *= 0.5
+    return np.zeros(3), np.zeros(3), 0.0, np.zeros(7)
 
 
 @dataclass
@@ -325,6 +382,8 @@ class SafeCommand:
     Attributes:
         target_pos: ``[3]`` absolute TCP target (m); target_rot: ``[3, 3]``.
         delta_pos / delta_rot: the step actually commanded (``[3]`` m, ``[3]`` rad axis-angle).
+        joint_target: ``[7]`` the joint goal whose step was checked against the joint speed
+            bound (the measured joints when holding); backends execute it.
         gripper_closed: the debounced gripper command.
         hold: true when the action was replaced by "hold the measured pose".
         interventions: the kinds that fired this tick.
@@ -334,6 +393,7 @@ class SafeCommand:
     target_rot: np.ndarray
     delta_pos: np.ndarray
     delta_rot: np.ndarray
+    joint_target: np.ndarray
     gripper_closed: bool
     hold: bool
     interventions: list[str] = field(default_factory=list)
@@ -356,8 +416,18 @@ class SafetyFilter:
         self.log: list[Intervention] = []
         self.gripper = GripperDebounce()
         self.last_fresh: float | None = None
-        self._lo = np.asarray(config.workspace_min)
-        self._hi = np.asarray(config.workspace_max)
+        # Targets stay tracking_margin_m inside the box and the step bounds: the arm's tracking
+        # error (measured pose vs target at the end of a tick) is budgeted here, so that the
+        # *measured* TCP respects the configured box and step bounds.
+        self._lo = np.asarray(config.workspace_min) + config.tracking_margin_m
+        self._hi = np.asarray(config.workspace_max) - config.tracking_margin_m
+        self._max_dp = config.max_translation_m - config.tracking_margin_m
+        self._max_dr = config.max_rotation_rad - config.tracking_margin_rad
+        # ... and tracking_margin_rad inside each joint's step bound.
+        self._max_qd = np.maximum(
+            np.asarray(config.max_joint_velocity) - config.tracking_margin_rad / self.dt,
+            0.5 * np.asarray(config.max_joint_velocity),
+        )
         self._step = 0
         self.last: list[Intervention] = []  # the interventions of the latest tick
 
@@ -374,6 +444,7 @@ class SafetyFilter:
             target_rot=np.asarray(state.ee_rot, dtype=np.float64).copy(),
             delta_pos=np.zeros(3),
             delta_rot=np.zeros(3),
+            joint_target=np.asarray(state.joint_positions, dtype=np.float64).copy(),
             gripper_closed=self.gripper.closed,
             hold=True,
             interventions=kinds,
@@ -439,21 +510,29 @@ class SafetyFilter:
                 f"target {np.round(pos + a[:3], 3).tolist()} outside the box",
                 now,
             )
-        dp, clipped = clamp_norm(dp, cfg.max_translation_m)
+        dp, clipped = clamp_norm(dp, self._max_dp)
         if clipped:
             self._record(kinds, "max_translation", f"|dp|={np.linalg.norm(a[:3]):.4f} m", now)
-        dr, clipped = clamp_norm(a[3:6], cfg.max_rotation_rad)
+        dr, clipped = clamp_norm(a[3:6], self._max_dr)
         if clipped:
             self._record(kinds, "max_rotation", f"|dr|={np.linalg.norm(a[3:6]):.4f} rad", now)
-        dp, dr, s = limit_joint_velocity(
-            state.joint_positions,
+        q = np.asarray(state.joint_positions, dtype=np.float64)
+        dp, dr, s, dq = limit_joint_velocity(
+            q,
             dp,
             dr,
             self.dt,
-            np.asarray(cfg.max_joint_velocity),
+            self._max_qd,
             cfg.tcp_offset_m,
         )
-        if s < 1.0:
+        if s == 0.0:
+            self._record(
+                kinds,
+                "joint_velocity",
+                "no joint step within the speed bound reaches it: hold",
+                now,
+            )
+        elif s < 1.0:
             self._record(kinds, "joint_velocity", f"step scaled by {s:.3f}", now)
         self.gripper, suppressed = debounce_gripper(
             bool(a[6] > cfg.gripper_threshold),
@@ -474,6 +553,7 @@ class SafetyFilter:
             target_rot=rotvec_to_matrix(dr) @ np.asarray(state.ee_rot, dtype=np.float64),
             delta_pos=dp,
             delta_rot=dr,
+            joint_target=q + dq,
             gripper_closed=self.gripper.closed,
             hold=False,
             interventions=kinds,

@@ -37,6 +37,7 @@ from rlinf_vla.real_robot.protocol import (
     parse_infer_request,
     policy_metadata,
 )
+from rlinf_vla.real_robot.validation import require_finite
 
 __all__ = ["PolicyServer", "ServerConfig"]
 
@@ -71,6 +72,7 @@ class ServerConfig:
     greedy: bool = True
 
     def __post_init__(self) -> None:
+        require_finite(self, "server")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port must be in 0..65535, got {self.port}")
         if self.max_message_bytes < 1024:

@@ -30,6 +30,7 @@ from rlinf_vla.real_robot.kinematics import (
     matrix_to_rotvec,
 )
 from rlinf_vla.real_robot.robot import Robot, RobotState
+from rlinf_vla.real_robot.validation import require_finite
 
 __all__ = ["SimFranka", "SimFrankaConfig", "panda_assets"]
 
@@ -62,6 +63,7 @@ class SimFrankaConfig:
     def __post_init__(self) -> None:
         self.cameras = tuple(self.cameras)
         self.home = tuple(float(x) for x in self.home)
+        require_finite(self, "robot")
         unknown = sorted(set(self.cameras) - {"main", "wrist"})
         if unknown or not self.cameras:
             raise ValueError(f"robot.cameras {list(self.cameras)}: known cameras are main, wrist")
@@ -139,8 +141,9 @@ def build_model(cfg: SimFrankaConfig):  # -> mujoco.MjModel
 class SimFranka(Robot):
     """The MuJoCo Panda (see the module docstring)."""
 
-    KP = np.array([600.0, 600.0, 600.0, 600.0, 250.0, 150.0, 50.0])
-    KD = np.array([50.0, 50.0, 50.0, 50.0, 30.0, 25.0, 15.0])
+    #: Computed-torque gains on the tracking error (1/s^2, 1/s): critically damped, 60 rad/s.
+    KP = np.full(7, 3600.0)
+    KD = np.full(7, 120.0)
 
     def __init__(self, cfg: SimFrankaConfig) -> None:
         os.environ.setdefault("MUJOCO_GL", "egl")
@@ -202,7 +205,7 @@ class SimFranka(Robot):
         self._q_ref = np.array(self.cfg.home)
         self._gripper_closed = False
         mj.mj_forward(self.model, self.data)
-        self._track(self._q_ref, self._q_ref, steps=self._substeps)  # settle
+        self._track(self._q_ref, steps=self._substeps)  # settle
         return self.read()
 
     # ------------------------------------------------------------------ control
@@ -229,29 +232,64 @@ class SimFranka(Robot):
             q = np.clip(q, PANDA_JOINT_LOWER, PANDA_JOINT_UPPER)
         return q
 
-    def _track(self, q_from: np.ndarray, q_to: np.ndarray, steps: int) -> None:
+    def _track(self, q_goal: np.ndarray, steps: int, qd_goal: np.ndarray | None = None) -> None:
+        """Move from the *measured* joint state to ``q_goal`` in ``steps`` physics steps.
+
+        The reference is the cubic Hermite from the measured ``(q, qd)`` to ``(q_goal,
+        qd_goal)`` (default: rest), tracked by computed-torque control (the arm's own mass
+        matrix, gravity, Coriolis and joint damping, plus a stiff PD on the residual), so the
+        arm ends the period on the goal: the next command starts from where the arm really is.
+        """
         mj, m, d = self._mj, self.model, self.data
         grip = [0.0, 0.0] if self._gripper_closed else [0.04, -0.04]
         d.ctrl[self._grip_act] = grip
-        qd_ref = (q_to - q_from) / (steps * m.opt.timestep)
-        for k in range(1, steps + 1):
-            q_ref = q_from + (q_to - q_from) * (k / steps)
+        h = m.opt.timestep
+        T = steps * h
+        q0, v0 = d.qpos[self._qadr].copy(), d.qvel[self._vadr].copy()
+        v1 = np.zeros(7) if qd_goal is None else np.asarray(qd_goal, dtype=np.float64)
+        delta = np.asarray(q_goal, dtype=np.float64) - q0
+        # q(t) = q0 + v0 t + c2 t^2 + c3 t^3 with q(T) = q_goal, qd(T) = v1
+        c2 = (3.0 * delta - (2.0 * v0 + v1) * T) / T**2
+        c3 = (-2.0 * delta + (v0 + v1) * T) / T**3
+        mass = np.zeros((m.nv, m.nv))
+        idx = np.ix_(self._vadr, self._vadr)
+        for k in range(steps):
+            t = (k + 1) * h  # the reference the step is heading for
+            q_ref = q0 + v0 * t + c2 * t**2 + c3 * t**3
+            qd_ref = v0 + 2.0 * c2 * t + 3.0 * c3 * t**2
+            qdd_ref = 2.0 * c2 + 6.0 * c3 * t
             q, qd = d.qpos[self._qadr], d.qvel[self._vadr]
-            tau = self.KP * (q_ref - q) + self.KD * (qd_ref - qd) + d.qfrc_bias[self._vadr]
+            mj.mj_fullM(m, d, mass)
+            acc = qdd_ref + self.KP * (q_ref - q) + self.KD * (qd_ref - qd)
+            tau = mass[idx] @ acc + d.qfrc_bias[self._vadr] - d.qfrc_passive[self._vadr]
             d.ctrl[self._arm_act] = np.clip(tau, -self._torque_limit, self._torque_limit)
             mj.mj_step(m, d)
 
-    def command(self, target_pos: np.ndarray, target_rot: np.ndarray, gripper_closed: bool) -> None:
-        """Track the TCP target for one control period (simulated time)."""
+    def command(
+        self,
+        target_pos: np.ndarray,
+        target_rot: np.ndarray,
+        gripper_closed: bool,
+        joint_target: np.ndarray | None = None,
+    ) -> None:
+        """Move to the TCP target over one control period (simulated time).
+
+        With ``joint_target`` (the joint goal the safety layer verified) the arm goes exactly
+        there; without, the goal is solved by IK from the measured joints. Either way the step
+        is clipped to the joint limits and the datasheet joint speeds.
+        """
         dt = self._substeps * self.model.opt.timestep
-        q_goal = self.solve_ik(np.asarray(target_pos), np.asarray(target_rot), self._q_ref)
-        step = np.clip(
-            q_goal - self._q_ref, -PANDA_MAX_JOINT_VELOCITY * dt, PANDA_MAX_JOINT_VELOCITY * dt
-        )
-        q_next = np.clip(self._q_ref + step, PANDA_JOINT_LOWER, PANDA_JOINT_UPPER)
+        q = self.joint_positions
+        if joint_target is None:
+            q_goal = self.solve_ik(np.asarray(target_pos), np.asarray(target_rot), q)
+        else:
+            q_goal = np.asarray(joint_target, dtype=np.float64)
+        # The cubic's peak speed is 1.5x its mean: keep the peak within the datasheet.
+        vmax = PANDA_MAX_JOINT_VELOCITY * dt / 1.5
+        q_goal = np.clip(q + np.clip(q_goal - q, -vmax, vmax), PANDA_JOINT_LOWER, PANDA_JOINT_UPPER)
         self._gripper_closed = bool(gripper_closed)
-        self._track(self._q_ref, q_next, self._substeps)
-        self._q_ref = q_next
+        self._track(q_goal, self._substeps)
+        self._q_ref = q_goal
 
     def stop(self) -> None:
         """Hold: the reference becomes the measured joint positions."""

@@ -123,9 +123,9 @@ class _Recorder:
     def read(self):
         return self.robot.read()
 
-    def command(self, *args):
+    def command(self, *args, **kwargs):
         self.commands += 1
-        self.robot.command(*args)
+        self.robot.command(*args, **kwargs)
         if self.commands == self.trigger_after:  # someone hits the button from another thread
             t = threading.Thread(target=self.estop.trigger, args=("test button",))
             t.start()

@@ -127,17 +127,54 @@ def test_is_finite_action():
 
 def test_joint_velocity_limit_bounds_the_true_joint_step():
     """Near a wrist singularity a small TCP step needs a large joint step: scaled down until the
-    true joint step (Newton IK) is within the bound."""
+    joint step it returns (the one the backend executes) is within the bound and reaches the
+    scaled TCP step (checked by forward kinematics)."""
     q = HOME.copy()
     q[5] = 0.02  # wrist nearly stretched out: joint 6 close to its singular position
     max_qd = np.array(CFG.max_joint_velocity)
     dp, dr = np.array([0.0, 0.02, 0.0]), np.array([0.0, 0.0, 0.1])
-    dp2, dr2, s = limit_joint_velocity(q, dp, dr, DT, max_qd)
-    assert s < 1.0
-    dq = joint_step(q, dp2, dr2)
-    assert np.all(np.abs(dq) <= max_qd * DT * 1.01), (np.abs(dq) / (max_qd * DT)).max()
+    dp2, dr2, s, dq = limit_joint_velocity(q, dp, dr, DT, max_qd)
+    assert 0 < s < 1.0
+    np.testing.assert_allclose(dp2, dp * s)
+    np.testing.assert_allclose(dr2, dr * s)
+    assert np.all(np.abs(dq) <= max_qd * DT), (np.abs(dq) / (max_qd * DT)).max()
+    p0, r0 = panda_fk(q)
+    p1, r1 = panda_fk(q + dq)
+    np.testing.assert_allclose(p1 - p0, dp2, atol=1e-6)
+    np.testing.assert_allclose(matrix_to_rotvec(r1 @ r0.T), dr2, atol=1e-5)
     # The unscaled step would have broken the bound.
     assert np.any(np.abs(joint_step(q, dp, dr)) > max_qd * DT)
+
+
+def test_executed_joint_step_within_the_bound_near_singularities():
+    """Seeded random poses near the wrist, elbow and shoulder singularities and random
+    max-size TCP steps: the joint step handed to the backend never exceeds the bound (the
+    review found 1.15x with the old 8-iteration estimate) and reaches the commanded pose."""
+    rng = np.random.default_rng(7)
+    cfg = SafetyConfig()
+    safety = SafetyFilter(cfg, DT)
+    bound = np.array(cfg.max_joint_velocity) * DT
+    scaled = 0
+    for k in range(150):
+        q = HOME + rng.uniform(-0.3, 0.3, 7)
+        which = k % 3
+        if which == 0:
+            q[5] = rng.uniform(-0.05, 0.05)  # wrist stretched (joint 6)
+        elif which == 1:
+            q[3] = rng.uniform(-0.15, -0.07)  # elbow almost straight (joint 4 upper limit -0.07)
+        else:
+            q[4] = rng.uniform(-0.05, 0.05)
+            q[5] = rng.uniform(-0.05, 0.05)
+        st = state_at(q)
+        a = np.concatenate([rng.normal(size=6) * 10.0, [0.0]])
+        cmd = safety(a, st, now=k * DT)
+        dq = cmd.joint_target - q
+        assert np.all(np.abs(dq) <= bound + 1e-12), (k, np.abs(dq) / bound)
+        p1, r1 = panda_fk(cmd.joint_target)
+        assert np.linalg.norm(p1 - cmd.target_pos) < 1e-5
+        assert np.linalg.norm(matrix_to_rotvec(r1 @ cmd.target_rot.T)) < 1e-4
+        scaled += "joint_velocity" in cmd.interventions
+    assert scaled > 10  # the streams did reach the bound
 
 
 def test_gripper_debounce():

@@ -68,23 +68,69 @@ def test_end_effector_delta_control_tracks(sim):
     assert st.gripper_width < 0.01  # closed on nothing
 
 
-def test_safety_bounds_the_simulated_arm_under_adversarial_actions(sim):
-    """Huge random deltas through the filter into the physics: the measured TCP stays inside
-    the box (tracking tolerance 5 mm) and joints move no faster than the bound allows."""
-    cfg = SafetyConfig(workspace_min=(0.3, -0.15, 0.25), workspace_max=(0.5, 0.15, 0.5))
-    dt = 1.0 / sim.cfg.control_rate_hz
-    safety = SafetyFilter(cfg, dt)
-    rng = np.random.default_rng(0)
-    st = sim.reset()
-    lo, hi = np.array(cfg.workspace_min) - 0.005, np.array(cfg.workspace_max) + 0.005
-    for k in range(30):
-        action = rng.normal(size=7) * 10.0 ** rng.uniform(0, 4)
-        cmd = safety(action, st, now=k * dt)
-        q_before = st.joint_positions
-        sim.command(cmd.target_pos, cmd.target_rot, cmd.gripper_closed)
-        st = sim.read()
-        assert np.all(st.ee_pos >= lo) and np.all(st.ee_pos <= hi), st.ee_pos
-        speed = np.abs(st.joint_positions - q_before) / dt
-        assert np.all(speed <= np.array(cfg.max_joint_velocity) * 1.3 + 0.02), speed
-        assert np.all(speed <= PANDA_MAX_JOINT_VELOCITY)
-    assert safety.counts["workspace"] > 0
+def _streams(rng: np.random.Generator, n: int) -> dict[str, list[np.ndarray]]:
+    """Adversarial action streams (policy output already in metres / radians)."""
+    big = [rng.normal(size=7) * 10.0 ** rng.uniform(0, 9) for _ in range(n)]
+    alternating = [
+        np.concatenate([np.array([0.3, 1.0, -0.6, 2.0, -1.0, 3.0]) * (-1) ** k, [(-1) ** k]])
+        for k in range(n)
+    ]
+    # Out of the box through each face in turn, with random rotations on top.
+    faces = [np.eye(3)[i] * sign for i in range(3) for sign in (1.0, -1.0)]
+    outward = [
+        np.concatenate([faces[(k // 10) % 6] * 5.0, rng.normal(size=3), [1.0]]) for k in range(n)
+    ]
+    # Towards singularities: reach far forward and up (elbow and shoulder stretch) while
+    # twisting the wrist about the flange axis (wrist alignment).
+    singular = [
+        np.array([1.0, 0.2 * np.sin(k / 3.0), 1.0, 0.0, 0.0, 3.0 * (-1) ** (k // 5), -1.0])
+        for k in range(n)
+    ]
+    return {"max": big, "alternating": alternating, "outward": outward, "singular": singular}
+
+
+@pytest.mark.parametrize("rate", [10.0, 20.0])
+def test_measured_motion_respects_the_bounds_under_adversarial_actions(rate):
+    """Property test of the simulated Panda behind the safety layer: under seeded adversarial
+    streams, every tick the *measured* TCP step is within the translation and rotation bounds,
+    the measured TCP stays in the box, and the executed joint step (and the measured one) is
+    within the joint speed bound; checked with numpy on the robot's own readings."""
+    from rlinf_vla.real_robot.sim import SimFranka, SimFrankaConfig
+
+    robot = SimFranka(SimFrankaConfig(image_size=16, cameras=("main",), control_rate_hz=rate))
+    try:
+        dt = 1.0 / rate
+        boxes = [
+            SafetyConfig(),
+            SafetyConfig(workspace_min=(0.3, -0.12, 0.3), workspace_max=(0.45, 0.12, 0.5)),
+        ]
+        for seed, cfg in enumerate(boxes):
+            lo, hi = np.array(cfg.workspace_min), np.array(cfg.workspace_max)
+            max_qd = np.array(cfg.max_joint_velocity)
+            for name, stream in _streams(np.random.default_rng(seed), 40).items():
+                safety = SafetyFilter(cfg, dt)
+                st = robot.reset()
+                # The home TCP is inside both boxes (the property is about staying in).
+                assert np.all(st.ee_pos >= lo) and np.all(st.ee_pos <= hi)
+                for k, action in enumerate(stream):
+                    cmd = safety(action, st, now=k * dt)
+                    executed = cmd.joint_target - st.joint_positions
+                    assert np.all(np.abs(executed) <= max_qd * dt + 1e-12), (name, k)
+                    before = st
+                    robot.command(
+                        cmd.target_pos, cmd.target_rot, cmd.gripper_closed, cmd.joint_target
+                    )
+                    st = robot.read()
+                    where = (rate, seed, name, k)
+                    step = np.linalg.norm(st.ee_pos - before.ee_pos)
+                    assert step <= cfg.max_translation_m, (where, step)
+                    turn = np.linalg.norm(matrix_to_rotvec(st.ee_rot @ before.ee_rot.T))
+                    assert turn <= cfg.max_rotation_rad, (where, turn)
+                    assert np.all(st.ee_pos >= lo) and np.all(st.ee_pos <= hi), (where, st.ee_pos)
+                    moved = np.abs(st.joint_positions - before.joint_positions)
+                    assert np.all(moved <= max_qd * dt), (where, moved / (max_qd * dt))
+                    assert np.all(moved / dt <= PANDA_MAX_JOINT_VELOCITY)
+                if name == "outward":
+                    assert safety.counts["workspace"] > 0
+    finally:
+        robot.close()
