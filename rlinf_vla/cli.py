@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from rlinf_vla.config import ConfigError, RunAborted, SectionErrors
+from rlinf_vla.config import ConfigError, RunAborted, SectionErrors, check_values
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -204,8 +204,29 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
     errors = SectionErrors()
     for key in unknown:
         errors.add(f"unknown config key: {key}{_did_you_mean(cfg, key)}")
+    # The policy and env families build their configs from keywords themselves: their value
+    # types (a list, not a string; finite numbers) are checked here, as other sections' are.
+    for section in ("policy", "env"):
+        config_cls = _family_class(cfg, section)
+        if config_cls is not None:
+            errors.build(lambda c=config_cls, s=section: check_values(c, cfg[s], s))
     errors.raise_any()
     return cfg
+
+
+def _family_class(cfg: Any, section: str) -> type | None:
+    """The config class of the policy or env that ``cfg``'s ``section`` names (``None`` for
+    other sections and unknown names)."""
+    name = cfg.get(section, {}).get("name") if section in ("policy", "env") else None
+    if section == "policy":
+        from rlinf_vla.policies import POLICIES
+
+        return POLICIES[name].cls.config_cls if name in POLICIES else None
+    if section == "env":
+        from rlinf_vla.envs import ENVS
+
+        return ENVS[name].config_cls if name in ENVS else None
+    return None
 
 
 def _family_keys(cfg: Any, section: str) -> set[str]:
@@ -213,17 +234,7 @@ def _family_keys(cfg: Any, section: str) -> set[str]:
     (empty for other sections and unknown names)."""
     import dataclasses
 
-    name = cfg.get(section, {}).get("name") if section in ("policy", "env") else None
-    if section == "policy":
-        from rlinf_vla.policies import POLICIES
-
-        config_cls = POLICIES[name].cls.config_cls if name in POLICIES else None
-    elif section == "env":
-        from rlinf_vla.envs import ENVS
-
-        config_cls = ENVS[name].config_cls if name in ENVS else None
-    else:
-        config_cls = None
+    config_cls = _family_class(cfg, section)
     return {f.name for f in dataclasses.fields(config_cls)} if config_cls else set()
 
 

@@ -9,12 +9,19 @@ types, so a typo can never become a silent default. Nothing here starts any proc
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+#: Field metadata: ``field(metadata={NONFINITE_OK: True})`` lets a float key take ``inf`` /
+#: ``nan`` (where its docstring gives them a meaning); every other float key refuses them.
+NONFINITE_OK = "nonfinite_ok"
+#: Field metadata: what the key expects, added to a type error (``"a mapping suite -> steps"``).
+EXPECTS = "expects"
 
 
 class ConfigError(ValueError):
@@ -81,6 +88,10 @@ def from_section(cls: type[T], section: Mapping[str, Any] | None, path: str = ""
         section: the values; missing keys take the dataclass defaults.
         path: the dotted name of the section (``"cluster"``), used in error messages.
 
+    Values must match the field annotations: a string is not a list (``image_keys=main`` is
+    refused, not split into letters), and float keys refuse ``inf`` / ``nan`` unless the field
+    allows them (:data:`NONFINITE_OK`).
+
     Raises:
         ConfigError: unknown keys, missing required keys, wrong value types, or a
             ``__post_init__`` check that failed (its message is prefixed with ``path``).
@@ -101,13 +112,40 @@ def from_section(cls: type[T], section: Mapping[str, Any] | None, path: str = ""
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"missing required config key: {key}")
             continue
-        values[name] = _convert(hints[name], section[name], key)
+        values[name] = _convert_field(f, hints[name], section[name], key)
     try:
         return cls(**values)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{path or cls.__name__}: {e}") from None
+
+
+def check_values(cls: type, values: Mapping[str, Any] | None, path: str) -> None:
+    """Check the values of the fields of dataclass ``cls`` that ``values`` sets against their
+    annotations, as :func:`from_section` does, without building ``cls`` (for configs that
+    their component builds itself from keywords, e.g. a policy's or an env's). Keys ``cls``
+    lacks are left to the component (which names them).
+
+    Raises:
+        ConfigError: naming every key whose value has the wrong type or is not finite.
+    """
+    values = _to_plain(values) if values is not None else {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {values!r}")
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation that cannot be resolved: not checked
+        return
+    bad = []
+    for f in dataclasses.fields(cls):
+        if f.init and f.name in values and f.name in hints:
+            try:
+                _convert_field(f, hints[f.name], values[f.name], _join(path, f.name))
+            except ConfigError as e:
+                bad.append(str(e))
+    if bad:
+        raise ConfigError("; ".join(bad))
 
 
 def to_dict(obj: Any) -> Any:
@@ -135,11 +173,27 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _convert(tp: Any, value: Any, key: str) -> Any:
+def _convert_field(f: dataclasses.Field, tp: Any, value: Any, key: str) -> Any:
+    """:func:`_convert` with the field's metadata: what it expects, whether inf / nan are ok."""
+    try:
+        return _convert(tp, value, key, f.metadata.get(NONFINITE_OK, False))
+    except ConfigError as e:
+        expects = f.metadata.get(EXPECTS)
+        raise ConfigError(f"{e} ({key} is {expects})" if expects else str(e)) from None
+
+
+def _convert(tp: Any, value: Any, key: str, nonfinite_ok: bool = False) -> Any:
     """Check ``value`` against the annotation ``tp``; build nested dataclasses."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if (
+        isinstance(value, float)
+        and not math.isfinite(value)
+        and not nonfinite_ok
+        and (tp is float or float in typing.get_args(tp))
+    ):
+        raise ConfigError(f"{key}: must be a finite number, got {value}")
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
         if value is None and type(None) in options:
@@ -148,7 +202,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _convert(option, value, key)
+                return _convert(option, value, key, nonfinite_ok)
             except ConfigError:
                 continue
         raise ConfigError(f"{key}: {value!r} does not match {_type_name(tp)}")
@@ -161,15 +215,16 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         return from_section(tp, value, key)
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
+            # A string is refused, not split into characters: ``[main]``, not ``main``.
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         (item_tp, *_) = typing.get_args(tp) or (Any,)
-        items = [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = [_convert(item_tp, v, f"{key}[{i}]", nonfinite_ok) for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         _, val_tp = typing.get_args(tp) or (Any, Any)
-        return {k: _convert(val_tp, v, f"{key}.{k}") for k, v in value.items()}
+        return {k: _convert(val_tp, v, f"{key}.{k}", nonfinite_ok) for k, v in value.items()}
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {value!r}")

@@ -3,7 +3,7 @@ from typing import Literal
 
 import pytest
 
-from rlinf_vla.config import ConfigError, from_section, to_dict
+from rlinf_vla.config import EXPECTS, NONFINITE_OK, ConfigError, check_values, from_section, to_dict
 
 
 @dataclass
@@ -99,3 +99,51 @@ def test_section_errors_collect_every_sections_error_and_raise_them_together():
     with pytest.raises(ConfigError) as e:
         one.raise_any()
     assert str(e.value) == "optim.lr: expected a number, got 'fast'"
+
+
+@dataclass
+class Typed:
+    names: tuple[str, ...] = ("main",)
+    ids: list[int] | None = None
+    scale: float = 1.0
+    limit: float | None = None
+    weights: dict[str, float] = field(default_factory=dict)
+    horizon: float = field(default=1.0, metadata={NONFINITE_OK: True})
+    steps: dict[str, int] = field(default_factory=dict, metadata={EXPECTS: "a mapping a -> n"})
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        # a string is not split into letters: the key is named
+        ({"names": "main"}, "pol.names: expected a list, got 'main'"),
+        ({"ids": "12"}, "pol.ids: '12' does not match"),
+        # inf / nan in any float key, also inside lists, mappings and optional floats
+        ({"scale": float("inf")}, "pol.scale: must be a finite number, got inf"),
+        ({"scale": float("nan")}, "pol.scale: must be a finite number, got nan"),
+        ({"limit": float("-inf")}, "pol.limit: must be a finite number, got -inf"),
+        ({"weights": {"a": float("nan")}}, "pol.weights.a: must be a finite number"),
+        # what a key expects, from its field metadata
+        ({"steps": 60}, r"pol.steps: expected a mapping, got 60 \(pol.steps is a mapping a -> n\)"),
+    ],
+)
+def test_wrong_shapes_and_non_finite_numbers_are_refused_naming_the_key(section, message):
+    with pytest.raises(ConfigError, match=message):
+        from_section(Typed, section, "pol")
+    with pytest.raises(ConfigError, match=message):  # the same check without building
+        check_values(Typed, section, "pol")
+
+
+def test_a_key_that_allows_inf_takes_it_and_lists_of_strings_stay_lists():
+    cfg = from_section(Typed, {"horizon": float("inf"), "names": ["main", "wrist"]}, "pol")
+    assert cfg.horizon == float("inf")
+    assert cfg.names == ("main", "wrist")
+    check_values(Typed, {"horizon": float("inf"), "names": ["main"], "other": 1}, "pol")
+
+
+def test_check_values_names_every_bad_key_at_once():
+    with pytest.raises(ConfigError) as e:
+        check_values(Typed, {"names": "main", "scale": float("inf"), "ids": [1]}, "policy")
+    assert str(e.value) == (
+        "policy.names: expected a list, got 'main'; policy.scale: must be a finite number, got inf"
+    )

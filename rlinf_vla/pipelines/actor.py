@@ -109,6 +109,28 @@ class AlgoConfig:
             raise ConfigError(f"algo.group_size must be >= 2 for GRPO, got {self.group_size}")
         if self.lr <= 0 or self.value_lr <= 0:
             raise ConfigError("algo.lr and algo.value_lr must be > 0")
+        # Every bad value is named at once (inf / nan are refused when the section is built).
+        bad = [
+            f"algo.{key} {rule}, got {getattr(self, key)}"
+            for key, ok, rule in [
+                ("group_size", self.group_size >= 1, "must be >= 1"),
+                ("clip_low", 0 <= self.clip_low < 1, "must lie in [0, 1) (ratio >= 1 - clip_low)"),
+                ("clip_high", self.clip_high >= 0, "must be >= 0"),
+                ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "must be > 1 or null"),
+                (
+                    "value_clip",
+                    self.value_clip is None or self.value_clip > 0,
+                    "must be > 0 or null",
+                ),
+                ("value_coef", self.value_coef >= 0, "must be >= 0"),
+                ("max_grad_norm", self.max_grad_norm > 0, "must be > 0 (the gradient's norm cap)"),
+                ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
+                ("warmup_iterations", self.warmup_iterations >= 0, "must be >= 0"),
+            ]
+            if not ok
+        ]
+        if bad:
+            raise ConfigError("; ".join(bad))
 
 
 def autocast(device: torch.device, mode: str) -> Any:

@@ -8,6 +8,7 @@ against the env's, the placement against the devices) without starting anything.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -156,7 +157,11 @@ def validate(cfg: Any) -> TrainJob:
         try:
             return env_config(env_name, **env)
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
+            # "LiberoEnvConfig.task_ids ..." names the key as the command line sets it.
+            message = re.sub(r"^\w+EnvConfig\.", "env.", str(e.args[0] if e.args else e))
+            raise ConfigError(
+                message if message.startswith("env.") else f"env: {message}"
+            ) from None
 
     def resolve_policy() -> tuple[dict[str, Any], Any]:
         # A checkpoint's own config decides what the YAML left at defaults.

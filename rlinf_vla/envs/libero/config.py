@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from rlinf_vla.config import EXPECTS
 from rlinf_vla.envs.base import EnvConfig, check_field
 
 #: The five LIBERO suites, in the order ``libero_130`` concatenates them.
@@ -16,6 +18,19 @@ SUITES: tuple[str, ...] = (
 )
 #: ``suite`` values: the five suites and ``libero_130`` (all 130 tasks).
 SUITE_CHOICES: tuple[str, ...] = (*SUITES, "libero_130")
+#: Tasks per suite (``task_ids`` index them), as the LIBERO benchmark defines them.
+SUITE_SIZES: dict[str, int] = {
+    "libero_spatial": 10,
+    "libero_object": 10,
+    "libero_goal": 10,
+    "libero_10": 10,
+    "libero_90": 90,
+    "libero_130": 130,
+}
+_MAX_STEPS_EXPECTS = (
+    "a mapping suite -> steps, e.g. env.max_steps={libero_goal:60}; "
+    "env.max_episode_steps=60 sets one limit for every task"
+)
 #: Default time limits per suite (control steps after the settle steps), as in OpenVLA's eval.
 DEFAULT_MAX_STEPS: dict[str, int] = {
     "libero_spatial": 220,
@@ -68,7 +83,7 @@ class LiberoEnvConfig(EnvConfig):
     task_ids: tuple[int, ...] | None = None
     image_size: int = 224
     settle_steps: int = 10
-    max_steps: dict[str, int] = field(default_factory=dict)
+    max_steps: dict[str, int] = field(default_factory=dict, metadata={EXPECTS: _MAX_STEPS_EXPECTS})
     fast_render: bool = False
     render_backend: str = "egl"
     worker_timeout_s: float = 600.0
@@ -89,8 +104,20 @@ class LiberoEnvConfig(EnvConfig):
         if self.task_ids is not None:
             self.task_ids = tuple(int(i) for i in self.task_ids)
             check_field(self, "task_ids", len(self.task_ids) > 0, "must not be empty")
+            size = SUITE_SIZES.get(self.suite, 0)
+            bad = [i for i in self.task_ids if not 0 <= i < size]
+            check_field(
+                self,
+                "task_ids",
+                not bad,
+                f"{bad} out of range for suite {self.suite!r} with {size} tasks "
+                f"(valid: 0..{size - 1})",
+            )
         check_field(self, "image_size", 16 <= self.image_size <= 1024, "must lie in [16, 1024]")
         check_field(self, "settle_steps", self.settle_steps >= 0, "must be >= 0")
+        check_field(
+            self, "max_steps", isinstance(self.max_steps, Mapping), f"must be {_MAX_STEPS_EXPECTS}"
+        )
         unknown = sorted(set(self.max_steps) - set(SUITES))
         check_field(
             self, "max_steps", not unknown, f"has unknown suites {unknown}; known: {SUITES}"

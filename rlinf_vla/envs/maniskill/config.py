@@ -37,6 +37,20 @@ GRIPPER_CONVENTIONS = ("close_positive", "native")
 STATE_MODES = ("proprio", "privileged")
 
 
+def registered_tasks() -> frozenset[str] | None:
+    """The task ids ManiSkill registers (importing its task modules registers them; no env is
+    built), or ``None`` when ManiSkill is not installed."""
+    try:
+        from rlinf_vla.envs.maniskill.env import import_maniskill
+
+        import_maniskill()
+    except ImportError:
+        return None
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    return frozenset(REGISTERED_ENVS)
+
+
 def default_instruction(task: str) -> str:
     """The instruction of ``task``: from :data:`INSTRUCTIONS`, else derived from its name."""
     if task in INSTRUCTIONS:
@@ -137,6 +151,14 @@ class ManiSkillEnvConfig(EnvConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # The tasks listed here exist; another name is looked up in ManiSkill's registry.
+        known = None if self.task in INSTRUCTIONS else registered_tasks()
+        check_field(
+            self,
+            "task",
+            known is None or self.task in known,
+            f"is not a ManiSkill task; known tasks: {', '.join(sorted(known or ()))}",
+        )
         check_field(self, "image_size", 16 <= self.image_size <= 1024, "must lie in [16, 1024]")
         check_field(
             self, "reward_mode", self.reward_mode in REWARD_MODES, f"must be one of {REWARD_MODES}"
