@@ -34,6 +34,16 @@ from rlinf_vla.config import ConfigError, RunAborted, SectionErrors, check_value
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
+def _runner_folder(job: Any) -> tuple[str, Path]:
+    """The run folder of a trainer's job (its ``runner`` section) and the key that sets it."""
+    from rlinf_vla.pipelines.tracking import run_folder
+
+    r = job.runner
+    return "runner.resume" if r.resume else "runner.output_dir", run_folder(
+        r.name, r.output_dir, r.resume
+    )
+
+
 @dataclass(frozen=True)
 class Command:
     """A subcommand: its primary config and the module implementing ``validate`` and ``run``.
@@ -41,6 +51,8 @@ class Command:
     ``validate(cfg) -> job`` must be pure; ``run(job)`` does the work. ``config_root`` is a
     folder under ``configs/`` holding the command's own primary config and groups (e.g. the
     ``algo`` group of ``math-grpo``); groups it lacks (``cluster``...) come from ``configs/``.
+    ``output(job)`` names the folder the command writes and the key that sets it; it must be
+    writable before anything starts (:func:`preflight`).
     """
 
     name: str
@@ -48,6 +60,7 @@ class Command:
     config_name: str
     module: str
     config_root: str = ""
+    output: Callable[[Any], tuple[str, Path]] | None = None
 
     @property
     def config_dir(self) -> Path:
@@ -66,24 +79,28 @@ COMMANDS: dict[str, Command] = {
             "RL post-training of a VLA policy in simulation (PPO or GRPO; collocated, disaggregated, hybrid or auto placement)",
             "train",
             "rlinf_vla.pipelines",
+            output=_runner_folder,
         ),
         Command(
             "collect",
             "record successful episodes of an env's scripted expert as a LeRobotDataset v3.0",
             "collect",
             "rlinf_vla.pipelines.collect",
+            output=lambda job: ("collect.output_dir", Path(job.collect.output_dir)),
         ),
         Command(
             "sft",
             "behaviour cloning of a VLA policy on LeRobot datasets, with greedy evaluation in the simulator",
             "sft",
             "rlinf_vla.pipelines.sft",
+            output=_runner_folder,
         ),
         Command(
             "eval",
             "success rates of a policy on a LIBERO suite or ManiSkill tasks (parallel envs, resumable reports, videos)",
             "eval",
             "rlinf_vla.eval",
+            output=lambda job: ("eval.output_dir", Path(job.output_dir)),
         ),
         Command(
             "bench",
@@ -97,6 +114,7 @@ COMMANDS: dict[str, Command] = {
             "math_grpo",
             "rlinf_vla.reasoning",
             config_root="math_grpo",
+            output=_runner_folder,
         ),
         Command(
             "serve",
@@ -112,6 +130,27 @@ COMMANDS: dict[str, Command] = {
         ),
     ]
 }
+
+
+def preflight(command: Command, job: Any) -> None:
+    """What a valid job needs from the machine, checked before anything starts: the folder it
+    writes accepts a file (not read-only, not full) and ``cluster.address`` answers.
+
+    Raises:
+        ConfigError: naming the key of the folder or the address.
+    """
+    from rlinf_vla.runtime.cluster import ClusterConfig, check_address
+
+    errors = SectionErrors()
+    if command.output is not None:
+        from rlinf_vla.pipelines.tracking import check_writable
+
+        key, folder = command.output(job)
+        errors.build(lambda: check_writable(folder, key))
+    cluster = getattr(job, "cluster", None)
+    if isinstance(cluster, ClusterConfig):
+        errors.build(lambda: check_address(cluster.address))
+    errors.raise_any()
 
 
 # --------------------------------------------------------------------------- config groups
@@ -434,6 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = compose(command.config_name, args.overrides, command.config_dir)
         validate, run = command.load()
         job = validate(cfg)
+        if args.cfg != "job":
+            preflight(command, job)
     except ConfigError as e:
         print(f"rlinf-vla {command.name}: invalid config: {e}", file=sys.stderr)
         return 2
@@ -447,6 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _sigterm_interrupts():
             run(job)
+    except ConfigError as e:  # found while starting (e.g. what the cluster turned out to be)
+        print(f"rlinf-vla {command.name}: invalid config: {e}", file=sys.stderr)
+        return 2
     except (RunAborted, WorkerError) as e:
         # A worker's traceback or the reason for stopping, without the driver's own stack.
         print(f"rlinf-vla {command.name}: {type(e).__name__}: {e}", file=sys.stderr)

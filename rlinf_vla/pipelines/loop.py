@@ -17,14 +17,20 @@ shows; :class:`RunLoop` does the rest, the same way for every command:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlinf_vla import provenance
 from rlinf_vla.config import RunAborted
-from rlinf_vla.pipelines.tracking import LoggingConfig, MetricsLogger, last_checkpoint
+from rlinf_vla.pipelines.tracking import (
+    LoggingConfig,
+    MetricsLogger,
+    disk_full_message,
+    last_checkpoint,
+)
 
 __all__ = [
     "RunLoop",
@@ -182,6 +188,7 @@ class RunLoop:
             TimeRemainingColumn(),
         ]
         i = start
+        word = _WORDS.get(self.unit, self.unit)
         try:
             with Progress(*columns, console=console) as progress:
                 task = progress.add_task(self.command, total=self.total, completed=start, status="")
@@ -194,19 +201,32 @@ class RunLoop:
                     progress.console.print(line)
                 for i in range(start, self.total):
                     metrics = iteration(i, logger, say)
-                    logger.log(metrics)
+                    with self._disk_full_aborts("metrics.jsonl"):
+                        logger.log(metrics)
                     progress.update(task, completed=i + 1, status=status(metrics))
                     self._check_finite(metrics, progress.console, i + 1)
                     if (i + 1) % self.save_interval == 0 or i + 1 == self.total:
-                        self.last_checkpoint = save(i + 1)
+                        with self._disk_full_aborts(f"the checkpoint of {word} {i + 1}"):
+                            self.last_checkpoint = save(i + 1)
         except BaseException as e:
-            word = _WORDS.get(self.unit, self.unit)
             console.print(f"[bold red]training stopped in {word} {i + 1}:[/] {type(e).__name__}")
             console.print(self.resume_hint(), soft_wrap=True, markup=False, highlight=False)
             raise
         finally:
             logger.close()
         return self.output_dir
+
+    @contextlib.contextmanager
+    def _disk_full_aborts(self, what: str) -> Iterator[None]:
+        """Turn a full disk while writing ``what`` into :class:`RunAborted` naming the run
+        folder (instead of an ``OSError`` or torch's "unexpected pos" from a worker)."""
+        try:
+            yield
+        except Exception as e:
+            message = disk_full_message(e, self.output_dir, what)
+            if message is None:
+                raise
+            raise RunAborted(message) from e
 
     def resume_hint(self) -> str:
         """Where the last checkpoint is and how to resume from it."""

@@ -8,10 +8,13 @@ blocks on a login prompt.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +68,66 @@ def run_folder(name: str, output_dir: str | None, resume: str | None) -> Path:
     if output_dir:
         return Path(output_dir)
     return Path("runs") / f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def check_writable(folder: str | Path, key: str) -> None:
+    """``ConfigError`` naming ``key`` unless a file can be created, written and deleted in
+    ``folder`` (made if missing; folders made only for the probe are removed again), so that
+    a read-only or full disk fails before any worker starts."""
+    folder = Path(folder)
+    made = []  # the folders the probe creates, deepest first
+    p = folder
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    probe = folder / f".rlinf-vla-write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        reason = e.strerror or str(e)
+        raise ConfigError(
+            f"{key}: cannot write to {str(folder)!r} ({reason}); choose a writable folder with "
+            "free space"
+        ) from None
+    finally:
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
+def disk_full_message(error: BaseException, folder: Path, what: str) -> str | None:
+    """A clear message when ``error`` (an exception, possibly a worker's with its traceback
+    as text) comes from a full disk or an exhausted quota while writing ``what`` into
+    ``folder``; ``None`` for any other error. Torch's zip writer reports a short write as
+    "unexpected pos N vs M", which is counted as a full disk too."""
+    chain, seen = [], error
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    full = any(
+        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain
+    ) or any(
+        m in str(e)
+        for e in chain
+        for m in ("No space left on device", "Disk quota exceeded", "unexpected pos")
+    )
+    if not full:
+        return None
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free there now"
+    except OSError:
+        free = "its free space is unknown"
+    return (
+        f"no space left on the device of {folder} while writing {what} ({free}): free some "
+        "space (or move the run folder to a larger disk), then resume"
+    )
 
 
 def check_resumable(resume: str | None, prefix: str) -> None:
@@ -150,11 +213,43 @@ def last_checkpoint(run_dir: Path, prefix: str = "iter") -> Path | None:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of ``<run_dir>/metrics.jsonl`` (one dict per iteration, in order)."""
+    """The rows of ``<run_dir>/metrics.jsonl`` (one dict per iteration, in order); a torn last
+    row is left out (see :func:`parse_metrics`)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a training run folder?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for _, row in parse_metrics(path)]
+
+
+def parse_metrics(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The non-empty lines of a ``metrics.jsonl`` with their rows.
+
+    A last line that is not JSON is a row the run was writing when it stopped (a full disk, a
+    killed process): it is dropped with a warning, so that the run can resume. A bad line
+    before the last one is damage this cannot repair.
+
+    Raises:
+        ValueError: a line other than the last is not a JSON object (naming the line).
+    """
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if i == len(lines) - 1:
+                log.warning(
+                    "%s: dropped its last row, which was cut off while being written (%s): %.80s",
+                    path,
+                    e,
+                    line,
+                )
+                break
+            raise ValueError(f"{path}: row {i + 1} is not a JSON object ({e})") from None
+        rows.append((line, row))
+    return rows
 
 
 class MetricsLogger:
@@ -179,8 +274,8 @@ class MetricsLogger:
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
         if self.path.exists():
-            rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-            kept = [line for line in rows if json.loads(line)["iteration"] <= resume_iteration]
+            rows = parse_metrics(self.path)
+            kept = [line for line, row in rows if row.get("iteration", 0) <= resume_iteration]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = self.path.open("a")
         self._tb = None

@@ -86,11 +86,29 @@ class DataConfig:
                         f"data.{key}: unknown file type {Path(value).suffix!r} "
                         f"(known: {', '.join(_READERS)})"
                     )
+            self._check_files()
         elif not self.tasks:
             raise ConfigError("data.tasks is empty: name at least one reasoning_gym dataset")
         if self.eval_size < 1 or self.train_size < 1 or self.max_prompt_tokens < 8:
             raise ConfigError(
                 "data.train_size and data.eval_size must be >= 1, data.max_prompt_tokens >= 8"
+            )
+
+    def _check_files(self) -> None:
+        """Read the data files now, so that a malformed or empty one (or one without the
+        configured fields) fails before anything starts, naming its key."""
+        counts = {}
+        for key in ("path", "eval_path"):
+            value = getattr(self, key)
+            if value:
+                try:
+                    counts[key] = len(read_problems(value, self.prompt_field, self.answer_field))
+                except (ValueError, OSError) as e:
+                    raise ConfigError(f"data.{key}: {e}") from None
+        if not self.eval_path and counts["path"] < 2:
+            raise ConfigError(
+                f"data.path: {self.path} has {counts['path']} row(s); the held-out split needs "
+                "at least 2 (or set data.eval_path)"
             )
 
 
@@ -115,16 +133,23 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
-    rows = json.loads(path.read_text())
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON: {e}") from None
     if not isinstance(rows, list):
         raise ValueError(f"{path}: expected a JSON list of objects")
     return rows
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except pa.ArrowException as e:
+        raise ValueError(f"{path}: not a readable Parquet file: {e}") from None
 
 
 _READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
@@ -134,14 +159,21 @@ def read_problems(path: str | Path, prompt_field: str, answer_field: str) -> lis
     """Problems of a JSONL / JSON / Parquet file.
 
     Raises:
-        ValueError: the file lacks the configured fields (named, with the fields it has).
+        ValueError: the file is not of its type, is not UTF-8 text, has no rows, a row that is
+            not an object, or a row without the configured fields (named, with the fields it
+            has; a null value counts as missing).
     """
     path = Path(path)
-    rows = _READERS[path.suffix](path)
+    try:
+        rows = _READERS[path.suffix](path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     if not rows:
         raise ValueError(f"{path}: no rows")
     for i, row in enumerate(rows):
-        missing = [f for f in (prompt_field, answer_field) if f not in row]
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: row {i} is not an object: {str(row)[:80]!r}")
+        missing = [f for f in (prompt_field, answer_field) if row.get(f) is None]
         if missing:
             raise ValueError(
                 f"{path}: row {i} lacks the field(s) {missing} (set data.prompt_field / "

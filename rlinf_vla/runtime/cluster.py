@@ -70,6 +70,38 @@ class ClusterConfig:
             )
 
 
+#: Addresses ``ray.init`` resolves itself (``None`` starts a local instance).
+_NOT_NETWORK_ADDRESSES = (None, "auto", "local")
+
+
+def check_address(address: str | None, timeout_s: float = 3.0) -> None:
+    """``ConfigError`` naming ``cluster.address`` unless something accepts TCP connections at
+    its ``host:port`` within ``timeout_s`` (``ray.init`` would otherwise retry for a minute and
+    more with only Ray's own warnings). ``None``, ``auto`` and ``local`` are not checked."""
+    import socket
+
+    if address in _NOT_NETWORK_ADDRESSES:
+        return
+    rest = address.removeprefix("ray://")
+    host, sep, port_text = rest.rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(
+            f"cluster.address={address!r}: expected host:port (the Ray head's GCS port, e.g. "
+            "10.0.0.1:6379), ray://host:port (Ray Client, port 10001) or auto"
+        )
+    try:
+        with socket.create_connection((host, int(port_text)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        reason = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise ConfigError(
+            f"cluster.address={address!r}: nothing answers at {host}:{port_text} ({reason}); "
+            "start the Ray head there (`ray start --head`), correct the address, or leave "
+            "cluster.address unset to start a local Ray instance"
+        ) from None
+
+
 @dataclass(frozen=True)
 class Device:
     """One device of the cluster.
@@ -127,6 +159,7 @@ class Cluster:
             if config.address is None:
                 kwargs.update(num_cpus=config.num_cpus, num_gpus=config.num_gpus)
             else:
+                check_address(config.address)
                 kwargs["address"] = config.address
             ray.init(**kwargs)
             self._owns_ray = True
