@@ -102,3 +102,113 @@ def test_plot_writes_a_png_with_the_logged_panels(tmp_path):
 def test_plot_of_a_folder_without_metrics_fails_clearly(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path / "nope")]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def _torn_run(tmp_path, rows=4):
+    """A run folder whose metrics.jsonl ends in a row cut off while being written."""
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for row in _rows(rows):
+            f.write(json.dumps(row) + "\n")
+        f.write(json.dumps(_rows(1, start=rows + 1)[0])[:37])  # the disk filled up here
+    return tmp_path
+
+
+def test_a_torn_last_row_is_dropped_with_a_warning_on_resume(tmp_path, caplog):
+    from rlinf_vla.pipelines.loop import RunLoop
+
+    run = _torn_run(tmp_path / "run")
+    loop = RunLoop(
+        run,
+        {},
+        LoggingConfig(tensorboard=False),
+        command="train",
+        unit="iter",
+        total=6,
+        save_interval=10,
+        max_nan_updates=3,
+    )
+
+    def save(n):
+        (run / "checkpoints" / f"iter_{n}").mkdir(parents=True)
+        return run / "checkpoints" / f"iter_{n}"
+
+    def iteration(i, logger, say):
+        return _rows(1, start=i + 1)[0]
+
+    with caplog.at_level("WARNING"):
+        loop.run(4, iteration, save, lambda m: "")  # resumed after iteration 4
+    assert "cut off while being written" in caplog.text
+    assert [r["iteration"] for r in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)  # the torn row is gone from the file
+
+
+def test_reading_metrics_skips_a_torn_last_row_but_not_a_damaged_one(tmp_path):
+    run = _torn_run(tmp_path)
+    assert [r["iteration"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[1] = lines[1][:20]
+    (run / "metrics.jsonl").write_text("\n".join(lines[:4]) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl: row 2 is not a JSON object"):
+        read_metrics(run)
+    with pytest.raises(ValueError, match="row 2"):
+        MetricsLogger(run, LoggingConfig(tensorboard=False), "run", resume_iteration=4)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(28, "No space left on device"),
+        # an actor worker's torch.save on a full disk, as the driver receives it
+        RuntimeError(
+            "worker actor[0] failed in save():\nTraceback ...\nRuntimeError: [enforce fail at "
+            "inline_container.cc:778] . PytorchStreamWriter failed writing file data/3: "
+            "unexpected pos 1307264 vs 1307152"
+        ),
+    ],
+)
+def test_a_full_disk_while_saving_names_the_run_folder(tmp_path, error):
+    from rlinf_vla.config import RunAborted
+    from rlinf_vla.pipelines.loop import RunLoop
+
+    loop = RunLoop(
+        tmp_path / "run",
+        {},
+        LoggingConfig(tensorboard=False),
+        command="train",
+        unit="iter",
+        total=2,
+        save_interval=1,
+        max_nan_updates=3,
+    )
+
+    def save(n):
+        raise error
+
+    with pytest.raises(RunAborted) as e:
+        loop.run(0, lambda i, logger, say: _rows(1, start=i + 1)[0], save, lambda m: "")
+    assert f"no space left on the device of {tmp_path / 'run'}" in str(e.value)
+    assert "the checkpoint of iteration 1" in str(e.value)
+    assert e.value.__cause__ is error
+
+
+def test_other_errors_while_saving_are_not_called_a_full_disk(tmp_path):
+    from rlinf_vla.pipelines.loop import RunLoop
+
+    loop = RunLoop(
+        tmp_path / "run",
+        {},
+        LoggingConfig(tensorboard=False),
+        command="train",
+        unit="iter",
+        total=1,
+        save_interval=1,
+        max_nan_updates=3,
+    )
+
+    def save(n):
+        raise PermissionError(13, "Permission denied")
+
+    with pytest.raises(PermissionError):
+        loop.run(0, lambda i, logger, say: _rows(1, start=i + 1)[0], save, lambda m: "")
