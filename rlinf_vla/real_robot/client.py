@@ -20,7 +20,7 @@ import numpy as np
 from rlinf_vla.real_robot import codec
 from rlinf_vla.real_robot.protocol import PolicyMetadata
 
-__all__ = ["PolicyClient", "ServerError", "check_health"]
+__all__ = ["BadReply", "PolicyClient", "ServerError", "check_actions", "check_health"]
 
 
 class ServerError(RuntimeError):
@@ -32,6 +32,30 @@ class ServerError(RuntimeError):
         )
         self.reason = reason
         self.remote_traceback = remote_traceback
+
+
+class BadReply(RuntimeError):
+    """The server's reply is not a valid answer (not msgpack, not a map, actions of the wrong
+    type, shape or values): nothing of it may be executed. The message says what was wrong."""
+
+
+def check_actions(actions: Any, action_dim: int) -> np.ndarray:
+    """``actions`` as ``float32 [K, action_dim]`` (``K >= 1``, every value finite), or
+    :class:`BadReply` naming what is wrong."""
+    if not isinstance(actions, np.ndarray):
+        raise BadReply(f"reply 'actions' is a {type(actions).__name__}, not an array")
+    if actions.dtype.kind not in "fiu":
+        raise BadReply(f"reply 'actions' has dtype {actions.dtype}, expected float")
+    if actions.ndim != 2 or actions.shape[0] < 1 or actions.shape[1] != action_dim:
+        raise BadReply(
+            f"reply 'actions' has shape {list(actions.shape)}, expected [K, {action_dim}] "
+            "with K >= 1"
+        )
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = actions.astype(np.float32)
+    if not np.isfinite(out).all():
+        raise BadReply("reply 'actions' holds NaN or inf (in float32)")
+    return out
 
 
 def check_health(url: str, timeout: float = 2.0) -> bool:
@@ -76,13 +100,33 @@ class PolicyClient:
                 compression=None,
             )
         )
-        self.metadata = PolicyMetadata.from_message(codec.unpackb(self._ws.recv(timeout=timeout)))
+        try:
+            first = self._ws.recv(timeout=timeout)
+            if not isinstance(first, bytes):
+                raise ValueError("a text frame")
+            message = codec.unpackb(first)
+            if not isinstance(message, dict):
+                raise ValueError(f"a {type(message).__name__}, not a map")
+            self.metadata = PolicyMetadata.from_message(message)
+        except (ValueError, KeyError, TypeError) as e:
+            self._stack.close()
+            raise BadReply(f"the server's metadata is not valid: {e}") from None
         self._next_id = 0
 
-    def send_raw(self, frame: bytes) -> dict[str, Any]:
-        """Send one frame as-is and return the decoded reply (tests, debugging)."""
+    def send_raw(self, frame: bytes) -> Any:
+        """Send one frame as-is and return the decoded reply (tests, debugging).
+
+        Raises:
+            BadReply: the reply is not valid msgpack (or is a text frame).
+        """
         self._ws.send(frame)
-        return codec.unpackb(self._ws.recv(timeout=self.timeout))
+        data = self._ws.recv(timeout=self.timeout)
+        if not isinstance(data, bytes):
+            raise BadReply("the server sent a text frame; replies are binary msgpack")
+        try:
+            return codec.unpackb(data)
+        except codec.DecodeError as e:
+            raise BadReply(f"the reply is not a valid message: {e}") from None
 
     def infer(
         self, images: dict[str, np.ndarray], state: np.ndarray | None, instruction: str
@@ -100,15 +144,28 @@ class PolicyClient:
 
         Raises:
             ServerError: the server refused the request or the policy failed.
+            BadReply: the reply is malformed (see :func:`check_actions`); nothing of it is
+                usable.
         """
         self._next_id += 1
         obs = {"images": images, "state": state, "instruction": instruction}
         reply = self.send_raw(codec.packb({"type": "infer", "id": self._next_id, "obs": obs}))
+        if not isinstance(reply, dict):
+            raise BadReply(f"the reply is a {type(reply).__name__}, expected a map")
         if reply.get("type") == "error":
-            raise ServerError(reply.get("reason", "unknown error"), reply.get("traceback"))
-        if reply.get("type") != "actions" or reply.get("id") != self._next_id:
-            raise ServerError(f"unexpected reply {reply.get('type')!r} to request {self._next_id}")
-        return np.asarray(reply["actions"], dtype=np.float32), reply.get("timing", {})
+            reason = reply.get("reason")
+            tb = reply.get("traceback")
+            raise ServerError(
+                reason if isinstance(reason, str) else "unknown error",
+                tb if isinstance(tb, str) else None,
+            )
+        if reply.get("type") != "actions":
+            raise BadReply(f"unexpected reply type {reply.get('type')!r}, expected 'actions'")
+        if reply.get("id") != self._next_id:
+            raise BadReply(f"reply to request {reply.get('id')!r}, expected {self._next_id}")
+        actions = check_actions(reply.get("actions"), self.metadata.action_dim)
+        timing = reply.get("timing")
+        return actions, timing if isinstance(timing, dict) else {}
 
     def close(self) -> None:
         self._stack.close()

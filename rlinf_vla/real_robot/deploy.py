@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from rlinf_vla.config import ConfigError, from_section, to_dict
+from rlinf_vla.config import ConfigError, RunAborted, from_section, to_dict
 from rlinf_vla.real_robot.kinematics import matrix_to_rotvec
 from rlinf_vla.real_robot.robot import Robot
 from rlinf_vla.real_robot.safety import EStop, SafetyConfig, SafetyFilter
@@ -175,8 +175,14 @@ def run_episode(
     estop: EStop | None = None,
     episode_index: int = 0,
 ) -> EpisodeResult:
-    """Run one episode of ``job`` on ``robot`` with a connected :class:`PolicyClient`."""
-    from rlinf_vla.real_robot.client import ServerError
+    """Run one episode of ``job`` on ``robot`` with a connected :class:`PolicyClient`.
+
+    Raises:
+        RunAborted: the server sent a malformed reply (wrong type, shape or non-finite
+            actions). Nothing of it was executed; the robot was stopped and the episode so far
+            recorded (``meta.json`` has the reason under ``aborted``).
+    """
+    from rlinf_vla.real_robot.client import BadReply, ServerError
     from rlinf_vla.real_robot.recording import EpisodeWriter
 
     meta = client.metadata
@@ -228,7 +234,8 @@ def run_episode(
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-query")
     future: Future | None = None
     chunk: list[tuple[np.ndarray, float]] = []
-    queries = server_errors = 0
+    queries = server_errors = late_chunks = 0
+    aborted: str | None = None
     latency: list[float] = []
     steps = 0
     state = robot.reset()
@@ -245,7 +252,9 @@ def run_episode(
             images = {k: state.images[k] for k in meta.image_keys}
             proprio = state.proprio()
             if not chunk and future is None and not estop.triggered:
-                sent, sent_clock = time.monotonic(), clock()
+                # A chunk's age is measured from the observation it is computed on.
+                sent = time.monotonic()
+                observed = state.timestamp if job.realtime else clock()
                 future = executor.submit(
                     client.infer, images, proprio if meta.state_dim else None, job.instruction
                 )
@@ -254,11 +263,17 @@ def run_episode(
                 try:
                     actions, _timing = future.result()
                     latency.append((time.monotonic() - sent) * 1000.0)
-                    received = clock() if job.realtime else sent_clock
-                    chunk = [(a, received + k * dt) for k, a in enumerate(actions[:per_query])]
+                    # Action k is due k ticks after its observation; the safety layer drops
+                    # (holds) any executed more than watchdog_s after that.
+                    chunk = [(a, observed + k * dt) for k, a in enumerate(actions[:per_query])]
                 except ServerError as e:
                     server_errors += 1
                     log.error("server refused the request: %s", e.reason)
+                except BadReply as e:
+                    aborted = f"bad reply from the policy server: {e}"
+                    log.error("%s; stopping the robot", aborted)
+                    robot.stop()
+                    break
                 future = None
             raw, scheduled = chunk.pop(0) if chunk else (None, None)
             metric = None
@@ -267,6 +282,11 @@ def run_episode(
                 if metric.shape == (7,):
                     metric[:6] = metric[:6] * scale
             cmd = safety(metric, state, clock(), scheduled)
+            if raw is not None and cmd.hold and "watchdog" in cmd.interventions:
+                # The rest of the chunk is as late: drop it and ask again on the next tick.
+                late_chunks += 1
+                log.warning("dropped a late chunk (%d actions not executed)", len(chunk) + 1)
+                chunk = []
             if not estop.triggered:
                 robot.command(
                     cmd.target_pos,
@@ -322,7 +342,12 @@ def run_episode(
                 estop=estop.reason,
                 queries=queries,
                 server_errors=server_errors,
+                late_chunks=late_chunks,
+                aborted=aborted,
             )
+    if aborted is not None:
+        where = f"; the episode so far is in {folder}" if folder is not None else ""
+        raise RunAborted(f"{aborted}. Nothing of it was executed; the robot was stopped{where}")
     return EpisodeResult(
         steps, folder, safety.summary(), queries, server_errors, latency, estop.triggered
     )
@@ -364,7 +389,7 @@ def run(job: DeployJob) -> list[EpisodeResult]:
                     f"{', E-STOP' if res.estopped else ''} -> {res.folder}"
                 )
     except (OSError, TimeoutError, ConnectionClosed) as e:
-        raise RuntimeError(
+        raise RunAborted(
             f"no answer from the policy server at {job.server} ({type(e).__name__}: {e}); the robot was "
             "stopped and the episode so far recorded"
         ) from e

@@ -189,9 +189,10 @@ def parse_infer_request(msg: Any, meta: PolicyMetadata) -> InferRequest:
             if not ok:
                 want = f"{meta.state_dim}" if meta.state_dim_exact else f"1..{meta.state_dim}"
                 raise RequestError(f"obs.state has {d} values, the policy expects {want}")
+            with np.errstate(over="ignore", invalid="ignore"):
+                state = state.astype(np.float32)  # what the policy reads: check after the cast
             if not np.isfinite(state).all():
-                raise RequestError("obs.state holds NaN or inf")
-            state = state.astype(np.float32)
+                raise RequestError("obs.state holds NaN or inf (as float32)")
     instruction = obs.get("instruction")
     if not isinstance(instruction, str) or len(instruction) > MAX_INSTRUCTION_CHARS:
         raise RequestError(

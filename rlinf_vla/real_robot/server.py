@@ -60,6 +60,10 @@ class ServerConfig:
             (``0``: batch only what queued up while the previous batch ran).
         control_rate_hz: the control rate advertised to clients (the policy's training rate).
         greedy: ``act(obs, greedy=...)``; deterministic actions for deployment.
+        auth_failure_delay_s: after a failed authentication, the peer's address is refused
+            (HTTP 429, not logged, the token not checked) for this long, doubling with each
+            further failure up to :data:`MAX_AUTH_BACKOFF_S`; ``0`` turns throttling off. One
+            warning is logged per checked failure, so at most one per back-off window.
     """
 
     host: str = "127.0.0.1"
@@ -70,6 +74,7 @@ class ServerConfig:
     batch_window_ms: float = 0.0
     control_rate_hz: float = 10.0
     greedy: bool = True
+    auth_failure_delay_s: float = 1.0
 
     def __post_init__(self) -> None:
         require_finite(self, "server")
@@ -85,8 +90,24 @@ class ServerConfig:
             raise ValueError(f"server.batch_window_ms must be >= 0, got {self.batch_window_ms}")
         if self.control_rate_hz <= 0:
             raise ValueError(f"server.control_rate_hz must be > 0, got {self.control_rate_hz}")
+        if self.auth_failure_delay_s < 0:
+            raise ValueError(
+                f"server.auth_failure_delay_s must be >= 0, got {self.auth_failure_delay_s}"
+            )
         if self.token is not None and len(self.token) < 8:
             raise ValueError("server.token must have at least 8 characters")
+
+
+#: The longest a peer is refused after repeated authentication failures (s).
+MAX_AUTH_BACKOFF_S = 60.0
+
+
+@dataclass
+class _AuthFailures:
+    """Failed authentications of one peer address: how many in a row, refused until when."""
+
+    count: int = 0
+    blocked_until: float = 0.0
 
 
 @dataclass
@@ -111,7 +132,16 @@ class PolicyServer:
         self.metadata: PolicyMetadata = policy_metadata(
             name, policy.config, config.control_rate_hz, config.max_message_bytes
         )
-        self.stats = {"requests": 0, "errors": 0, "batches": 0, "rejected_auth": 0}
+        self.stats = {
+            "requests": 0,
+            "errors": 0,
+            "batches": 0,
+            "rejected_auth": 0,
+            "throttled_auth": 0,
+            "non_finite_actions": 0,
+        }
+        self._auth_failures: dict[str, _AuthFailures] = {}
+        self.clock = time.monotonic  # replaceable in tests
         self._queue: asyncio.Queue[_Pending] | None = None
         self._waiting: set[asyncio.Future] = set()
         # One inference thread: torch modules are not re-entrant, and the event loop stays free.
@@ -211,17 +241,41 @@ class PolicyServer:
         if request.path == "/healthz":
             return connection.respond(HTTPStatus.OK, "OK\n")
         if self.config.token is not None:
+            peer = str((connection.remote_address or ("?",))[0])
+            now = self.clock()
+            failures = self._auth_failures.get(peer)
+            if failures is not None and now < failures.blocked_until:
+                self.stats["throttled_auth"] += 1
+                return connection.respond(
+                    HTTPStatus.TOO_MANY_REQUESTS,
+                    f"too many failed authentications; retry in "
+                    f"{failures.blocked_until - now:.1f} s\n",
+                )
             header = request.headers.get("Authorization", "")
             expected = f"Bearer {self.config.token}"
             if not hmac.compare_digest(header.encode(), expected.encode()):
                 self.stats["rejected_auth"] += 1
+                failures = self._auth_failures.setdefault(peer, _AuthFailures())
+                failures.count += 1
+                delay = 0.0
+                if self.config.auth_failure_delay_s > 0:
+                    delay = min(
+                        self.config.auth_failure_delay_s * 2.0 ** (failures.count - 1),
+                        MAX_AUTH_BACKOFF_S,
+                    )
+                    failures.blocked_until = now + delay
                 log.warning(
-                    "rejected a connection from %s: bad or missing token", connection.remote_address
+                    "rejected a connection from %s: bad or missing token (%d in a row; "
+                    "refused for %.1f s)",
+                    peer,
+                    failures.count,
+                    delay,
                 )
                 return connection.respond(
                     HTTPStatus.UNAUTHORIZED,
                     "missing or wrong token (send 'Authorization: Bearer <token>')\n",
                 )
+            self._auth_failures.pop(peer, None)
         return None
 
     async def _handler(self, connection: Any) -> None:
@@ -245,6 +299,15 @@ class PolicyServer:
                     await self._queue.put(_Pending(request, future, received))
                     actions, timing = await future
                     timing["server_ms"] = (time.perf_counter() - received) * 1000.0
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        actions = np.asarray(actions, dtype=np.float32)
+                    if not np.isfinite(actions).all():
+                        self.stats["non_finite_actions"] += 1
+                        raise _InferenceError(
+                            "the policy returned non-finite actions (NaN or inf in float32); "
+                            "nothing to execute",
+                            None,
+                        )
                     reply = {"type": "actions", "id": req_id, "actions": actions, "timing": timing}
                 except (codec.DecodeError, RequestError) as e:
                     self.stats["errors"] += 1
@@ -319,6 +382,6 @@ class PolicyServer:
 
 
 class _InferenceError(Exception):
-    def __init__(self, reason: str, tb: str) -> None:
+    def __init__(self, reason: str, tb: str | None) -> None:
         super().__init__(reason)
         self.reason, self.tb = reason, tb

@@ -3,8 +3,10 @@ episodes read back; the watchdog under a slow server; the e-stop; config validat
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from rlinf_vla.config import ConfigError
 from rlinf_vla.real_robot.client import PolicyClient
 from rlinf_vla.real_robot.deploy import run_episode, validate
 from rlinf_vla.real_robot.recording import read_episode
-from rlinf_vla.real_robot.safety import EStop
+from rlinf_vla.real_robot.safety import INTERVENTIONS, EStop
 from rlinf_vla.real_robot.server import PolicyServer, ServerConfig
 from rlinf_vla.types import Observation
 
@@ -79,7 +81,11 @@ def test_loopback_episode_on_the_simulated_franka(served, sim_robot, tiny_policy
 
 
 @pytest.mark.sim
-def test_slow_server_triggers_the_watchdog_and_the_arm_holds(tiny_policy, sim_robot, tmp_path):
+def test_late_chunks_are_dropped_and_the_arm_holds(tiny_policy, sim_robot, tmp_path):
+    """Every reply arrives 0.8 s after its observation (2.7x the 0.3 s watchdog): its actions
+    are all past their deadline, so none is executed, the arm holds, and each dropped chunk
+    is recorded (hold ticks with the policy's action and the watchdog bit)."""
+
     class Slow(torch.nn.Module):
         config = tiny_policy.config
 
@@ -92,21 +98,34 @@ def test_slow_server_triggers_the_watchdog_and_the_arm_holds(tiny_policy, sim_ro
         job = validate(
             deploy_cfg(
                 server=url,
-                max_steps=20,
+                max_steps=40,
                 **{"record.output_dir": str(tmp_path), "safety.watchdog_s": 0.3},
             )
         )
         with PolicyClient(url) as client:
             res = run_episode(sim_robot, client, job)
     ep = read_episode(res.folder, load_images=False)
-    assert res.interventions["watchdog"] >= 1
-    first_action = int(np.argmax(~ep.steps["hold"]))
-    assert ep.steps["timestamp"][first_action] - ep.steps["timestamp"][0] >= 0.75  # 0.8 s wait
-    held = ep.steps["ee_pos"][: first_action + 1]
-    assert np.abs(held - held[0]).max() < 1e-3  # the arm did not move while waiting
-    kinds = {i["kind"] for i in ep.interventions}
-    assert kinds >= {"watchdog"}
-    assert any(i["kind"] == "watchdog" and i["step"] <= first_action + 1 for i in ep.interventions)
+    assert res.queries >= 2 and res.interventions["watchdog"] >= 2
+    assert ep.steps["hold"].all()  # nothing of a late chunk was executed
+    assert np.abs(ep.steps["ee_pos"] - ep.steps["ee_pos"][0]).max() < 1e-3
+    dropped = ~np.isnan(ep.steps["policy_action"][:, 0])
+    assert dropped.sum() == ep.meta["late_chunks"] >= 1  # one dropped action per late chunk
+    late = [i for i in ep.interventions if i["kind"] == "watchdog" and "late" in i["detail"]]
+    assert len(late) == ep.meta["late_chunks"]
+    mask = ep.steps["interventions"][dropped]
+    assert np.all(mask & (1 << INTERVENTIONS.index("watchdog")))
+
+
+@pytest.mark.sim
+def test_a_chunk_within_the_deadline_is_executed(served, sim_robot, tmp_path):
+    """Realtime, fast server: the chunk's age (from its observation) is under the deadline,
+    so actions are executed."""
+    _, url = served
+    job = validate(deploy_cfg(server=url, max_steps=12, **{"record.output_dir": str(tmp_path)}))
+    with PolicyClient(url) as client:
+        res = run_episode(sim_robot, client, job)
+    ep = read_episode(res.folder, load_images=False)
+    assert (~ep.steps["hold"]).sum() >= 4 and ep.meta["late_chunks"] == 0
 
 
 class _Recorder:
@@ -225,15 +244,178 @@ def test_serve_validation():
 
 
 @pytest.mark.sim
-def test_cli_deploy_without_a_server_fails_clearly(tmp_path):
-    with pytest.raises(
-        RuntimeError, match=r"no answer from the policy server at ws://127\.0\.0\.1:9"
-    ):
-        main(
+def test_cli_deploy_without_a_server_fails_clearly(tmp_path, capsys):
+    rc = main(
+        [
+            "deploy",
+            "server=ws://127.0.0.1:9",
+            "robot.image_size=32",
+            f"record.output_dir={tmp_path}",
+        ]
+    )
+    assert rc == 1
+    assert "no answer from the policy server at ws://127.0.0.1:9" in capsys.readouterr().err
+
+
+class _FakeServer:
+    """A websocket server speaking the handshake, answering the first request with a good
+    chunk and every later one with ``bad`` (bytes sent as-is)."""
+
+    META: ClassVar[dict] = {
+        "type": "metadata",
+        "protocol": 1,
+        "policy": "fake",
+        "image_keys": ["main", "wrist"],
+        "image_size": 32,
+        "state_dim": 8,
+        "state_dim_exact": True,
+        "action_dim": 7,
+        "chunk_size": 8,
+        "control_rate_hz": 20.0,
+        "max_message_bytes": 8 * 1024 * 1024,
+    }
+
+    def __init__(self, bad) -> None:
+        self.bad = bad
+
+    def handler(self, ws) -> None:
+        from rlinf_vla.real_robot import codec
+
+        ws.send(codec.packb(self.META))
+        for n, frame in enumerate(ws):
+            req = codec.unpackb(frame)
+            if n == 0:
+                good = np.zeros((8, 7), np.float32)
+                good[:, 0] = 0.001
+                ws.send(codec.packb({"type": "actions", "id": req["id"], "actions": good}))
+            else:
+                bad = self.bad(req["id"]) if callable(self.bad) else self.bad
+                ws.send(bad)
+
+    def __enter__(self) -> str:
+        from websockets.sync.server import serve
+
+        self.server = serve(self.handler, "127.0.0.1", 0)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        return f"ws://127.0.0.1:{self.server.socket.getsockname()[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.thread.join(10)
+
+
+def _reply(actions):
+    from rlinf_vla.real_robot import codec
+
+    return lambda req_id: codec.packb({"type": "actions", "id": req_id, "actions": actions})
+
+
+BAD_REPLIES = {
+    "wrong width": (_reply(np.zeros((8, 5), np.float32)), r"shape \[8, 5\], expected \[K, 7\]"),
+    "scalar": (_reply(np.float32(0.5)), "not an array"),
+    "1-d": (_reply(np.zeros(7, np.float32)), r"shape \[7\]"),
+    "empty": (_reply(np.zeros((0, 7), np.float32)), r"shape \[0, 7\]"),
+    "nan": (_reply(np.full((8, 7), np.nan, np.float32)), "NaN or inf"),
+    "float32 overflow": (_reply(np.full((8, 7), 1e300)), "NaN or inf"),
+    "bools": (_reply(np.ones((8, 7), bool)), "dtype bool"),
+    "nested lists": (_reply([[0.0] * 7] * 8), "list, not an array"),
+    "not a map": (lambda _id: __import__("msgpack").packb([1, 2, 3]), "list, expected a map"),
+    "garbage bytes": (b"\xc1\xff\x00garbage", "not a valid message"),
+    "text frame": ("hello", "text frame"),
+    "wrong id": (
+        lambda _id: __import__("msgpack").packb({"type": "actions", "id": -5}),
+        "reply to request -5",
+    ),
+}
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("case", list(BAD_REPLIES))
+def test_a_bad_reply_stops_the_robot_and_keeps_the_recording(case, sim_robot, tmp_path):
+    """A malformed reply (after a good first chunk): nothing of it is executed, the robot is
+    stopped, the episode so far is written with the reason, and the error names it."""
+    from rlinf_vla.config import RunAborted
+
+    bad, pattern = BAD_REPLIES[case]
+    with _FakeServer(bad) as url:
+        job = validate(
+            deploy_cfg(
+                server=url,
+                max_steps=30,
+                realtime="false",
+                **{"record.output_dir": str(tmp_path), "robot.image_size": 32},
+            )
+        )
+        estop = EStop()
+        robot = _Recorder(sim_robot, estop, trigger_after=10**9)
+        with PolicyClient(url) as client, pytest.raises(RunAborted, match=pattern) as info:
+            run_episode(robot, client, job, estop)
+    assert "the robot was stopped" in str(info.value)
+    assert robot.commands == 8 and robot.stops >= 1  # the good chunk only
+    (folder,) = tmp_path.iterdir()
+    assert str(folder) in str(info.value)
+    ep = read_episode(folder, load_images=False)
+    assert len(ep) == 8 and ep.steps["policy_action"].shape == (8, 7)
+    assert ep.meta["aborted"].startswith("bad reply from the policy server")
+    assert not ep.steps["hold"].any()
+
+
+@pytest.mark.sim
+def test_cli_deploy_exits_1_naming_a_bad_reply(sim_robot, tmp_path, capsys):
+    bad, _ = BAD_REPLIES["wrong width"]
+    with _FakeServer(bad) as url:
+        rc = main(
             [
                 "deploy",
-                "server=ws://127.0.0.1:9",
+                f"server={url}",
+                "max_steps=20",
+                "realtime=false",
                 "robot.image_size=32",
                 f"record.output_dir={tmp_path}",
             ]
         )
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "shape [8, 5], expected [K, 7]" in err and "Traceback" not in err
+    (folder,) = tmp_path.iterdir()
+    assert (folder / "steps.npz").is_file() and (folder / "meta.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("action.translation_scale=inf", "action.translation_scale"),
+        ("action.rotation_scale=nan", "action.rotation_scale"),
+        ("action.rotation_scale=-1", "action.rotation_scale"),
+        ("safety.max_rotation_rad=nan", "safety.max_rotation_rad"),
+        ("safety.workspace_max=[0.7,inf,0.5]", "safety.workspace_max"),
+        ("safety.gripper_threshold=nan", "safety.gripper_threshold"),
+        ("safety.tracking_margin_m=-0.001", "safety.tracking_margin_m"),
+        ("safety.tracking_margin_m=0.05", "safety.tracking_margin_m"),
+        ("control_rate_hz=inf", "control_rate_hz"),
+        ("connect_timeout_s=nan", "connect_timeout_s"),
+        ("connect_timeout_s=0", "connect_timeout_s"),
+        ("robot.physics_dt=inf", "robot.physics_dt"),
+        ("robot.cube_pos=[0.5,nan,0.02]", "robot.cube_pos"),
+    ],
+)
+def test_non_finite_config_values_are_refused_naming_the_key(override, key, capsys):
+    k, v = override.split("=", 1)
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        validate(deploy_cfg(**{k: v}))
+    assert main(["deploy", override, "--cfg", "job"]) == 2
+    assert key in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("server.control_rate_hz=inf", "server.control_rate_hz"),
+        ("server.batch_window_ms=nan", "server.batch_window_ms"),
+        ("server.auth_failure_delay_s=inf", "server.auth_failure_delay_s"),
+    ],
+)
+def test_non_finite_serve_values_are_refused_naming_the_key(override, key, capsys):
+    assert main(["serve", override, "--cfg", "job"]) == 2
+    assert key in capsys.readouterr().err

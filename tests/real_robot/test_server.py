@@ -24,7 +24,10 @@ TOKEN = "s3cret-token"
 @pytest.fixture(scope="module")
 def server(tiny_policy):
     srv = PolicyServer(
-        tiny_policy, "openvla_oft", ServerConfig(port=0, token=TOKEN, max_message_bytes=64 * 1024)
+        tiny_policy,
+        "openvla_oft",
+        # Throttling off here: these tests fail authentication on purpose, then connect again.
+        ServerConfig(port=0, token=TOKEN, max_message_bytes=64 * 1024, auth_failure_delay_s=0),
     )
     with srv.run_in_thread() as url:
         yield srv, url
@@ -88,6 +91,9 @@ def test_handshake_and_health(server, tiny_policy):
         (lambda o: o.__setitem__("state", np.zeros((2, 8), np.float32)), "1-d float array"),
         (lambda o: o.__setitem__("state", None), "obs.state is missing"),
         (lambda o: o.__setitem__("state", np.full(8, np.nan, np.float32)), "NaN"),
+        # Finite in float64, inf once cast to the policy's float32.
+        (lambda o: o.__setitem__("state", np.full(8, 1e300)), "NaN or inf (as float32)"),
+        (lambda o: o.__setitem__("state", np.full(8, -3.5e38)), "NaN or inf (as float32)"),
         (lambda o: o.__setitem__("instruction", 42), "obs.instruction"),
         (lambda o: o.__setitem__("extra", 1), "unknown obs key"),
     ],
@@ -230,3 +236,68 @@ def test_health_check_of_nothing():
     t = time.perf_counter()
     assert not check_health("ws://127.0.0.1:9", timeout=0.5)
     assert time.perf_counter() - t < 5
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 1e300])
+def test_non_finite_policy_actions_are_not_sent(server, tiny_policy, monkeypatch, bad):
+    """A policy answering NaN/inf (or float64 values that overflow float32) gets an error
+    reply, never the actions; the connection keeps serving."""
+    srv, url = server
+    real_act = srv._act
+
+    def broken(batch):
+        out = real_act(batch).astype(np.float64)
+        out[:, 3, 2] = bad
+        return out
+
+    obs = good_obs()
+    before = srv.stats["non_finite_actions"]
+    with PolicyClient(url, TOKEN) as c:
+        monkeypatch.setattr(srv, "_act", broken)
+        with pytest.raises(ServerError, match="non-finite actions"):
+            c.infer(obs["images"], obs["state"], obs["instruction"])
+        monkeypatch.undo()
+        actions, _ = c.infer(obs["images"], obs["state"], obs["instruction"])
+    assert srv.stats["non_finite_actions"] == before + 1
+    np.testing.assert_allclose(actions, reference_actions(tiny_policy, obs), atol=1e-5)
+
+
+def test_failed_authentication_is_throttled_per_peer(tiny_policy, caplog):
+    """After a wrong token the peer is refused (429, token not even checked, not logged) for
+    auth_failure_delay_s, doubling with each failure; a good token afterwards resets it."""
+    from websockets.exceptions import InvalidStatus
+
+    now = [1000.0]
+    srv = PolicyServer(
+        tiny_policy, "openvla_oft", ServerConfig(port=0, token=TOKEN, auth_failure_delay_s=2.0)
+    )
+    srv.clock = lambda: now[0]
+
+    def status(token):
+        try:
+            PolicyClient(url, token).close()
+        except InvalidStatus as e:
+            return e.response.status_code
+        return 101
+
+    with (
+        caplog.at_level("WARNING", logger="rlinf_vla.real_robot.server"),
+        srv.run_in_thread() as url,
+    ):
+        assert status("wrong-token!") == 401
+        # A burst of 200 guesses inside the 2 s window: all refused without a check.
+        assert [status(f"guess-{i:08d}") for i in range(200)] == [429] * 200
+        assert status(TOKEN) == 429  # even the right one, until the window ends
+        now[0] += 2.01
+        assert status("wrong-again!") == 401  # second failure: 4 s
+        now[0] += 3.9
+        assert status(TOKEN) == 429
+        now[0] += 0.2
+        assert status(TOKEN) == 101  # served, and the count is reset
+        assert status("wrong-token!") == 401  # first failure again: 2 s
+        now[0] += 2.01
+        assert status(TOKEN) == 101
+        assert check_health(url)  # the health check is never throttled
+    assert srv.stats["rejected_auth"] == 3 and srv.stats["throttled_auth"] == 202
+    warnings = [r for r in caplog.records if "bad or missing token" in r.getMessage()]
+    assert len(warnings) == 3  # one per checked failure, none for the 202 refused
