@@ -166,6 +166,21 @@ def test_an_unreachable_ray_address_is_refused_at_once(capsys, nothing_starts):
         check_address(f"ray://{address}")
 
 
+def test_a_cluster_made_in_code_checks_its_address_before_ray_starts(monkeypatch):
+    import ray
+
+    from rlinf_vla.runtime import Cluster
+    from rlinf_vla.runtime.cluster import ClusterConfig
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ray.init was called for an unreachable address")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(ConfigError, match=re.escape("cluster.address='127.0.0.1:")):
+        Cluster(ClusterConfig(address=f"127.0.0.1:{_closed_port()}"))
+
+
 def test_a_listening_ray_address_passes_and_auto_is_left_to_ray():
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
