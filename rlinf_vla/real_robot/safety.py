@@ -13,7 +13,8 @@ the backend executes, and logs and counts every intervention. The chain, in orde
 5. **max translation / rotation per step**: ``|dp| <= max_translation_m``,
    ``|dr| <= max_rotation_rad`` (:func:`clamp_norm`).
 6. **joint velocity**: the twist is scaled down until the joint step it needs (solved on the
-   exact Panda kinematics) stays within ``max_joint_velocity * dt`` (:func:`limit_joint_velocity`).
+   exact Panda kinematics) stays within ``max_joint_velocity * dt`` and the joint goal within
+   the joint limits (:func:`limit_joint_velocity`); the backend executes that joint goal.
 7. **gripper debounce**: a gripper toggle needs ``gripper_debounce_steps`` consecutive
    requests and ``gripper_min_interval_s`` since the last one (:func:`debounce_gripper`).
 
@@ -37,6 +38,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from rlinf_vla.real_robot.kinematics import (
+    PANDA_JOINT_LOWER,
+    PANDA_JOINT_UPPER,
     matrix_to_rotvec,
     panda_fk,
     panda_jacobian,
@@ -222,6 +225,9 @@ def pose_error(
     return float(np.linalg.norm(p0 + dp - p)), float(np.linalg.norm(rot))
 
 
+#: Joint goals stay this far inside the joint limits (rad).
+JOINT_LIMIT_MARGIN = 0.005
+
 #: A joint step must put the TCP this close to the commanded step (m, rad) to be executed.
 IK_TOLERANCE = (1e-6, 1e-5)
 
@@ -234,6 +240,8 @@ def limit_joint_velocity(
     max_qd: np.ndarray,
     tcp: float = 0.1034,
     rounds: int = 12,
+    q_min: np.ndarray | None = None,
+    q_max: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
     """Scale the TCP step ``(dp [3], dr [3])`` so the joint step that executes it is bounded.
 
@@ -244,7 +252,9 @@ def limit_joint_velocity(
     solved again, because ``dq`` is only linear in the twist to first order. The ``dq``
     returned is the one checked, and the backend executes exactly ``q + dq``
     (:attr:`SafeCommand.joint_target`), so the bound holds on the executed joint step, not
-    on a second IK's guess. Near a singularity ``dq`` grows and ``s`` shrinks: the arm slows
+    on a second IK's guess. The goal must also stay within the joint limits ``[q_min,
+    q_max]`` (default: Panda's, :data:`JOINT_LIMIT_MARGIN` inside; a joint past them may
+    only move back): a backend clipping the goal there would put the TCP elsewhere. Near a singularity ``dq`` grows and ``s`` shrinks: the arm slows
     down instead of whipping; if no scale passes within ``rounds`` the arm holds (``s = 0``).
 
     Returns:
@@ -253,6 +263,8 @@ def limit_joint_velocity(
     allowed = np.asarray(max_qd, dtype=np.float64) * dt
     dp, dr = np.asarray(dp, dtype=np.float64), np.asarray(dr, dtype=np.float64)
     q = np.asarray(q, dtype=np.float64)
+    q_min = PANDA_JOINT_LOWER + JOINT_LIMIT_MARGIN if q_min is None else np.asarray(q_min)
+    q_max = PANDA_JOINT_UPPER - JOINT_LIMIT_MARGIN if q_max is None else np.asarray(q_max)
     total = 1.0
     for _ in range(rounds):
         step_p, step_r = dp * total, dr * total
@@ -260,9 +272,17 @@ def limit_joint_velocity(
         err_p, err_r = pose_error(q, dq, step_p, step_r, tcp)
         over = float(np.max(np.abs(dq) / allowed))
         if err_p <= IK_TOLERANCE[0] and err_r <= IK_TOLERANCE[1]:
-            if over <= 1.0:
+            goal = q + dq
+            past = ((goal > q_max) & (dq > 0)) | ((goal < q_min) & (dq < 0))
+            fit = 1.0
+            if past.any():
+                room = np.where(dq > 0, q_max - q, q_min - q)[past] / dq[past]
+                fit = float(np.clip(room.min(), 0.0, 1.0))
+                if fit == 0.0:
+                    break  # a joint at its limit and the step pushes it further: hold
+            if over <= 1.0 and fit == 1.0:
                 return step_p, step_r, float(total), dq
-            total *= 0.98 / over
+            total *= 0.98 * min(1.0 / over if over > 1.0 else 1.0, fit)
         else:
             total *= 0.5
     return np.zeros(3), np.zeros(3), 0.0, np.zeros(7)
@@ -529,11 +549,13 @@ class SafetyFilter:
             self._record(
                 kinds,
                 "joint_velocity",
-                "no joint step within the speed bound reaches it: hold",
+                "no joint step within the speed bound and the joint limits reaches it: hold",
                 now,
             )
         elif s < 1.0:
-            self._record(kinds, "joint_velocity", f"step scaled by {s:.3f}", now)
+            self._record(
+                kinds, "joint_velocity", f"step scaled by {s:.3f} (joint speed / limits)", now
+            )
         self.gripper, suppressed = debounce_gripper(
             bool(a[6] > cfg.gripper_threshold),
             self.gripper,

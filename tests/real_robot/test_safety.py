@@ -368,3 +368,31 @@ def test_config_rejects_unsafe_values():
         SafetyConfig(max_joint_velocity=(1.0,) * 6)
     with pytest.raises(ValueError, match="watchdog_s"):
         SafetyConfig(watchdog_s=0)
+
+
+def test_joint_goal_stays_within_the_joint_limits():
+    """Joint 7 a hair inside its upper limit and a twist about the flange axis that needs it
+    to go further: the checked joint goal never leaves the limits (a backend clipping it
+    there would put the TCP elsewhere), and the opposite twist is executed in full."""
+    from rlinf_vla.real_robot.kinematics import PANDA_JOINT_LOWER, PANDA_JOINT_UPPER
+
+    q = HOME.copy()
+    q[6] = PANDA_JOINT_UPPER[6] - 0.006
+    _, rot = panda_fk(q)
+    outcomes = []
+    for sign in (1.0, -1.0):
+        dr = sign * 0.09 * rot[:, 2]
+        need = joint_step(q, np.zeros(3), dr)  # independent Newton IK
+        safety = SafetyFilter(CFG, DT)
+        cmd = safety(np.concatenate([np.zeros(3), dr, [0.0]]), state_at(q), now=0.0)
+        assert np.all(cmd.joint_target <= PANDA_JOINT_UPPER) and np.all(
+            cmd.joint_target >= PANDA_JOINT_LOWER
+        )
+        outcomes.append((q[6] + need[6] > PANDA_JOINT_UPPER[6], cmd))
+    (past_a, cmd_a), (past_b, cmd_b) = outcomes
+    assert past_a != past_b  # one direction needs joint 7 past its limit
+    blocked, free = (cmd_a, cmd_b) if past_a else (cmd_b, cmd_a)
+    assert (
+        np.linalg.norm(blocked.delta_rot) < 0.09 * 0.2 and "joint_velocity" in blocked.interventions
+    )
+    assert np.linalg.norm(free.delta_rot) > 0.05  # about 0.09 rad, executed

@@ -86,7 +86,19 @@ def _streams(rng: np.random.Generator, n: int) -> dict[str, list[np.ndarray]]:
         np.array([1.0, 0.2 * np.sin(k / 3.0), 1.0, 0.0, 0.0, 3.0 * (-1) ** (k // 5), -1.0])
         for k in range(n)
     ]
-    return {"max": big, "alternating": alternating, "outward": outward, "singular": singular}
+    # Sustained rotation with a drift: drives the wrist joints into their limits, where a
+    # clipped joint goal would leave the TCP elsewhere than the checked target.
+    rotating = [
+        np.array([0.0, -0.3, -0.2, 0.5, 0.5, 3.0, 0.0]) * np.array([1, 1, 1, 1, 1, 1, 0])
+        for _ in range(n)
+    ]
+    return {
+        "max": big,
+        "alternating": alternating,
+        "outward": outward,
+        "singular": singular,
+        "rotating": rotating,
+    }
 
 
 @pytest.mark.parametrize("rate", [10.0, 20.0])
@@ -107,7 +119,7 @@ def test_measured_motion_respects_the_bounds_under_adversarial_actions(rate):
         for seed, cfg in enumerate(boxes):
             lo, hi = np.array(cfg.workspace_min), np.array(cfg.workspace_max)
             max_qd = np.array(cfg.max_joint_velocity)
-            for name, stream in _streams(np.random.default_rng(seed), 40).items():
+            for name, stream in _streams(np.random.default_rng(seed), 50).items():
                 safety = SafetyFilter(cfg, dt)
                 st = robot.reset()
                 # The home TCP is inside both boxes (the property is about staying in).
