@@ -36,6 +36,12 @@ BAD_CONFIGS = [
         ["train", "algo.clip_low=-0.5", "algo.max_grad_norm=-1", "algo.weight_decay=-1"],
         ["algo.clip_low", "algo.max_grad_norm", "algo.weight_decay"],
     ),
+    (
+        ["sft", "data.paths=[/nonexistent]", "sft.max_grad_norm=-1", "sft.weight_decay=-2"],
+        ["sft.max_grad_norm", "sft.weight_decay"],
+    ),
+    (["serve", "server.host=0.0.0.0.0"], ["server.host", "0.0.0.0.0"]),
+    (["serve", "server.host=bad_host!"], ["server.host"]),
     # non-finite numbers, in any float key of any section
     (["train", "algo.lr=inf"], ["algo.lr"]),
     (["train", "algo.lr=nan"], ["algo.lr"]),

@@ -91,8 +91,17 @@ class SFTConfig:
     def __post_init__(self) -> None:
         check_at_least(self, "sft", ("steps", "batch_size", "micro_batch_size"), 1)
         check_at_least(self, "sft", ("warmup_steps",), 0)
-        if self.lr <= 0:
-            raise ConfigError(f"sft.lr must be > 0, got {self.lr}")
+        bad = [
+            f"{key} must be {rule}, got {value}"
+            for key, value, ok, rule in (
+                ("sft.lr", self.lr, self.lr > 0, "> 0"),
+                ("sft.max_grad_norm", self.max_grad_norm, self.max_grad_norm > 0, "> 0"),
+                ("sft.weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+            )
+            if not ok
+        ]
+        if bad:
+            raise ConfigError("; ".join(bad))
 
 
 @dataclass

@@ -80,6 +80,11 @@ class ServerConfig:
         require_finite(self, "server")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port must be in 0..65535, got {self.port}")
+        if not _valid_host(self.host):
+            raise ValueError(
+                f"server.host must be an IP address or a host name, got {self.host!r} "
+                "(e.g. 127.0.0.1, 0.0.0.0, ::1 or localhost)"
+            )
         if self.max_message_bytes < 1024:
             raise ValueError(
                 f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes}"
@@ -385,3 +390,20 @@ class _InferenceError(Exception):
     def __init__(self, reason: str, tb: str | None) -> None:
         super().__init__(reason)
         self.reason, self.tb = reason, tb
+
+
+def _valid_host(host: str) -> bool:
+    """An IPv4/IPv6 address, or a host name (RFC 1123 labels, not all-numeric like an address)."""
+    import ipaddress
+    import re
+
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if not host or len(host) > 253 or all(label.isdigit() for label in labels):
+        return False
+    label = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+    return all(label.match(part) for part in labels)

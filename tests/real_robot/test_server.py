@@ -301,3 +301,14 @@ def test_failed_authentication_is_throttled_per_peer(tiny_policy, caplog):
     assert srv.stats["rejected_auth"] == 3 and srv.stats["throttled_auth"] == 202
     warnings = [r for r in caplog.records if "bad or missing token" in r.getMessage()]
     assert len(warnings) == 3  # one per checked failure, none for the 202 refused
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1", "::", "localhost", "gpu-3.lab"])
+def test_server_config_accepts_addresses_and_host_names(host: str) -> None:
+    assert ServerConfig(host=host).host == host
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0.0", "256.1.1.1", "", "a..b", "-x.lab", "bad_host"])
+def test_server_config_refuses_malformed_hosts(host: str) -> None:
+    with pytest.raises(ValueError, match="server.host"):
+        ServerConfig(host=host)
