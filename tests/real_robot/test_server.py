@@ -310,5 +310,5 @@ def test_server_config_accepts_addresses_and_host_names(host: str) -> None:
 
 @pytest.mark.parametrize("host", ["0.0.0.0.0", "256.1.1.1", "", "a..b", "-x.lab", "bad_host"])
 def test_server_config_refuses_malformed_hosts(host: str) -> None:
-    with pytest.raises(ValueError, match="server.host"):
+    with pytest.raises(ValueError, match=r"server\.host"):
         ServerConfig(host=host)
