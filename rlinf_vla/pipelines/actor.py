@@ -52,6 +52,9 @@ class AlgoConfig:
         weight_decay: AdamW weight decay.
         lr_schedule: ``constant`` or ``linear`` decay to 0 over the run.
         warmup_iterations: linear warmup of the learning rate.
+        critic_warmup_iterations: PPO: for the first N iterations only the value head learns
+            (the policy's learning rate is 0), so the first policy updates use advantages from
+            a critic fitted to the starting policy's returns rather than from a random one.
         fsdp: with several actor workers, shard the policy, its gradients and the optimizer
             state over them with FSDP2 (``False``: every worker holds a replica and gradients
             are all-reduced).
@@ -88,6 +91,7 @@ class AlgoConfig:
     weight_decay: float = 0.0
     lr_schedule: Literal["constant", "linear"] = "constant"
     warmup_iterations: int = 0
+    critic_warmup_iterations: int = 0
     cache_frozen_features: bool = True
     autocast: Literal["auto", "bf16", "off"] = "auto"
     fsdp: bool = False
@@ -126,6 +130,12 @@ class AlgoConfig:
                 ("max_grad_norm", self.max_grad_norm > 0, "must be > 0 (the gradient's norm cap)"),
                 ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
                 ("warmup_iterations", self.warmup_iterations >= 0, "must be >= 0"),
+                (
+                    "critic_warmup_iterations",
+                    self.critic_warmup_iterations >= 0
+                    and (self.name == "ppo" or self.critic_warmup_iterations == 0),
+                    "must be >= 0, and 0 unless algo.name=ppo (only PPO has a critic)",
+                ),
             ]
             if not ok
         ]
@@ -488,9 +498,10 @@ class ActorWorker(Worker):
             scale = (iteration + 1) / a.warmup_iterations
         elif a.lr_schedule == "linear":
             scale = max(0.0, 1.0 - iteration / max(1, total))
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["base_lr"] * scale
-        return self.algo.lr * scale
+        policy_scale = 0.0 if iteration < a.critic_warmup_iterations else scale
+        for i, group in enumerate(self.optimizer.param_groups):  # 0: policy, 1: value head
+            group["lr"] = group["base_lr"] * (policy_scale if i == 0 else scale)
+        return self.algo.lr * policy_scale
 
     def join_data_parallel(self, collective_name: str | None) -> None:
         """Average gradients over the actor ranks through ``collective_name`` (``None``: one rank)."""

@@ -1,0 +1,72 @@
+"""``algo.critic_warmup_iterations``: in the first iterations only the value head learns."""
+
+import pytest
+import torch
+
+from rlinf_vla.config import ConfigError
+from rlinf_vla.pipelines import actor as actor_module
+from rlinf_vla.pipelines.actor import ActorWorker, AlgoConfig
+from rlinf_vla.runtime import Device
+from rlinf_vla.runtime.worker import WorkerContext
+from tests.pipelines.test_accumulation import _batch
+
+VALID = torch.ones(8, dtype=torch.bool)
+
+
+def _actor(critic_warmup: int) -> ActorWorker:
+    actor = ActorWorker.__new__(ActorWorker)
+    actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
+    algo = {
+        "name": "ppo",
+        "update_epochs": 1,
+        "minibatch_size": 8,
+        "micro_batch_size": 8,
+        "lr": 1e-2,
+        "critic_warmup_iterations": critic_warmup,
+        "normalize_advantages": False,
+        "cache_frozen_features": False,
+    }
+    actor.__init__("openvla", {"preset": "tiny", "chunk_size": 2, "seed": 0}, algo, seed=0)
+    return actor
+
+
+def _changed(monkeypatch, actor: ActorWorker, iteration: int) -> tuple[set[str], set[str]]:
+    """One update at ``iteration``: the names of the policy's and the value head's parameters
+    that changed."""
+    batch = _batch(actor.policy, VALID)
+    monkeypatch.setattr(actor_module, "build_batch", lambda trajectories, algo: batch)
+    before = {n: p.detach().clone() for n, p in actor.policy.named_parameters() if p.requires_grad}
+    metrics = actor._train([], iteration=iteration, total_iterations=10)
+    changed = {n for n, p in actor.policy.named_parameters() if n in before}
+    changed = {
+        n for n in changed if not torch.equal(before[n], dict(actor.policy.named_parameters())[n])
+    }
+    value = {n for n in changed if "value_head" in n}
+    assert metrics["train/lr"] == (0.0 if iteration < actor.algo.critic_warmup_iterations else 1e-2)
+    return changed - value, value
+
+
+def test_only_the_value_head_learns_during_the_critic_warmup(monkeypatch) -> None:
+    actor = _actor(critic_warmup=2)
+    policy, value = _changed(monkeypatch, actor, iteration=1)
+    assert value, "the value head must learn during the warm-up"
+    assert not policy, f"policy weights moved during the critic warm-up: {sorted(policy)[:3]}"
+    policy, value = _changed(monkeypatch, actor, iteration=2)
+    assert policy and value, "after the warm-up both learn"
+
+
+def test_without_warmup_the_policy_learns_from_the_first_iteration(monkeypatch) -> None:
+    policy, value = _changed(monkeypatch, _actor(critic_warmup=0), iteration=0)
+    assert policy and value
+
+
+@pytest.mark.parametrize(
+    ("algo", "match"),
+    [
+        ({"name": "ppo", "critic_warmup_iterations": -1}, "critic_warmup_iterations"),
+        ({"name": "grpo", "group_size": 2, "critic_warmup_iterations": 3}, "only PPO"),
+    ],
+)
+def test_critic_warmup_is_refused_where_it_means_nothing(algo, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        AlgoConfig(**algo)
