@@ -11,6 +11,10 @@ tick is recorded (:mod:`.recording`). SIGINT/SIGTERM or Enter trigger the e-stop
     rlinf-vla deploy robot=sim server=ws://127.0.0.1:8000 instruction="pick up the red cube"
     rlinf-vla deploy robot=franka robot.host=172.16.0.2 server=ws://gpu-box:8000 \\
         token=$TOKEN instruction="put the cup on the plate" max_steps=300
+    rlinf-vla deploy robot=sim server=ws://gpu-box:8000 protocol=openpi control_rate_hz=20
+
+``protocol=openpi`` talks to an openpi policy server (:class:`.openpi.OpenpiClient`: LIBERO's
+flat observation keys, ``Api-Key`` token, ``{"actions": ...}`` replies).
 """
 
 from __future__ import annotations
@@ -113,6 +117,8 @@ class DeployJob:
     control_rate_hz: float | None = None
     realtime: bool = True
     connect_timeout_s: float = 10.0
+    protocol: str = "native"
+    openpi_layout: str = "libero"
     action: ActionConfig = field(default_factory=ActionConfig)
     safety: SafetyConfig = field(default_factory=SafetyConfig)
     record: RecordConfig = field(default_factory=RecordConfig)
@@ -129,6 +135,18 @@ class DeployJob:
             raise ValueError(f"control_rate_hz must be in (0, 1000], got {self.control_rate_hz}")
         if not self.connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+        from rlinf_vla.real_robot.openpi import PROTOCOLS, OpenpiClient
+
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(
+                f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}"
+            )
+        if self.openpi_layout not in OpenpiClient.ROBOT_LAYOUTS:
+            raise ValueError(
+                f"openpi_layout must be one of {', '.join(OpenpiClient.ROBOT_LAYOUTS)} (a Franka "
+                "sends LIBERO's 8-d proprioception and executes its TCP-delta actions), got "
+                f"{self.openpi_layout!r}"
+            )
 
 
 _TOP = {f for f in DeployJob.__dataclass_fields__}
@@ -209,7 +227,7 @@ def run_episode(
     estop = estop or EStop()
     safety = SafetyFilter(job.safety, dt, estop)
     estop.on_trigger(robot.stop)
-    per_query = job.action.actions_per_query or meta.chunk_size
+    per_query = job.action.actions_per_query or meta.chunk_size or None  # None: all of it
     scale = np.array([job.action.translation_scale] * 3 + [job.action.rotation_scale] * 3)
 
     writer = None
@@ -358,7 +376,8 @@ def run(job: DeployJob) -> list[EpisodeResult]:
     from rich.console import Console
     from websockets.exceptions import ConnectionClosed
 
-    from rlinf_vla.real_robot.client import PolicyClient
+    from rlinf_vla.real_robot.client import BadReply, PolicyClient
+    from rlinf_vla.real_robot.openpi import OpenpiClient
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -371,8 +390,22 @@ def run(job: DeployJob) -> list[EpisodeResult]:
     results = []
     robot = make_robot(job.robot)
     try:
-        with PolicyClient(job.server, job.token, timeout=job.connect_timeout_s) as client:
+        try:
+            if job.protocol == "openpi":
+                client = OpenpiClient(
+                    job.server, job.token, job.openpi_layout, timeout=job.connect_timeout_s
+                )
+            else:
+                client = PolicyClient(job.server, job.token, timeout=job.connect_timeout_s)
+        except BadReply as e:
+            raise RunAborted(f"{job.server}: {e}") from None
+        with client:
             console.print(f"connected to {job.server}: {client.metadata}")
+            if not (job.control_rate_hz or client.metadata.control_rate_hz):
+                raise ConfigError(
+                    f"the server at {job.server} does not advertise a control rate (openpi "
+                    "servers do not): set control_rate_hz to the rate the policy was trained at"
+                )
             for ep in range(job.episodes):
                 if estop.triggered:
                     break

@@ -72,6 +72,12 @@ class PolicyMetadata:
 
     @classmethod
     def from_message(cls, msg: dict[str, Any]) -> PolicyMetadata:
+        if "type" not in msg:
+            keys = sorted(map(str, msg))[:8]
+            raise ValueError(
+                "the server's first message has no 'type' (keys "
+                f"{keys}): this looks like an openpi server; deploy with protocol=openpi"
+            )
         if msg.get("type") != "metadata":
             raise ValueError(f"expected a metadata message, got {msg.get('type')!r}")
         if msg.get("protocol") != PROTOCOL_VERSION:

@@ -3,6 +3,7 @@
 rlinf-vla serve policy=openvla_oft policy.checkpoint=runs/<run>/checkpoints/iter_10/policy
 rlinf-vla serve policy=pi0 policy.preset=tiny server.port=8001 server.token=$TOKEN
 rlinf-vla serve policy=openvla_oft --cfg job        # print the resolved config
+rlinf-vla serve policy=pi0 server.protocol=openpi server.openpi_layout=libero   # openpi clients
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlinf_vla.config import ConfigError, from_section
+from rlinf_vla.real_robot.openpi import check_layout, describe
 from rlinf_vla.real_robot.server import PolicyServer, ServerConfig
 
 __all__ = ["ServeJob", "run", "validate"]
@@ -43,7 +45,7 @@ def validate(cfg: Any) -> ServeJob:
     if name is None:
         raise ConfigError("policy.name is missing")
     try:
-        policy_config(name, **{k: v for k, v in policy.items() if k != "checkpoint"})
+        config = policy_config(name, **{k: v for k, v in policy.items() if k != "checkpoint"})
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"policy: {e.args[0] if e.args else e}") from None
     checkpoint = policy.get("checkpoint")
@@ -52,7 +54,13 @@ def validate(cfg: Any) -> ServeJob:
 
         if not Path(checkpoint).is_dir():
             raise ConfigError(f"policy.checkpoint: {checkpoint!r} is not a checkpoint folder")
-    return ServeJob(name, policy, from_section(ServerConfig, values.get("server"), "server"))
+    server = from_section(ServerConfig, values.get("server"), "server")
+    if server.protocol == "openpi":
+        try:
+            check_layout(server.openpi_layout, tuple(config.image_keys))
+        except ValueError as e:
+            raise ConfigError(f"server.openpi_layout: {e}") from None
+    return ServeJob(name, policy, server)
 
 
 def run(job: ServeJob) -> None:
@@ -74,6 +82,11 @@ def run(job: ServeJob) -> None:
         f"state_dim {meta.state_dim}, action_dim {meta.action_dim}, chunk {meta.chunk_size}, "
         f"{meta.control_rate_hz} Hz; token {'on' if job.server.token else 'off'}"
     )
+    if job.server.protocol == "openpi":
+        console.print(
+            f"protocol openpi, layout {job.server.openpi_layout}: "
+            f"{describe(job.server.openpi_layout, meta.image_keys)}"
+        )
     if job.server.host not in ("127.0.0.1", "localhost", "::1") and not job.server.token:
         console.print("[yellow]warning:[/] serving beyond localhost without server.token")
     with console.status("warming up (first act call)..."):

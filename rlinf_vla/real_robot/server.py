@@ -7,6 +7,11 @@ wrong and the connection stays open; an inference failure sends the remote trace
 over ``max_message_bytes`` close that connection with code 1009 (the websocket "message too
 big" code and a reason); other connections are unaffected. ``GET /healthz`` answers ``OK``.
 
+``ServerConfig(protocol="openpi")`` speaks openpi's protocol instead (:mod:`.openpi`): the same
+validation, batching and limits; the observation keys of ``openpi_layout`` are mapped onto the
+native request first, replies are ``{"actions": ...}`` and an error is a text frame followed by a
+close with code 1011, as openpi's own server does, so a stock openpi client raises.
+
 >>> server = PolicyServer(policy, "openvla_oft", ServerConfig(port=0))
 >>> with server.run_in_thread() as url:          # ws://127.0.0.1:<port>
 ...     client = PolicyClient(url)
@@ -29,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from rlinf_vla.real_robot import codec
+from rlinf_vla.real_robot import codec, openpi
 from rlinf_vla.real_robot.protocol import (
     InferRequest,
     PolicyMetadata,
@@ -52,7 +57,8 @@ class ServerConfig:
         host: interface to bind; ``127.0.0.1`` (default) serves only this machine. Bind
             ``0.0.0.0`` only on a trusted robot network, with a ``token``.
         port: TCP port (``0``: any free port, printed at start).
-        token: shared secret; clients send ``Authorization: Bearer <token>``. ``None``: none.
+        token: shared secret; clients send ``Authorization: Bearer <token>`` (or openpi's
+            ``Api-Key <token>``). ``None``: none.
         max_message_bytes: the largest frame read from a client; bigger ones close the
             connection (1009). Two 224 px cameras need about 0.3 MB.
         max_batch_size: at most this many concurrent requests go into one ``act`` call.
@@ -64,6 +70,11 @@ class ServerConfig:
             (HTTP 429, not logged, the token not checked) for this long, doubling with each
             further failure up to :data:`MAX_AUTH_BACKOFF_S`; ``0`` turns throttling off. One
             warning is logged per checked failure, so at most one per back-off window.
+        protocol: ``native`` (:mod:`.protocol`) or ``openpi`` (:mod:`.openpi`).
+        openpi_layout: with ``protocol=openpi``, the robot family whose observation keys are
+            mapped (:data:`.openpi.LAYOUTS`: ``libero``, ``droid``, ``aloha``).
+        openpi_default_prompt: with ``protocol=openpi``, the instruction used when a request
+            has no ``prompt`` (openpi's ALOHA client sends none; its server has the same option).
     """
 
     host: str = "127.0.0.1"
@@ -75,9 +86,21 @@ class ServerConfig:
     control_rate_hz: float = 10.0
     greedy: bool = True
     auth_failure_delay_s: float = 1.0
+    protocol: str = "native"
+    openpi_layout: str = "libero"
+    openpi_default_prompt: str | None = None
 
     def __post_init__(self) -> None:
         require_finite(self, "server")
+        if self.protocol not in openpi.PROTOCOLS:
+            raise ValueError(
+                f"server.protocol must be one of {', '.join(openpi.PROTOCOLS)}, got {self.protocol!r}"
+            )
+        if self.openpi_layout not in openpi.LAYOUTS:
+            raise ValueError(
+                f"server.openpi_layout must be one of {', '.join(openpi.LAYOUTS)}, "
+                f"got {self.openpi_layout!r}"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port must be in 0..65535, got {self.port}")
         if not _valid_host(self.host):
@@ -137,6 +160,7 @@ class PolicyServer:
         self.metadata: PolicyMetadata = policy_metadata(
             name, policy.config, config.control_rate_hz, config.max_message_bytes
         )
+        self._wire = _WIRES[config.protocol](self.metadata, config)
         self.stats = {
             "requests": 0,
             "errors": 0,
@@ -256,9 +280,14 @@ class PolicyServer:
                     f"too many failed authentications; retry in "
                     f"{failures.blocked_until - now:.1f} s\n",
                 )
-            header = request.headers.get("Authorization", "")
-            expected = f"Bearer {self.config.token}"
-            if not hmac.compare_digest(header.encode(), expected.encode()):
+            header = request.headers.get("Authorization", "").encode()
+            token = self.config.token
+            # Both compared (no early exit): native clients send Bearer, openpi's Api-Key.
+            matches = [
+                hmac.compare_digest(header, f"{scheme} {token}".encode())
+                for scheme in ("Bearer", "Api-Key")
+            ]
+            if not any(matches):
                 self.stats["rejected_auth"] += 1
                 failures = self._auth_failures.setdefault(peer, _AuthFailures())
                 failures.count += 1
@@ -278,7 +307,8 @@ class PolicyServer:
                 )
                 return connection.respond(
                     HTTPStatus.UNAUTHORIZED,
-                    "missing or wrong token (send 'Authorization: Bearer <token>')\n",
+                    "missing or wrong token (send 'Authorization: Bearer <token>' or "
+                    "'Authorization: Api-Key <token>')\n",
                 )
             self._auth_failures.pop(peer, None)
         return None
@@ -287,17 +317,17 @@ class PolicyServer:
         from websockets.exceptions import ConnectionClosed
 
         assert self._queue is not None
-        await connection.send(codec.packb(self.metadata.to_message()))
+        wire = self._wire
+        await connection.send(wire.metadata())
         try:
             async for frame in connection:
                 received = time.perf_counter()
                 self.stats["requests"] += 1
                 req_id = None
                 try:
-                    msg = codec.unpackb(frame)
-                    if isinstance(msg, dict):
-                        req_id = msg.get("id") if isinstance(msg.get("id"), int | str) else None
-                    request = parse_infer_request(msg, self.metadata)
+                    msg = wire.decode(frame)
+                    req_id = wire.request_id(msg)
+                    request = wire.parse(msg)
                     future = asyncio.get_running_loop().create_future()
                     self._waiting.add(future)
                     future.add_done_callback(self._waiting.discard)
@@ -313,14 +343,19 @@ class PolicyServer:
                             "nothing to execute",
                             None,
                         )
-                    reply = {"type": "actions", "id": req_id, "actions": actions, "timing": timing}
+                    await connection.send(wire.reply(req_id, actions, timing))
+                    continue
                 except (codec.DecodeError, RequestError) as e:
-                    self.stats["errors"] += 1
-                    reply = {"type": "error", "id": req_id, "reason": str(e), "traceback": None}
+                    reason, tb = str(e), None
                 except _InferenceError as e:
+                    reason, tb = e.reason, e.tb
+                except _WrongProtocol as e:
                     self.stats["errors"] += 1
-                    reply = {"type": "error", "id": req_id, "reason": e.reason, "traceback": e.tb}
-                await connection.send(codec.packb(reply))
+                    await _send_error_and_close(connection, str(e), None)
+                    return
+                self.stats["errors"] += 1
+                if not await wire.send_error(connection, req_id, reason, tb):
+                    return
         except ConnectionClosed:
             pass
 
@@ -384,6 +419,102 @@ class PolicyServer:
             thread.join(30)
             if not thread.is_alive():
                 loop.close()
+
+
+class _WrongProtocol(Exception):
+    """The peer speaks the other protocol: it gets a text frame (which both openpi's client
+    and the native one report) and the connection is closed."""
+
+
+async def _send_error_and_close(connection: Any, reason: str, tb: str | None) -> None:
+    """openpi's way of answering an error: the text (and traceback) as a text frame, then a
+    close with code 1011 (internal error); openpi's client raises on the text frame."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.frames import CloseCode
+
+    text = reason + (f"\n--- remote traceback ---\n{tb}" if tb else "")
+    with contextlib.suppress(ConnectionClosed):
+        await connection.send(text)
+        await connection.close(
+            CloseCode.INTERNAL_ERROR, "request refused; reason in the previous frame"
+        )
+
+
+class _NativeWire:
+    """The native protocol (:mod:`.protocol`): typed, id-tagged maps; errors keep the
+    connection open."""
+
+    def __init__(self, meta: PolicyMetadata, config: ServerConfig) -> None:
+        self.meta = meta
+
+    def metadata(self) -> bytes:
+        return codec.packb(self.meta.to_message())
+
+    def decode(self, frame: Any) -> Any:
+        msg = codec.unpackb(frame)
+        if openpi.looks_like_openpi_request(msg):
+            raise _WrongProtocol(
+                "this rlinf-vla server speaks its native protocol; for openpi clients start it "
+                "with server.protocol=openpi (and server.openpi_layout=libero|droid|aloha)"
+            )
+        return msg
+
+    def request_id(self, msg: Any) -> Any:
+        if isinstance(msg, dict) and isinstance(msg.get("id"), int | str):
+            return msg["id"]
+        return None
+
+    def parse(self, msg: Any) -> InferRequest:
+        return parse_infer_request(msg, self.meta)
+
+    def reply(self, req_id: Any, actions: np.ndarray, timing: dict[str, Any]) -> bytes:
+        return codec.packb({"type": "actions", "id": req_id, "actions": actions, "timing": timing})
+
+    async def send_error(self, connection: Any, req_id: Any, reason: str, tb: str | None) -> bool:
+        """Answer an error; ``False`` when the connection is closed after it."""
+        reply = {"type": "error", "id": req_id, "reason": reason, "traceback": tb}
+        await connection.send(codec.packb(reply))
+        return True
+
+
+class _OpenpiWire(_NativeWire):
+    """openpi's protocol (:mod:`.openpi`): flat observations mapped onto the native request,
+    then the same validation; ``{"actions": ...}`` replies; errors as openpi's server sends
+    them (a text frame, then close 1011)."""
+
+    def __init__(self, meta: PolicyMetadata, config: ServerConfig) -> None:
+        super().__init__(meta, config)
+        self.layout = config.openpi_layout
+        self.default_prompt = config.openpi_default_prompt
+        openpi.check_layout(self.layout, meta.image_keys)
+        self.mapping = openpi.describe(self.layout, meta.image_keys)
+
+    def metadata(self) -> bytes:
+        return codec.packb(openpi.metadata_message(self.meta, self.layout), openpi=True)
+
+    def decode(self, frame: Any) -> Any:
+        return codec.unpackb(frame, openpi=True)
+
+    def request_id(self, msg: Any) -> Any:
+        return None
+
+    def parse(self, msg: Any) -> InferRequest:
+        obs = openpi.to_native_obs(msg, self.layout, self.meta, self.default_prompt)
+        try:
+            return parse_infer_request({"type": "infer", "obs": obs}, self.meta)
+        except RequestError as e:
+            raise RequestError(f"{e} (openpi layout {self.layout}: {self.mapping})") from None
+
+    def reply(self, req_id: Any, actions: np.ndarray, timing: dict[str, Any]) -> bytes:
+        return codec.packb({"actions": actions, "server_timing": timing}, openpi=True)
+
+    async def send_error(self, connection: Any, req_id: Any, reason: str, tb: str | None) -> bool:
+        await _send_error_and_close(connection, reason, tb)
+        return False
+
+
+#: ``server.protocol`` -> how requests are read and answered.
+_WIRES: dict[str, type[_NativeWire]] = {"native": _NativeWire, "openpi": _OpenpiWire}
 
 
 class _InferenceError(Exception):
