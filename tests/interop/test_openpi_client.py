@@ -1,0 +1,150 @@
+"""PyPI's openpi-client (in .venv-openpi, made by scripts/install_openpi_client.sh) against a
+real ``rlinf-vla serve server.protocol=openpi`` process on loopback.
+
+The client side is tests/interop/openpi_client_check.py, run with .venv-openpi's interpreter;
+this side starts the server (tiny OpenVLA-OFT, a free port, an API key), runs the check and
+compares the actions openpi's client received with what the native protocol returns for the
+same observations from the same server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+OPENPI_PYTHON = ROOT / ".venv-openpi" / "bin" / "python"
+CHECK = Path(__file__).with_name("openpi_client_check.py")
+KEY = "interop-key-1234"
+
+pytestmark = pytest.mark.skipif(
+    not OPENPI_PYTHON.exists(),
+    reason=f"{OPENPI_PYTHON} is missing: run scripts/install_openpi_client.sh to test against "
+    "the real openpi-client",
+)
+
+
+@pytest.fixture(scope="module")
+def serve_openpi():
+    """``rlinf-vla serve server.protocol=openpi`` in a subprocess; yields its port."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlinf_vla.cli",
+        "serve",
+        "policy=openvla_oft",
+        "policy.preset=tiny",
+        "policy.seed=0",
+        "server.port=0",
+        "server.protocol=openpi",
+        "server.openpi_layout=libero",
+        f"server.token={KEY}",
+        "server.auth_failure_delay_s=0",  # the check's wrong key must not lock out the rest
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
+    )
+    lines: list[str] = []
+    port: list[int] = []
+    found = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"serving \S+ on ws://127\.0\.0\.1:(\d+)", line)
+            if m and not port:
+                port.append(int(m.group(1)))
+                found.set()
+        found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    found.wait(180)
+    try:
+        if not port:
+            raise AssertionError("rlinf-vla serve did not start:\n" + "".join(lines))
+        yield port[0], lines
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_stock_openpi_client_against_rlinf_vla_serve(serve_openpi, tmp_path):
+    port, _ = serve_openpi
+    start = time.perf_counter()
+    run = subprocess.run(
+        [
+            str(OPENPI_PYTHON),
+            str(CHECK),
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, f"openpi client check failed:\n{run.stdout}\n{run.stderr}"
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["metadata"] == {
+        "protocol": "openpi",
+        "policy": "openvla_oft",
+        "chunk_size": 8,
+        "action_dim": 7,
+    }
+    assert summary["infer"] == {"shape": [8, 7], "dtype": "float32"}
+    # openpi's client raised, showing the server's reason (and the layout's mapping)
+    err = summary["bad_observation_error"]
+    assert "Error in inference server" in err and "obs.state has 5 values" in err, err
+    assert "observation/state -> state" in err
+    assert summary["new_client_after_error"] == "ok"
+    assert "401" in summary["wrong_key_error"], summary["wrong_key_error"]
+    assert time.perf_counter() - start < 120
+
+    # What openpi's client received equals the policy's own greedy answer (the server loads
+    # the tiny OpenVLA-OFT with seed 0; channels-first images were transposed by the server).
+    import torch
+
+    from rlinf_vla.policies import make_policy
+    from rlinf_vla.types import Observation
+
+    policy = make_policy("openvla_oft", preset="tiny", seed=0).eval()
+    data = np.load(tmp_path / "exchanges.npz")
+    for i in range(2):
+        images = {}
+        for ours, theirs in (("main", "observation/image"), ("wrist", "observation/wrist_image")):
+            img = data[f"{i}/{theirs}"]
+            images[ours] = torch.from_numpy(
+                np.ascontiguousarray(img.transpose(1, 2, 0) if img.shape[0] == 3 else img)
+            )[None]
+        obs = Observation(
+            images=images,
+            state=torch.from_numpy(data[f"{i}/observation/state"].astype(np.float32))[None],
+            instruction=[str(data[f"{i}/prompt"])],
+        )
+        with torch.inference_mode():
+            want = policy.act(obs, greedy=True).actions[0].float().numpy()
+        np.testing.assert_allclose(data[f"{i}/actions"], want, atol=1e-5)
