@@ -4,10 +4,14 @@
 #   bash scripts/test.sh [PYTEST_ARGS...]    # default: -q
 #   RLINF_SKIP_LINT=1 bash scripts/test.sh   # skip `ruff check` / `ruff format --check`
 #   RLINF_TEST_VLLM=0 bash scripts/test.sh   # skip the vLLM stage (see below)
+#   RLINF_TEST_OPENPI=0 bash scripts/test.sh # skip the openpi-client stage (see below)
 #
-# Without PYTEST_ARGS (the full run, as CI does) a second stage follows: the tests of
-# math-grpo's vLLM rollout backend (tests/reasoning/test_vllm.py) in .venv-vllm, the env
-# scripts/install_vllm.sh makes (vLLM's CPU build pins its own torch and transformers).
+# Without PYTEST_ARGS (the full run, as CI does) two more stages follow: the interop tests with
+# PyPI's openpi-client (tests/interop/, run from the main env against `rlinf-vla serve`; the
+# client lives in .venv-openpi, which scripts/install_openpi_client.sh makes, since it pins
+# numpy < 2), then the tests of math-grpo's vLLM rollout backend (tests/reasoning/test_vllm.py)
+# in .venv-vllm, the env scripts/install_vllm.sh makes (vLLM's CPU build pins its own torch and
+# transformers).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,6 +48,10 @@ full_run=0
 if [[ $# -eq 0 ]]; then
     full_run=1
     set -- -q
+    # tests/interop runs in its own stage below, once .venv-openpi exists.
+    if [[ "${RLINF_TEST_OPENPI:-1}" != 0 ]]; then
+        set -- -q --ignore=tests/interop
+    fi
 fi
 echo "[test] pytest $*"
 rc=0
@@ -60,6 +68,25 @@ fi
 if [[ $rc -ne 0 ]]; then
     echo "[test] FAILED: pytest exit code $rc" >&2
     exit "$rc"
+fi
+
+# ---- openpi-client stage ---------------------------------------------------------------------
+if [[ $full_run -eq 1 && "${RLINF_TEST_OPENPI:-1}" != 0 ]]; then
+    openpi_t0=$(date +%s)
+    bash "$ROOT/scripts/install_openpi_client.sh" || {
+        echo "[test] FAILED: installing .venv-openpi (skip this stage with RLINF_TEST_OPENPI=0)" >&2
+        exit 1
+    }
+    echo "[test] pytest tests/interop (openpi-client from .venv-openpi)"
+    rc=0
+    RLINF_REQUIRE_OPENPI=1 "$VENV/bin/python" -m pytest -q tests/interop || rc=$?
+    if [[ $rc -ne 0 ]]; then
+        echo "[test] FAILED: the openpi interop tests, pytest exit code $rc" >&2
+        exit "$rc"
+    fi
+    echo "[test] openpi-client stage: ok ($(($(date +%s) - openpi_t0)) s)"
+elif [[ $full_run -eq 1 ]]; then
+    echo "[test] openpi-client stage: skipped (RLINF_TEST_OPENPI=0)"
 fi
 
 # ---- vLLM stage -------------------------------------------------------------------------------
