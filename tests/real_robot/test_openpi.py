@@ -5,6 +5,7 @@ replies, errors as a text frame then close 1011); the real openpi-client runs in
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import msgpack
@@ -202,6 +203,35 @@ def test_a_bad_openpi_request_gets_a_text_frame_and_close_1011(openpi_served, ch
         with pytest.raises(ConnectionClosed) as info:
             ws.recv()
         assert info.value.rcvd.code == 1011
+
+
+def test_openpi_requests_are_batched_and_size_limited_like_native_ones(tiny_policy):
+    cfg = ServerConfig(port=0, protocol="openpi", batch_window_ms=300, max_message_bytes=8192)
+    srv = PolicyServer(tiny_policy, "openvla_oft", cfg)
+    with srv.run_in_thread() as url, contextlib.ExitStack() as stack:
+        conns = [stack.enter_context(connect(url, compression=None)) for _ in range(3)]
+        for ws in conns:
+            ws.recv()
+        barrier, sizes = threading.Barrier(3), []
+
+        def ask(ws, seed):
+            barrier.wait()
+            ws.send(op_pack(libero_obs(size=16, seed=seed)))
+            sizes.append(op_unpack(ws.recv())["server_timing"]["batch_size"])
+
+        threads = [threading.Thread(target=ask, args=(ws, i)) for i, ws in enumerate(conns)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(sizes) == 3 and max(sizes) >= 2, sizes
+        big = conns[0]
+        big.send(op_pack(libero_obs(size=64)))  # 2 x 12 kB of images > 8 kB
+        with pytest.raises(ConnectionClosed) as info:
+            big.recv()
+        assert info.value.rcvd.code == 1009
+        conns[1].send(op_pack(libero_obs(size=16)))  # the others are unaffected
+        assert op_unpack(conns[1].recv())["actions"].shape == (8, 7)
 
 
 def test_api_key_and_bearer_tokens_are_accepted_and_a_wrong_key_refused(openpi_served):
