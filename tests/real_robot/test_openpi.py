@@ -348,6 +348,9 @@ def test_deploy_drives_the_simulated_franka_from_an_openpi_server(tmp_path, caps
             "record.video=png",
             "robot.image_size=32",
         ]
+        native = [a for a in args if a != "protocol=openpi"]
+        assert main([*native, "control_rate_hz=20"]) == 1  # the native client names the fix
+        assert "looks like an openpi server; deploy with protocol=openpi" in capsys.readouterr().err
         rc = main(args)
         assert rc == 2  # no control rate advertised: refused before the robot moves
         assert "set control_rate_hz" in capsys.readouterr().err
