@@ -3,10 +3,12 @@
 A trainer supplies what one iteration does, how to save a checkpoint and what its progress bar
 shows; :class:`RunLoop` does the rest, the same way for every command:
 
-- writes ``config.yaml`` into the run folder, appends this start's software and machine to
-  ``run_info.jsonl`` (:mod:`rlinf_vla.provenance`; a resumed run prints what changed since the
-  run started) and opens the :class:`MetricsLogger` (which, on a
-  resumed run, truncates ``metrics.jsonl`` back to the checkpoint);
+- writes ``config.yaml`` into the run folder on the first start (a resume keeps it), this
+  start's config to ``configs/start_<k>.yaml`` (``k``: the start's line in ``run_info.jsonl``,
+  0 for the first), appends this start's software and machine to ``run_info.jsonl``
+  (:mod:`rlinf_vla.provenance`; a resumed run prints what changed since the run started) and
+  opens the :class:`MetricsLogger` (which, on a resumed run, truncates ``metrics.jsonl`` back
+  to the checkpoint);
 - shows a progress bar (iterations done, the trainer's status line, time remaining);
 - logs each iteration's metrics, warns about skipped non-finite updates and aborts after
   ``max_nan_updates`` of them in a row;
@@ -161,10 +163,17 @@ class RunLoop:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
+        text = yaml.safe_dump(self.config, sort_keys=False)
+        first = self.output_dir / "config.yaml"
+        if start == 0 or not first.exists():  # a resume keeps the first start's
+            first.write_text(text)
         changes = provenance.record(
             self.output_dir, provenance.collect(start=start, devices=self.devices)
         )
+        # Each start's own config, numbered as its line in run_info.jsonl (0: the first).
+        starts = self.output_dir / "configs"
+        starts.mkdir(exist_ok=True)
+        (starts / f"start_{len(provenance.read(self.output_dir)) - 1}.yaml").write_text(text)
         logger = MetricsLogger(
             self.output_dir,
             self.logging,

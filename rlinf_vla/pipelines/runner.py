@@ -13,18 +13,27 @@ pipeline stages each env worker has; the loop never changes.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlinf_vla.config import RunAborted
 from rlinf_vla.pipelines.actor import ActorWorker
+from rlinf_vla.pipelines.checkpoints import (
+    Resume,
+    begin_checkpoint,
+    finish_checkpoint,
+    prepare_resume,
+    resume_checkpoint,
+)
 from rlinf_vla.pipelines.config import TrainJob, check_env_split
 from rlinf_vla.pipelines.evaluation import evaluate_on_worker
 from rlinf_vla.pipelines.loop import RunLoop, Say, count_text, device_ranges, device_summary
 from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
-from rlinf_vla.pipelines.tracking import MetricsLogger, last_checkpoint, run_folder
+from rlinf_vla.pipelines.tracking import MetricsLogger, run_folder
 from rlinf_vla.runtime import (
     Channel,
     Cluster,
@@ -61,12 +70,23 @@ def _average(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 
 class EmbodiedRunner:
-    """Launches the env, rollout and actor groups of a :class:`TrainJob` and trains."""
+    """Launches the env, rollout and actor groups of a :class:`TrainJob` and trains.
 
-    def __init__(self, job: TrainJob, cluster: Cluster) -> None:
+    ``checkpoint``: the checkpoint a resumed run continues from, chosen and verified by
+    :func:`~rlinf_vla.pipelines.checkpoints.prepare_resume` (default: the newest complete one
+    of ``runner.resume``).
+    """
+
+    def __init__(self, job: TrainJob, cluster: Cluster, checkpoint: Resume | None = None) -> None:
         self.job, self.cluster = job, cluster
         placement = self.placement = resolve_placement(job.placement, cluster.num_devices)
         check_env_split(job, len(placement.of("env")), len(placement.of("actor")))
+        if job.runner.resume and checkpoint is None:
+            checkpoint = resume_checkpoint(job.runner.resume, "iter")
+        self.checkpoint = checkpoint
+        # A resume's runner state is read (and its worker counts checked) before any worker
+        # starts.
+        self._resumed = None if checkpoint is None else _runner_state(checkpoint.path, placement)
         sharded = job.algo.fsdp and len(placement.of("actor")) > 1
         # Collocated on GPUs: the policy copies that are idle (the actor's while the rollout
         # runs, the rollout's while the actor trains) wait in host memory.
@@ -129,8 +149,8 @@ class EmbodiedRunner:
             stages = job.placement.stages
             self.sources = [(r, s) for r in range(self.env.world_size) for s in range(stages)]
             self.start_iteration = 0
-            if job.runner.resume:
-                self.start_iteration = self._restore(Path(job.runner.resume))
+            if self.checkpoint is not None:
+                self.start_iteration = self._restore(self.checkpoint.path)
         except BaseException:
             # Nothing outlives a failed start (on a long-lived Ray cluster).
             self.shutdown()
@@ -160,6 +180,7 @@ class EmbodiedRunner:
             max_nan_updates=r.max_nan_updates,
             devices=[str(d) for d in self.cluster.devices],
             header=self.header(),
+            last_checkpoint=None if self.checkpoint is None else self.checkpoint.path,
         )
 
         def iteration(it: int, logger: MetricsLogger, say: Say) -> dict[str, Any]:
@@ -294,8 +315,7 @@ class EmbodiedRunner:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, iteration: int) -> Path:
-        path = self.output_dir / "checkpoints" / f"iter_{iteration}"
-        path.mkdir(parents=True, exist_ok=True)
+        path = begin_checkpoint(self.output_dir / "checkpoints" / f"iter_{iteration}")
         self.actor.save(str(path)).wait()  # rank 0 writes the policy, every rank its state
         state = {
             "iteration": iteration,
@@ -303,15 +323,13 @@ class EmbodiedRunner:
             "rollout_rng": self.rollout.rng_state().wait(),
         }
         torch.save(state, path / "runner.pt")
-        (path / "COMPLETE").write_text(str(iteration))
-        return path
+        # Every writer (the actor workers, on this machine, and the driver) has finished.
+        return finish_checkpoint(path, iteration)
 
-    def _restore(self, run_dir: Path) -> int:
-        path = last_checkpoint(run_dir)
-        assert path is not None, "RunnerConfig checks runner.resume (check_resumable)"
+    def _restore(self, path: Path) -> int:
         iteration = int(path.name.split("_")[1])
         self.actor.load(str(path)).wait()
-        state = torch.load(path / "runner.pt", weights_only=False)
+        state = self._resumed
         wait_all([self.env.set_state(s, ranks=[i]) for i, s in enumerate(state["env_cursors"])])
         wait_all(
             [self.rollout.set_rng_state(s, ranks=[i]) for i, s in enumerate(state["rollout_rng"])]
@@ -327,6 +345,34 @@ class EmbodiedRunner:
             if name in self.__dict__:  # all of them unless the start failed
                 self.__dict__[name].shutdown()
         self.channel.close()
+
+
+def _runner_state(path: Path, placement: Any) -> dict[str, Any]:
+    """A checkpoint's ``runner.pt``, checked to fit the placement's env and actor workers.
+
+    Raises:
+        RunAborted: the file cannot be read, or the worker counts differ (naming both).
+    """
+    try:
+        state = torch.load(path / "runner.pt", weights_only=False)
+    except Exception as e:
+        raise RunAborted(
+            f"{path / 'runner.pt'} cannot be read ({type(e).__name__}: {e}): the checkpoint is "
+            "damaged; resume from an earlier one (move this folder away) or start again"
+        ) from None
+    actors = len(list(path.glob("actor_rank*.pt")))
+    counts = {
+        "env": (len(state["env_cursors"]), len(placement.of("env"))),
+        "rollout": (len(state["rollout_rng"]), len(placement.of("rollout"))),
+        "actor": (actors, len(placement.of("actor"))),
+    }
+    wrong = [f"{g}: {saved} saved, {now} now" for g, (saved, now) in counts.items() if saved != now]
+    if wrong:
+        raise RunAborted(
+            f"{path} was saved with other worker counts than this placement has "
+            f"({', '.join(wrong)}): resume with the run's placement and cluster settings"
+        )
+    return state
 
 
 def _status(metrics: dict[str, Any]) -> str:
@@ -356,15 +402,21 @@ def _algo_dict(job: TrainJob) -> dict[str, Any]:
     return to_dict(job.algo)
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def run(job: TrainJob) -> Path:
     """``rlinf-vla train``: start the cluster, train, print where the outputs are."""
+    # A resume's config and checkpoint are checked before anything starts.
+    checkpoint = prepare_resume(job.runner.resume, job.raw, "iter", _say)
     with Cluster(job.cluster) as cluster:
         if job.placement.mode == "auto":
             from rlinf_vla.pipelines.auto import resolve_auto
 
             job = resolve_auto(job, cluster)
             job.raw["placement"] = _placement_dict(job)
-        runner = EmbodiedRunner(job, cluster)
+        runner = EmbodiedRunner(job, cluster, checkpoint)
         try:
             out = runner.run()
         finally:

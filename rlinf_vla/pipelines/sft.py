@@ -366,8 +366,11 @@ def validate(cfg: Any) -> SFTJob:
 class SFTRunner:
     """The actor workers (and one rollout worker for evaluation) of an :class:`SFTJob`."""
 
-    def __init__(self, job: SFTJob, cluster: Any) -> None:
+    def __init__(self, job: SFTJob, cluster: Any, checkpoint: Any = None) -> None:
+        """``checkpoint``: the :class:`~rlinf_vla.pipelines.checkpoints.Resume` a resumed run
+        continues from (default: the newest complete checkpoint of ``runner.resume``)."""
         from rlinf_vla.pipelines.actor import ActorWorker
+        from rlinf_vla.pipelines.checkpoints import resume_checkpoint
         from rlinf_vla.pipelines.rollout import RolloutWorker
         from rlinf_vla.runtime import WorkerGroup, create_collective, wait_started
         from rlinf_vla.runtime.placement import parse_devices
@@ -382,6 +385,9 @@ class SFTRunner:
             )
         r = job.runner
         self.output_dir = run_folder(r.name, r.output_dir, r.resume)
+        if r.resume and checkpoint is None:
+            checkpoint = resume_checkpoint(r.resume, "step")
+        self.checkpoint = checkpoint
         policy = dict(job.policy, seed=r.seed)
         self.sharded = job.sft.fsdp and ranks > 1
         try:
@@ -418,8 +424,8 @@ class SFTRunner:
             self.loaded = self.actor.load_demonstrations(job.data.paths, features, chunk).wait()[0]
             self.load_s = time.perf_counter() - t0
             self.start_step = 0
-            if r.resume:
-                self.start_step = self._restore(Path(r.resume))
+            if self.checkpoint is not None:
+                self.start_step = self._restore(self.checkpoint.path)
             self._synced: int | None = None
         except BaseException:
             self.shutdown()
@@ -462,6 +468,7 @@ class SFTRunner:
             max_nan_updates=r.max_nan_updates,
             devices=[str(d) for d in self.cluster.devices],
             header=self.header(),
+            last_checkpoint=None if self.checkpoint is None else self.checkpoint.path,
         )
 
         def step(i: int, logger: Any, say: Any) -> dict[str, Any]:
@@ -520,17 +527,13 @@ class SFTRunner:
         return {**metrics, "time/eval_s": time.perf_counter() - t0}
 
     def save(self, step: int) -> Path:
-        path = self.output_dir / "checkpoints" / f"step_{step}"
-        path.mkdir(parents=True, exist_ok=True)
-        self.actor.save(str(path)).wait()
-        (path / "COMPLETE").write_text(str(step))
-        return path
+        from rlinf_vla.pipelines.checkpoints import begin_checkpoint, finish_checkpoint
 
-    def _restore(self, run_dir: Path) -> int:
-        from rlinf_vla.pipelines.tracking import last_checkpoint
+        path = begin_checkpoint(self.output_dir / "checkpoints" / f"step_{step}")
+        self.actor.save(str(path)).wait()  # the actor workers (on this machine) have finished
+        return finish_checkpoint(path, step)
 
-        path = last_checkpoint(run_dir, "step")
-        assert path is not None, "SFTRunnerConfig checks runner.resume"
+    def _restore(self, path: Path) -> int:
         self.actor.load(str(path)).wait()
         return int(path.name.split("_")[1])
 
@@ -560,11 +563,18 @@ def _status(metrics: dict[str, Any]) -> str:
 
 def run(job: SFTJob) -> Path:
     """``rlinf-vla sft``: start the cluster, clone, print where the outputs are."""
+    import sys
+
+    from rlinf_vla.pipelines.checkpoints import prepare_resume
     from rlinf_vla.runtime import Cluster
 
+    # A resume's config and checkpoint are checked before anything starts.
+    checkpoint = prepare_resume(
+        job.runner.resume, job.raw, "step", lambda line: print(line, file=sys.stderr)
+    )
     torch.manual_seed(job.runner.seed)
     with Cluster(job.cluster) as cluster:
-        runner = SFTRunner(job, cluster)
+        runner = SFTRunner(job, cluster, checkpoint)
         try:
             out = runner.run()
         finally:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,14 @@ from typing import Any
 import torch
 
 from rlinf_vla.algos import compute_advantages, dynamic_sampling, overlong_penalty
-from rlinf_vla.config import ConfigError, to_dict
+from rlinf_vla.config import ConfigError, RunAborted, to_dict
+from rlinf_vla.pipelines.checkpoints import (
+    Resume,
+    begin_checkpoint,
+    finish_checkpoint,
+    prepare_resume,
+    resume_checkpoint,
+)
 from rlinf_vla.pipelines.loop import (
     RunLoop,
     Say,
@@ -35,7 +43,6 @@ from rlinf_vla.pipelines.loop import (
 from rlinf_vla.pipelines.tracking import (
     MetricsLogger,
     complete_checkpoints,
-    last_checkpoint,
     run_folder,
 )
 from rlinf_vla.reasoning.config import MathGrpoJob
@@ -60,8 +67,15 @@ class MathGrpoRunner:
     """Launches the rollout, reward and actor groups of a :class:`MathGrpoJob` and trains."""
 
     def __init__(
-        self, job: MathGrpoJob, cluster: Cluster, train: list[Problem], held_out: list[Problem]
+        self,
+        job: MathGrpoJob,
+        cluster: Cluster,
+        train: list[Problem],
+        held_out: list[Problem],
+        checkpoint: Resume | None = None,
     ) -> None:
+        """``checkpoint``: the checkpoint a resumed run continues from (default: the newest
+        complete one of ``runner.resume``)."""
         self.job, self.held_out, self.num_train = job, held_out, len(train)
         self._memory: dict[str, list[dict[str, float]]] = {}  # the last memory readings
         self.cluster_devices = cluster.devices
@@ -72,6 +86,9 @@ class MathGrpoRunner:
         longest = max(a.max_new_tokens, r.eval_max_new_tokens or 0)
         max_model_len = job.data.max_prompt_tokens + longest
         self.output_dir = run_folder(r.name, r.output_dir, r.resume)
+        if r.resume and checkpoint is None:
+            checkpoint = resume_checkpoint(r.resume, "step")
+        self.checkpoint = checkpoint
         try:
             self.actor = WorkerGroup(
                 cluster,
@@ -107,8 +124,8 @@ class MathGrpoRunner:
             self.sampler = PromptSampler(train, r.seed)
             self.shuffle = random.Random(r.seed + 1)
             self.start_step = 0
-            if r.resume:
-                self.start_step = self._restore(Path(r.resume))
+            if self.checkpoint is not None:
+                self.start_step = self._restore(self.checkpoint.path)
             self.version = self.start_step
             self._sync()
         except BaseException:
@@ -396,6 +413,7 @@ class MathGrpoRunner:
             max_nan_updates=r.max_nan_updates,
             devices=[str(d) for d in self.cluster_devices],
             header=self.header(),
+            last_checkpoint=None if self.checkpoint is None else self.checkpoint.path,
         )
 
         def before(logger: MetricsLogger, say: Say) -> str | None:
@@ -421,8 +439,7 @@ class MathGrpoRunner:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, step: int) -> Path:
-        path = self.output_dir / "checkpoints" / f"step_{step}"
-        path.mkdir(parents=True, exist_ok=True)
+        path = begin_checkpoint(self.output_dir / "checkpoints" / f"step_{step}")
         self.actor.save(str(path)).wait()
         state = {
             "step": step,
@@ -431,18 +448,23 @@ class MathGrpoRunner:
             "rollout_rng": self.rollout.rng_state().wait(),
         }
         torch.save(state, path / "runner.pt")
-        (path / "COMPLETE").write_text(str(step))
+        # Every writer (the actor workers, on this machine, and the driver) has finished.
+        finish_checkpoint(path, step)
         keep = self.job.runner.keep_checkpoints
         if keep:
             for old in complete_checkpoints(self.output_dir, "step")[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
-    def _restore(self, run_dir: Path) -> int:
-        path = last_checkpoint(run_dir, "step")
-        assert path is not None, "MathRunnerConfig checks runner.resume (check_resumable)"
+    def _restore(self, path: Path) -> int:
+        try:
+            state = torch.load(path / "runner.pt", weights_only=False)
+        except Exception as e:
+            raise RunAborted(
+                f"{path / 'runner.pt'} cannot be read ({type(e).__name__}: {e}): the checkpoint "
+                "is damaged; resume from an earlier one (move this folder away) or start again"
+            ) from None
         self.actor.load(str(path)).wait()
-        state = torch.load(path / "runner.pt", weights_only=False)
         order, epoch, rng = state["sampler"]
         self.sampler.order, self.sampler.epoch = list(order), epoch
         self.sampler.rng.setstate(rng)
@@ -495,8 +517,12 @@ def run(job: MathGrpoJob) -> Path:
         train, held_out = load_problems(job.data)
     except ValueError as e:
         raise ConfigError(f"data: {e}") from None
+    # A resume's config and checkpoint are checked before anything starts.
+    checkpoint = prepare_resume(
+        job.runner.resume, job.raw, "step", lambda line: print(line, file=sys.stderr)
+    )
     with Cluster(job.cluster) as cluster:
-        runner = MathGrpoRunner(job, cluster, train, held_out)
+        runner = MathGrpoRunner(job, cluster, train, held_out, checkpoint)
         try:
             out = runner.run()
         finally:

@@ -1,0 +1,303 @@
+"""Checkpoint integrity and resume safety, shared by ``train``, ``sft`` and ``math-grpo``.
+
+**Manifests.** After every file of a checkpoint is written (by the workers and the driver),
+:func:`write_manifest` records each file's relative path, size and SHA-256 in
+``checkpoints/<unit>_<n>/MANIFEST.json``, written last and atomically (a temporary file, then a
+rename): its presence marks the checkpoint complete. :func:`resume_checkpoint` picks the newest
+checkpoint whose files all match their manifest; a damaged one (a file missing, cut short or
+changed) is skipped with a line naming the file and what is wrong, and the one before it is
+used. Checkpoints older than the run's first manifest were written before manifests existed:
+they resume unverified, with one warning.
+
+**Config changes on resume.** :func:`check_resume_config` compares a resumed run's config with
+the one its previous start ran with. Keys matching :data:`SAFE_ON_RESUME` may change (and are
+reported); any other change is refused before anything starts, naming every changed key.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlinf_vla.config import ConfigError, RunAborted
+
+__all__ = [
+    "MANIFEST",
+    "SAFE_ON_RESUME",
+    "Resume",
+    "begin_checkpoint",
+    "check_resume_config",
+    "damage",
+    "finish_checkpoint",
+    "latest_config",
+    "prepare_resume",
+    "resume_checkpoint",
+    "write_manifest",
+]
+
+#: The manifest's file name inside a checkpoint folder.
+MANIFEST = "MANIFEST.json"
+
+#: Config keys a resume may change (shell-style patterns over dotted keys): the run's length,
+#: when it saves, evaluates and logs, the optimizer's step sizes (the actors set them from the
+#: config on resume), batch splits that only change how an update is computed in memory
+#: (``micro_batch_size``) or how the iteration's samples are cut (``minibatch_size``), FSDP
+#: (checkpoints hold full weights either way), the cluster connection and the run folder keys.
+#: Placement changes are refused unless the resumed run asks for ``placement.mode=auto``.
+SAFE_ON_RESUME: tuple[str, ...] = (
+    "runner.max_iterations",
+    "runner.max_steps",
+    "sft.steps",
+    "runner.save_interval",
+    "runner.keep_checkpoints",
+    "runner.max_nan_updates",
+    "runner.eval_*",
+    "runner.logging.*",
+    "runner.name",
+    "runner.output_dir",
+    "runner.resume",
+    "algo.lr",
+    "algo.value_lr",
+    "algo.weight_decay",
+    "algo.minibatch_size",
+    "algo.micro_batch_size",
+    "algo.fsdp",
+    "sft.lr",
+    "sft.weight_decay",
+    "sft.micro_batch_size",
+    "sft.fsdp",
+    "cluster.*",
+)
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(folder: Path) -> Path:
+    """Record every file under ``folder`` (path relative to it, size, SHA-256) in
+    ``folder/MANIFEST.json``. Call it after every writer of the checkpoint finished; the file
+    is written to a temporary name, synced, then renamed, so it exists only complete."""
+    folder = Path(folder)
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if not p.is_file() or rel == MANIFEST or rel.startswith(f"{MANIFEST}."):
+            continue
+        files[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    target = folder / MANIFEST
+    tmp = folder / f"{MANIFEST}.tmp"
+    with tmp.open("w") as f:
+        json.dump({"version": 1, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    return target
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a checkpoint that has a manifest (``None``: every file matches):
+    ``policy/model.safetensors: sha256 mismatch``, ``runner.pt: 812 bytes, 1604 expected``..."""
+    folder = Path(folder)
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (the save did not finish)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    for rel, entry in files.items():  # sizes first: cheap, and most damage shows there
+        p = folder / rel
+        if not p.is_file():
+            return f"{rel}: missing"
+        size = p.stat().st_size
+        if size != entry["size"]:
+            return f"{rel}: {size} bytes, {entry['size']} expected"
+    for rel, entry in files.items():
+        if _sha256(folder / rel) != entry["sha256"]:
+            return f"{rel}: sha256 mismatch"
+    return None
+
+
+def _numbered(run_dir: Path, prefix: str) -> list[Path]:
+    """``<run_dir>/checkpoints/<prefix>_N`` folders, newest first."""
+    found = []
+    for p in (Path(run_dir) / "checkpoints").glob(f"{prefix}_*"):
+        n = p.name.rsplit("_", 1)[1]
+        if p.is_dir() and n.isdigit():
+            found.append((int(n), p))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+@dataclass
+class Resume:
+    """The checkpoint a resumed run continues from and what was said about choosing it."""
+
+    path: Path
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def number(self) -> int:
+        """The iteration or step the checkpoint was saved after."""
+        return int(self.path.name.rsplit("_", 1)[1])
+
+
+def resume_checkpoint(run_dir: str | Path, prefix: str) -> Resume:
+    """The newest checkpoint of ``run_dir`` whose files match its manifest.
+
+    Damaged or incomplete checkpoints newer than it are skipped, each with a note naming the
+    file and what is wrong (``checkpoints/iter_20 is damaged (policy/model.safetensors: sha256
+    mismatch); resuming from checkpoints/iter_10``). Checkpoints older than the run's first
+    manifest (written before manifests existed) count as complete when they have their
+    ``COMPLETE`` marker, with one warning that they are not verified.
+
+    Raises:
+        RunAborted: no checkpoint is complete, naming the folder and what is wrong with each.
+    """
+    run_dir = Path(run_dir)
+    folders = _numbered(run_dir, prefix)
+    with_manifest = [p for p in folders if (p / MANIFEST).exists()]
+    oldest_manifest = min((int(p.name.rsplit("_", 1)[1]) for p in with_manifest), default=None)
+    skipped: list[str] = []
+    for p in folders:
+        n = int(p.name.rsplit("_", 1)[1])
+        name = f"checkpoints/{p.name}"
+        legacy = oldest_manifest is None or n < oldest_manifest
+        if legacy and not (p / MANIFEST).exists():
+            if not (p / "COMPLETE").exists():
+                skipped.append(
+                    f"{name} is incomplete (no COMPLETE marker: the save did not finish)"
+                )
+                continue
+            notes = [*_said(skipped, name)]
+            notes.append(
+                f"warning: {name} has no {MANIFEST} (saved before checkpoints had manifests): "
+                "resuming from it without checking its files"
+            )
+            return Resume(p, notes)
+        wrong = damage(p)
+        if wrong is None:
+            return Resume(p, _said(skipped, name))
+        skipped.append(f"{name} is damaged ({wrong})")
+    where = run_dir / "checkpoints"
+    found = "; ".join(skipped) if skipped else "it holds none"
+    raise RunAborted(
+        f"{where} has no complete checkpoint to resume from ({found}); start the run again "
+        "in another folder"
+    )
+
+
+def _said(skipped: list[str], chosen: str) -> list[str]:
+    return [f"{s}; resuming from {chosen}" for s in skipped]
+
+
+# ---------------------------------------------------------------------- config changes
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def latest_config(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The config the run's last start ran with: its newest ``configs/start_<k>.yaml``, else
+    ``config.yaml`` (the first start's); ``None`` when neither exists."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    starts = sorted(
+        (int(p.stem.rsplit("_", 1)[1]), p)
+        for p in (run_dir / "configs").glob("start_*.yaml")
+        if p.stem.rsplit("_", 1)[1].isdigit()
+    )
+    path = starts[-1][1] if starts else run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    return path, yaml.safe_load(path.read_text()) or {}
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict, str)) else str(value)
+
+
+def check_resume_config(run_dir: str | Path, config: dict[str, Any]) -> list[str]:
+    """Compare a resumed run's resolved ``config`` with its previous start's.
+
+    Returns:
+        One ``key: old -> new`` line per changed key that :data:`SAFE_ON_RESUME` allows.
+
+    Raises:
+        ConfigError: other keys changed, naming each with its old and new value.
+    """
+    import yaml
+
+    found = latest_config(run_dir)
+    if found is None:
+        return []
+    path, saved = found
+    # The same YAML round trip as the saved file, so that equal values compare equal.
+    new = _flat(yaml.safe_load(yaml.safe_dump(config, sort_keys=False)) or {})
+    old = _flat(saved)
+    if str(new.get("placement.mode")) == "auto":  # resolved again at start
+        old = {k: v for k, v in old.items() if not k.startswith("placement.")}
+        new = {k: v for k, v in new.items() if not k.startswith("placement.")}
+    changed = [k for k in new if k in old and new[k] != old[k]]
+    lines = {k: f"{k}: {_show(old[k])} -> {_show(new[k])}" for k in changed}
+    safe = [k for k in changed if any(fnmatch.fnmatchcase(k, p) for p in SAFE_ON_RESUME)]
+    refused = [k for k in changed if k not in safe]
+    if refused:
+        raise ConfigError(
+            f"runner.resume: {len(refused)} setting(s) differ from the run's ({path}) and a "
+            f"resume cannot change them: {'; '.join(lines[k] for k in refused)}. Set them back, "
+            "or start a new run (docs/training.md lists what a resume may change)"
+        )
+    return [lines[k] for k in safe if not k.startswith(("runner.resume", "runner.output_dir"))]
+
+
+# ---------------------------------------------------------------------- the trainers' side
+def begin_checkpoint(path: Path) -> Path:
+    """An empty checkpoint folder: one left by an earlier start (damaged, or newer than the
+    checkpoint the run resumed from) is removed first, so no stale file joins the manifest."""
+    import shutil
+
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def finish_checkpoint(path: Path, number: int) -> Path:
+    """Mark a checkpoint whose writers have all finished: ``COMPLETE``, then the manifest."""
+    (path / "COMPLETE").write_text(str(number))
+    write_manifest(path)
+    return path
+
+
+def prepare_resume(
+    resume: str | None, config: dict[str, Any], prefix: str, say: Any = None
+) -> Resume | None:
+    """Before anything starts: check a resumed run's config (:func:`check_resume_config`),
+    then choose its checkpoint (:func:`resume_checkpoint`); ``say(line)`` hears the skipped
+    checkpoints and the allowed changes. ``None`` for a run that is not resumed.
+
+    Raises:
+        ConfigError: a setting a resume cannot change differs.
+        RunAborted: no complete checkpoint.
+    """
+    if not resume:
+        return None
+    changed = check_resume_config(resume, config)
+    chosen = resume_checkpoint(resume, prefix)
+    if changed:
+        chosen.notes.append("settings changed on resume (allowed): " + "; ".join(changed))
+    if say is not None:
+        for line in chosen.notes:
+            say(line)
+    return chosen
