@@ -452,7 +452,11 @@ class MathGrpoRunner:
         finish_checkpoint(path, step)
         keep = self.job.runner.keep_checkpoints
         if keep:
-            for old in complete_checkpoints(self.output_dir, "step")[:-keep]:
+            # Up to this step: a newer folder is one a resume skipped as damaged, which must
+            # not push the good ones out.
+            done = complete_checkpoints(self.output_dir, "step")
+            done = [p for p in done if int(p.name.rsplit("_", 1)[1]) <= step]
+            for old in done[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
