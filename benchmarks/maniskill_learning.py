@@ -99,7 +99,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of sft and RL (not of the demos)")
     p.add_argument("--image-size", type=int, default=64, help="camera image side")
     p.add_argument("--chunk", type=int, default=4, help="actions per policy call")
-    p.add_argument("--sft-steps", type=int, default=1000)
+    p.add_argument("--sft-steps", type=int, default=500)
     p.add_argument("--ppo-iterations", type=int, default=40)
     p.add_argument("--grpo-iterations", type=int, default=20)
     p.add_argument("--envs", type=int, default=8, help="training envs (CPU processes)")
@@ -139,6 +139,7 @@ def main() -> None:
             f"data.paths=[{demos}]",
             f"sft.steps={steps}",
             "sft.lr=3e-4",
+            "sft.lr_schedule=linear",  # a constant rate leaves the last checkpoint's success to chance
             "sft.batch_size=64",
             "sft.micro_batch_size=64",
             f"runner.eval_interval={max(1, steps // 4)}",
