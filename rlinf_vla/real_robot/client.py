@@ -68,6 +68,45 @@ def check_health(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def open_connection(
+    url: str,
+    headers: dict[str, str] | None,
+    timeout: float,
+    max_message_bytes: int,
+    openpi: bool,
+    server: str,
+) -> tuple[contextlib.ExitStack, Any, dict[str, Any]]:
+    """Connect to a policy server and read its first message, the metadata map.
+
+    Returns the exit stack that closes the connection, the connection, and the decoded map
+    (bytes keys of ``openpi``'s array format understood). Raises :class:`BadReply`, with the
+    connection closed, when the first message is a text frame, not msgpack or not a map.
+    """
+    from websockets.sync.client import connect
+
+    stack = contextlib.ExitStack()
+    ws = stack.enter_context(
+        connect(
+            url,
+            additional_headers=headers,
+            max_size=max_message_bytes,
+            open_timeout=timeout,
+            compression=None,
+        )
+    )
+    try:
+        first = ws.recv(timeout=timeout)
+        if not isinstance(first, bytes):
+            raise ValueError(f"a text frame: {first[:200]!r}")
+        message = codec.unpackb(first, openpi=True) if openpi else codec.unpackb(first)
+        if not isinstance(message, dict):
+            raise ValueError(f"a {type(message).__name__}, not a map")
+    except (ValueError, TypeError) as e:
+        stack.close()
+        raise BadReply(f"{server}'s metadata is not valid: {e}") from None
+    return stack, ws, message
+
+
 class PolicyClient:
     """One connection to a policy server.
 
@@ -85,28 +124,13 @@ class PolicyClient:
         timeout: float = 10.0,
         max_message_bytes: int = 16 * 1024 * 1024,
     ) -> None:
-        from websockets.sync.client import connect
-
         headers = {"Authorization": f"Bearer {token}"} if token else None
         self.url = url
         self.timeout = timeout
-        self._stack = contextlib.ExitStack()
-        self._ws = self._stack.enter_context(
-            connect(
-                url,
-                additional_headers=headers,
-                max_size=max_message_bytes,
-                open_timeout=timeout,
-                compression=None,
-            )
+        self._stack, self._ws, message = open_connection(
+            url, headers, timeout, max_message_bytes, openpi=False, server="the server"
         )
         try:
-            first = self._ws.recv(timeout=timeout)
-            if not isinstance(first, bytes):
-                raise ValueError("a text frame")
-            message = codec.unpackb(first)
-            if not isinstance(message, dict):
-                raise ValueError(f"a {type(message).__name__}, not a map")
             self.metadata = PolicyMetadata.from_message(message)
         except (ValueError, KeyError, TypeError) as e:
             self._stack.close()

@@ -19,7 +19,6 @@ for ``rlinf-vla deploy protocol=openpi``.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,9 +251,7 @@ class OpenpiClient:
         timeout: float = 10.0,
         max_message_bytes: int = 16 * 1024 * 1024,
     ) -> None:
-        from websockets.sync.client import connect
-
-        from rlinf_vla.real_robot.client import BadReply
+        from rlinf_vla.real_robot.client import BadReply, open_connection
 
         if layout not in self.ROBOT_LAYOUTS:
             raise ValueError(
@@ -263,26 +260,9 @@ class OpenpiClient:
             )
         self.url, self.timeout, self.layout = url, timeout, LAYOUTS[layout]
         headers = {"Authorization": f"Api-Key {token}"} if token else None
-        self._stack = contextlib.ExitStack()
-        self._ws = self._stack.enter_context(
-            connect(
-                url,
-                additional_headers=headers,
-                max_size=max_message_bytes,
-                open_timeout=timeout,
-                compression=None,
-            )
+        self._stack, self._ws, raw = open_connection(
+            url, headers, timeout, max_message_bytes, openpi=True, server="the openpi server"
         )
-        try:
-            first = self._ws.recv(timeout=timeout)
-            if not isinstance(first, bytes):
-                raise ValueError(f"a text frame: {first[:200]!r}")
-            raw = codec.unpackb(first, openpi=True)
-            if not isinstance(raw, dict):
-                raise ValueError(f"a {type(raw).__name__}, not a map")
-        except (ValueError, TypeError) as e:
-            self._stack.close()
-            raise BadReply(f"the openpi server's metadata is not valid: {e}") from None
         if raw.get("type") == "metadata" and raw.get("protocol") == PROTOCOL_VERSION:
             self._stack.close()
             raise BadReply(
