@@ -127,6 +127,23 @@ def damage(folder: Path) -> str | None:
     return None
 
 
+def load_runner_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's ``runner.pt`` (the driver's state).
+
+    Raises:
+        RunAborted: the file cannot be read, naming it.
+    """
+    import torch
+
+    try:
+        return torch.load(folder / "runner.pt", weights_only=False)
+    except Exception as e:
+        raise RunAborted(
+            f"{folder / 'runner.pt'} cannot be read ({type(e).__name__}: {e}): the checkpoint "
+            "is damaged; resume from an earlier one (move this folder away) or start again"
+        ) from None
+
+
 def _numbered(run_dir: Path, prefix: str) -> list[Path]:
     """``<run_dir>/checkpoints/<prefix>_N`` folders, newest first."""
     found = []

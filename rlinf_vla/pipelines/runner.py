@@ -353,13 +353,9 @@ def _runner_state(path: Path, placement: Any) -> dict[str, Any]:
     Raises:
         RunAborted: the file cannot be read, or the worker counts differ (naming both).
     """
-    try:
-        state = torch.load(path / "runner.pt", weights_only=False)
-    except Exception as e:
-        raise RunAborted(
-            f"{path / 'runner.pt'} cannot be read ({type(e).__name__}: {e}): the checkpoint is "
-            "damaged; resume from an earlier one (move this folder away) or start again"
-        ) from None
+    from rlinf_vla.pipelines.checkpoints import load_runner_state
+
+    state = load_runner_state(path)
     actors = len(list(path.glob("actor_rank*.pt")))
     counts = {
         "env": (len(state["env_cursors"]), len(placement.of("env"))),

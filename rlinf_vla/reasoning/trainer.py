@@ -25,11 +25,12 @@ from typing import Any
 import torch
 
 from rlinf_vla.algos import compute_advantages, dynamic_sampling, overlong_penalty
-from rlinf_vla.config import ConfigError, RunAborted, to_dict
+from rlinf_vla.config import ConfigError, to_dict
 from rlinf_vla.pipelines.checkpoints import (
     Resume,
     begin_checkpoint,
     finish_checkpoint,
+    load_runner_state,
     prepare_resume,
     resume_checkpoint,
 )
@@ -461,13 +462,7 @@ class MathGrpoRunner:
         return path
 
     def _restore(self, path: Path) -> int:
-        try:
-            state = torch.load(path / "runner.pt", weights_only=False)
-        except Exception as e:
-            raise RunAborted(
-                f"{path / 'runner.pt'} cannot be read ({type(e).__name__}: {e}): the checkpoint "
-                "is damaged; resume from an earlier one (move this folder away) or start again"
-            ) from None
+        state = load_runner_state(path)
         self.actor.load(str(path)).wait()
         order, epoch, rng = state["sampler"]
         self.sampler.order, self.sampler.epoch = list(order), epoch
