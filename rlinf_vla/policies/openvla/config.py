@@ -265,7 +265,6 @@ class OpenVLAConfig(PolicyConfig):
         )
         check(self, "image_keys", len(self.image_keys) >= 1, "must name at least one camera")
         files = checkpoint_files(self.checkpoint)
-        official = files is not None and not files.written_here
         check(
             self,
             "image_pipeline",
@@ -273,9 +272,11 @@ class OpenVLAConfig(PolicyConfig):
             f"must be one of {list(IMAGE_PIPELINES)}",
         )
         if self.image_pipeline == "auto":
-            self.image_pipeline = "rlds" if official else "torch"
+            self.image_pipeline = self._checkpoint_default(files, "image_pipeline", "rlds", "torch")
         if self.center_crop == "auto":
-            self.center_crop = self.default_center_crop(files)
+            libero = any(LIBERO_FINETUNE_KEY.match(k) for k in self.norm_stats or {})
+            official_crop = files is not None and (libero or "image_aug" in files.path.name)
+            self.center_crop = self._checkpoint_default(files, "center_crop", official_crop, False)
         check(
             self,
             "center_crop",
@@ -284,8 +285,8 @@ class OpenVLAConfig(PolicyConfig):
         )
         self._resolve_mean_std(files, n)
         check(self, "gripper", self.gripper in ("auto", "rlds", "env"), "must be auto, rlds or env")
-        if self.gripper == "auto":  # a checkpoint's folder decides it before (config_from_dir)
-            self.gripper = "env"
+        if self.gripper == "auto":
+            self.gripper = self._checkpoint_default(files, "gripper", "rlds", "env")
         check(self, "temperature", self.temperature > 0, "must be > 0")
         check(self, "top_k", self.top_k >= 0, "must be >= 0")
         check(
@@ -305,13 +306,18 @@ class OpenVLAConfig(PolicyConfig):
                 f"is not in norm_stats (known: {sorted(self.norm_stats)})",
             )
 
-    def default_center_crop(self, files: CheckpointFiles | None) -> bool:
-        """``center_crop=auto``: on for an official LIBERO fine-tune (see the class
-        docstring), off otherwise (a checkpoint this package wrote records its value)."""
-        if files is None or files.written_here:
-            return False
-        keys = self.norm_stats or {}
-        return any(LIBERO_FINETUNE_KEY.match(k) for k in keys) or "image_aug" in files.path.name
+    @staticmethod
+    def _checkpoint_default(
+        files: CheckpointFiles | None, key: str, official: Any, otherwise: Any
+    ) -> Any:
+        """What an ``auto`` convention resolves to: ``official`` for a checkpoint this package
+        did not write, the value recorded in the ``rlinf_vla`` section of one it wrote
+        (``otherwise`` if it recorded none), ``otherwise`` without a checkpoint."""
+        if files is None:
+            return otherwise
+        if files.written_here:
+            return files.recorded.get(key, otherwise)
+        return official
 
     def _resolve_mean_std(self, files: CheckpointFiles | None, n: int) -> None:
         if bool(self.image_mean) != bool(self.image_std):

@@ -297,14 +297,6 @@ def prismatic_kwargs_from_json(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def checkpoint_gripper(data: dict[str, Any]) -> str:
-    """The gripper convention of a checkpoint from its ``config.json``: the value this package
-    recorded, ``env`` for one it wrote before recording it, ``rlds`` for an official one."""
-    if "rlinf_vla" not in data:
-        return "rlds"
-    return str(data["rlinf_vla"].get("gripper", "env"))
-
-
 def write_preprocessor_config(cfg: OpenVLAConfig, path: Path) -> None:
     """``preprocessor_config.json`` with the fields the official ``PrismaticImageProcessor``
     saves, normalising with the config's ``image_mean`` / ``image_std`` (a loaded checkpoint's
@@ -687,8 +679,6 @@ class OpenVLAPolicy(Policy):
         known = {f for f in cls.config_cls.__dataclass_fields__}
         kwargs = {k: v for k, v in kwargs.items() if k in known}
         kwargs.update(overrides)
-        if kwargs.get("gripper", "auto") == "auto":
-            kwargs["gripper"] = checkpoint_gripper(data)
         kwargs["checkpoint"] = str(path)
         return cls.config_cls.from_kwargs(cls.__name__, **kwargs)
 
