@@ -254,8 +254,17 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
 
 
 def _family_class(cfg: Any, section: str) -> type | None:
-    """The config class of the policy or env that ``cfg``'s ``section`` names (``None`` for
+    """The config class of the policy or env that ``cfg``'s ``section`` names, or of the
+    trainer's ``algo`` section (whose YAML holds only the algorithm's preset keys; ``None`` for
     other sections and unknown names)."""
+    if section == "algo" and "algo" in cfg:
+        if "model" in cfg:  # math-grpo
+            from rlinf_vla.reasoning.config import MathAlgoConfig
+
+            return MathAlgoConfig
+        from rlinf_vla.pipelines.actor import AlgoConfig
+
+        return AlgoConfig
     name = cfg.get(section, {}).get("name") if section in ("policy", "env") else None
     if section == "policy":
         from rlinf_vla.policies import POLICIES

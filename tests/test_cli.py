@@ -98,7 +98,8 @@ def test_invalid_values_of_several_sections_are_named_at_once(capsys, nothing_st
 
 
 def test_the_checks_across_sections_are_named_at_once(capsys, nothing_starts):
-    args = ["train", "env=toy", "algo=grpo", "env.group_size=2", "policy.action_dim=3"]
+    args = ["train", "env=toy", "algo=grpo", "algo.group_size=4", "env.group_size=2"]
+    args.append("policy.action_dim=3")
     assert cli.main([*args, "placement=hybrid", "placement.stages=3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlinf-vla train: invalid config: 3 problems:\n")
@@ -143,7 +144,7 @@ def test_every_config_group_choice_composes_and_validates(tmp_path):
                     overrides += ["robot.cameras.main=1", "robot.cameras.wrist=2"]
                 if group == "policy" and "env" in groups and choice != "openvla":
                     overrides.append("env=libero")  # these read a wrist camera too
-                if group == "algo" and choice == "grpo" and "env" in groups:
+                if group == "algo" and choice in ("grpo", "dapo", "rloo") and "env" in groups:
                     overrides.append("env.num_envs=8")  # whole groups of algo.group_size=4
                 if group == "data" and choice == "file":  # a dataset file is required
                     overrides.append(

@@ -1,4 +1,4 @@
-"""DAPO (Yu et al., 2025) as a named combination of parts.
+"""DAPO's own parts (Yu et al., 2025); the preset is ``rlinf_vla/configs/algo/dapo.yaml``.
 
     DAPO = GRPO advantages
          + clip-higher (ε_low = 0.2, ε_high = 0.28)            -> ppo_policy_loss(clip_high=...)
@@ -14,20 +14,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-from rlinf_vla.algos.presets import ALGORITHMS, AlgorithmPreset
-
-ALGORITHMS.add(
-    "dapo",
-    AlgorithmPreset(
-        advantage="grpo",
-        clip_low=0.2,
-        clip_high=0.28,
-        agg="token-mean",
-        dynamic_sampling=True,
-        overlong_buffer=0.2,
-    ),
-)
 
 
 def dynamic_sampling(

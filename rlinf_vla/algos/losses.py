@@ -60,46 +60,68 @@ def _per_sequence(loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return (loss * m).reshape(n, -1).sum(dim=1), m.reshape(n, -1).sum(dim=1)
 
 
+# Each aggregation returns ``(numerator, count)``: the loss is ``numerator / count``. Split so
+# that gradient accumulation can divide the numerators of its micro-batches (and ranks) by the
+# count of the whole minibatch (``aggregate(..., denominator=)``, ``aggregation_count``).
+
+
 @AGGREGATIONS.register("token-mean")
-def token_mean(loss: Tensor, mask: Tensor) -> Tensor:
+def token_mean(loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Mean over all valid tokens of the batch: Σ_i Σ_t m_it l_it / Σ_i Σ_t m_it (DAPO).
 
-    Every token weighs the same, so long sequences weigh more. Shapes: ``[N, ...]`` -> 0-d.
+    Every token weighs the same, so long sequences weigh more. Shapes: ``[N, ...]`` ->
+    ``(numerator, count)``, both 0-d.
     """
-    return masked_mean(loss, mask)
+    m = mask.to(loss.dtype)
+    return (loss * m).sum(), m.sum()
 
 
 @AGGREGATIONS.register("seq-mean-token-sum")
-def seq_mean_token_sum(loss: Tensor, mask: Tensor) -> Tensor:
+def seq_mean_token_sum(loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Sum over the valid tokens of each sequence, mean over the sequences with a valid token
     (Dr. GRPO, with a constant length normaliser left to the learning rate).
 
-    Shapes: ``[N, ...]`` -> 0-d.
+    Shapes: ``[N, ...]`` -> ``(numerator, count)``, both 0-d.
     """
     seq_sum, seq_count = _per_sequence(loss, mask)
-    return seq_sum.sum() / (seq_count > 0).sum().clamp(min=1)
+    return seq_sum.sum(), (seq_count > 0).sum().to(loss.dtype)
 
 
 @AGGREGATIONS.register("seq-mean-token-mean")
-def seq_mean_token_mean(loss: Tensor, mask: Tensor) -> Tensor:
+def seq_mean_token_mean(loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Mean over the valid tokens of each sequence, then mean over the sequences with a valid
     token (the original GRPO). Every sequence weighs the same.
 
-    Shapes: ``[N, ...]`` -> 0-d.
+    Shapes: ``[N, ...]`` -> ``(numerator, count)``, both 0-d.
     """
     seq_sum, seq_count = _per_sequence(loss, mask)
-    has_tokens = seq_count > 0
     seq_mean = seq_sum / seq_count.clamp(min=1.0)
-    return seq_mean.sum() / has_tokens.sum().clamp(min=1)
+    return seq_mean.sum(), (seq_count > 0).sum().to(loss.dtype)
 
 
-def aggregate(loss: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
+def aggregate(
+    loss: Tensor, mask: Tensor, mode: str = "token-mean", denominator: Tensor | float | None = None
+) -> Tensor:
     """Reduces a per-token loss ``[N, ...]`` to a 0-d tensor with the registered ``mode``.
 
-    For a 1-D loss ``[N]`` (one entry per sample) all modes equal the masked mean.
+    ``denominator``: divide by this instead of the batch's own count (valid tokens for
+    ``token-mean``, sequences with a valid token otherwise): the count of a whole minibatch
+    of which ``loss`` is one micro-batch, so that the micro-batches' losses add up to the
+    minibatch's (:func:`aggregation_count`). For a 1-D loss ``[N]`` (one entry per sample)
+    all modes equal the masked mean.
     """
     _require_same_shape(loss=loss, mask=mask)
-    return AGGREGATIONS[mode](loss, mask)
+    numerator, count = AGGREGATIONS[mode](loss, mask)
+    if denominator is None:
+        return numerator / count.clamp(min=1)
+    return numerator / denominator
+
+
+def aggregation_count(mask: Tensor, mode: str = "token-mean") -> float:
+    """What ``mode`` divides by for a batch with ``mask`` ``[N, ...]``: its valid entries
+    (``token-mean``) or its sequences with a valid entry. Summed over the micro-batches (and
+    ranks) of a minibatch, it is the ``denominator`` of :func:`aggregate` for each of them."""
+    return float(AGGREGATIONS[mode](mask.float(), mask)[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +141,7 @@ def ppo_policy_loss(
     dual_clip: float | None = None,
     agg: str = "token-mean",
     max_log_ratio: float = 20.0,
+    denominator: Tensor | float | None = None,
 ) -> tuple[Tensor, Metrics]:
     """Clipped surrogate of PPO (Schulman et al., 2017), with DAPO's clip-higher and dual clip.
 
@@ -144,6 +167,8 @@ def ppo_policy_loss(
         max_log_ratio: ``log r`` is clamped to ±this before ``exp`` so that one stale token
             cannot overflow the loss (beyond it the clip makes the gradient 0 anyway, except
             for negative advantages, which ``dual_clip`` covers).
+        denominator: the aggregation's count of the whole minibatch when this batch is one
+            of its micro-batches (see :func:`aggregate`); ``None``: this batch's own.
 
     Returns:
         ``loss`` 0-d and metrics: ``policy_loss``, ``clip_fraction`` (share of valid tokens where
@@ -169,7 +194,7 @@ def ppo_policy_loss(
         dual_clipped = (advantages < 0) & (pg_losses > dual_bound)
         pg_losses = torch.where(dual_clipped, dual_bound, pg_losses)
 
-    loss = aggregate(pg_losses, mask, agg)
+    loss = aggregate(pg_losses, mask, agg, denominator)
 
     with torch.no_grad():
         # min / max over valid tokens without boolean indexing (which would sync the device)
@@ -213,6 +238,7 @@ def value_loss(
     clip: float | None = None,
     huber_delta: float | None = None,
     agg: str = "token-mean",
+    denominator: Tensor | float | None = None,
 ) -> tuple[Tensor, Metrics]:
     """Critic loss with optional value clipping (as in OpenAI baselines' PPO2) and Huber option.
 
@@ -228,6 +254,7 @@ def value_loss(
         clip: ε_v, or ``None`` for no clipping.
         huber_delta: δ, or ``None`` for the squared error.
         agg: aggregation mode, a name in :data:`AGGREGATIONS`.
+        denominator: the whole minibatch's count for a micro-batch (:func:`aggregate`).
 
     Returns:
         ``loss`` 0-d and metrics: ``value_loss``, ``value_clip_fraction`` (share of entries where
@@ -243,7 +270,7 @@ def value_loss(
         losses_clipped = _squared(clipped_values - returns, huber_delta)
         losses = torch.maximum(losses_unclipped, losses_clipped)
         value_clipped = losses_clipped > losses_unclipped
-    loss = aggregate(losses, mask, agg)
+    loss = aggregate(losses, mask, agg, denominator)
 
     with torch.no_grad():
         var_returns = masked_var(returns, mask)
@@ -267,7 +294,11 @@ def value_loss(
 
 @LOSSES.register("entropy")
 def entropy_loss(
-    *, entropy: Tensor, mask: Tensor, agg: str = "token-mean"
+    *,
+    entropy: Tensor,
+    mask: Tensor,
+    agg: str = "token-mean",
+    denominator: Tensor | float | None = None,
 ) -> tuple[Tensor, Metrics]:
     """Entropy bonus as a loss: ``-aggregate(H, mask, agg)``; add ``ent_coef * loss`` to the
     total, so minimising it raises the entropy.
@@ -275,12 +306,13 @@ def entropy_loss(
     Args:
         entropy: ``[N, ...]`` H(π_θ(·|s)) per token / action / chunk, with gradient.
         mask: ``[N, ...]`` valid entries.
+        denominator: the whole minibatch's count for a micro-batch (:func:`aggregate`).
 
     Returns:
         ``loss`` 0-d and metrics: ``entropy`` (the masked mean of H).
     """
     _require_same_shape(entropy=entropy, mask=mask)
-    loss = -aggregate(entropy, mask, agg)
+    loss = -aggregate(entropy, mask, agg, denominator)
     return loss, {"entropy": masked_mean(entropy.detach(), mask)}
 
 
@@ -337,6 +369,7 @@ def kl_loss(
     mask: Tensor,
     estimator: str = "k3",
     agg: str = "token-mean",
+    denominator: Tensor | float | None = None,
 ) -> tuple[Tensor, Metrics]:
     """KL penalty to a frozen reference policy: ``aggregate(kl_divergence(...), mask, agg)``.
 
@@ -345,11 +378,12 @@ def kl_loss(
         ref_logprob: ``[N, ...]`` log π_ref of the same tokens.
         mask: ``[N, ...]`` valid entries.
         estimator: ``k1``, ``k2`` or ``k3``.
+        denominator: the whole minibatch's count for a micro-batch (:func:`aggregate`).
 
     Returns:
         ``loss`` 0-d and metrics: ``kl`` (the masked mean of the estimate).
     """
     _require_same_shape(logprob=logprob, ref_logprob=ref_logprob, mask=mask)
     kl = kl_divergence(logprob, ref_logprob, estimator)
-    loss = aggregate(kl, mask, agg)
+    loss = aggregate(kl, mask, agg, denominator)
     return loss, {"kl": masked_mean(kl.detach(), mask)}

@@ -1,21 +1,34 @@
 """Named algorithms: a choice of registered advantage estimator and loss plus their settings.
 
-``ALGORITHMS["ppo"]``, ``["grpo"]``, ``["dapo"]`` (defined in ``dapo.py``), ``["reinforce_pp"]``
-give an :class:`AlgorithmPreset`. A trainer reads it instead of hard-coding an algorithm:
+Each algorithm is one YAML file in ``rlinf_vla/configs/algo/`` (``ppo``, ``grpo``, ``dapo``,
+``reinforce_pp``, ``rloo``), which is also the ``algo`` config group of ``rlinf-vla train`` and
+``rlinf-vla math-grpo``: ``algo=rloo`` picks it in either. ``ALGORITHMS[name]`` gives its
+:class:`AlgorithmPreset`. Both trainers read the preset instead of branching on the name:
 
-    preset = ALGORITHMS[cfg.algorithm]
+    preset = ALGORITHMS["dapo"]
     advantages, returns = compute_advantages(preset.advantage, ...)
     loss, metrics = policy_loss(preset.policy_loss, ..., **preset.policy_loss_kwargs())
+
+Adding an algorithm: register its functions (an estimator in ``ADVANTAGES``, a loss in
+``LOSSES``) and write its YAML (docs/algorithms.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rlinf_vla.algos.advantages import ADVANTAGES
 from rlinf_vla.algos.losses import AGGREGATIONS, LOSSES
 from rlinf_vla.algos.registry import Registry
+
+#: The folder of the algorithms' YAML files.
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "algo"
+
+#: Advantage estimators that compare the episodes (or responses) of a group.
+GROUP_ESTIMATORS = ("grpo", "rloo")
 
 
 @dataclass(frozen=True)
@@ -23,18 +36,22 @@ class AlgorithmPreset:
     """A named combination of registered pieces, validated on construction.
 
     Attributes:
-        advantage: name in ``ADVANTAGES``.
+        advantage: name in ``ADVANTAGES`` (``gae``, ``grpo``, ``rloo``, ``reinforce_pp``).
         policy_loss: name in ``LOSSES``.
         clip_low: ε_low of the PPO clip.
         clip_high: ε_high; > ``clip_low`` is DAPO's clip-higher.
         dual_clip: c > 1 of the dual clip, or ``None``.
-        agg: aggregation mode, a name in ``AGGREGATIONS``.
-        use_critic: train a value head and add ``value_loss`` (PPO).
-        normalize_std: divide group advantages by the group std (``grpo``).
+        agg: aggregation mode of the policy, entropy and KL terms, a name in ``AGGREGATIONS``.
+        use_critic: train a value head and add ``value_loss`` (needed by ``gae``).
+        normalize_std: ``grpo`` divides group advantages by the group std (``False``: Dr. GRPO).
         dynamic_sampling: drop groups whose scores are all equal (``dapo.dynamic_sampling``).
         overlong_buffer: DAPO's soft overlong punishment for text, as the fraction of the
-            maximum generation length that forms the buffer (``dapo.overlong_penalty``), or
-            ``None`` for none. Embodied trainers have no lengths and ignore it.
+            maximum generation length that forms the buffer, or ``None``. Embodied episodes
+            have no lengths to punish: ``train`` leaves it out.
+        gamma: discount per step (embodied: per chunk; text: per token).
+        lam: GAE λ (``gae`` only).
+        kl_in_reward: with a KL coefficient, fold the per-token KL to the reference into the
+            reward (REINFORCE++) instead of adding a loss term.
     """
 
     advantage: str
@@ -47,17 +64,63 @@ class AlgorithmPreset:
     normalize_std: bool = True
     dynamic_sampling: bool = False
     overlong_buffer: float | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_in_reward: bool = False
 
     def __post_init__(self) -> None:
         ADVANTAGES[self.advantage]  # raises with the known names
         LOSSES[self.policy_loss]
         AGGREGATIONS[self.agg]
-        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        if self.overlong_buffer is not None and not 0.0 < self.overlong_buffer <= 1.0:
-            raise ValueError(f"overlong_buffer must be in (0, 1], got {self.overlong_buffer}")
+        bad = [
+            f"{key} {rule}, got {getattr(self, key)}"
+            for key, ok, rule in [
+                ("clip_low", 0.0 <= self.clip_low < 1.0, "must lie in [0, 1)"),
+                ("clip_high", self.clip_high >= 0.0, "must be >= 0"),
+                (
+                    "dual_clip",
+                    self.dual_clip is None or self.dual_clip > 1.0,
+                    "must be > 1 or null",
+                ),
+                (
+                    "overlong_buffer",
+                    self.overlong_buffer is None or 0.0 <= self.overlong_buffer <= 1.0,
+                    "must lie in [0, 1] or be null",
+                ),
+                ("gamma", 0.0 <= self.gamma <= 1.0, "must lie in [0, 1]"),
+                ("lam", 0.0 <= self.lam <= 1.0, "must lie in [0, 1]"),
+                (
+                    "use_critic",
+                    self.use_critic or self.advantage != "gae",
+                    "must be true with advantage=gae (GAE needs values)",
+                ),
+                (
+                    "dynamic_sampling",
+                    not self.dynamic_sampling or self.uses_groups,
+                    f"needs a group advantage ({', '.join(GROUP_ESTIMATORS)})",
+                ),
+            ]
+            if not ok
+        ]
+        if bad:
+            raise ValueError("; ".join(bad))
+
+    @property
+    def uses_groups(self) -> bool:
+        """The advantage compares the members of a group (``algo.group_size`` >= 2)."""
+        return self.advantage in GROUP_ESTIMATORS
+
+    def effective_keys(self) -> set[str]:
+        """The preset keys that change something for this algorithm (``lam`` only for
+        ``gae``, ``normalize_std`` only for ``grpo``, ``dynamic_sampling`` only for groups)."""
+        keys = set(PRESET_KEYS) - {"lam", "normalize_std", "dynamic_sampling"}
+        if self.advantage == "gae":
+            keys.add("lam")
+        if self.advantage == "grpo":
+            keys.add("normalize_std")
+        if self.uses_groups:
+            keys.add("dynamic_sampling")
+        return keys
 
     def policy_loss_kwargs(self) -> dict[str, Any]:
         """The keyword settings of the policy loss: clip range, dual clip, aggregation."""
@@ -69,11 +132,79 @@ class AlgorithmPreset:
         }
 
 
-ALGORITHMS: Registry[AlgorithmPreset] = Registry("algorithm")
+#: The keys of a preset, as they appear in its YAML and in the ``algo`` section.
+PRESET_KEYS = tuple(f.name for f in dataclasses.fields(AlgorithmPreset))
 
-# PPO: GAE with a critic; per-token mean.
-ALGORITHMS.add("ppo", AlgorithmPreset(advantage="gae", use_critic=True))
-# GRPO (Shao et al., 2024): group-normalised scores, no critic; each sequence weighs the same.
-ALGORITHMS.add("grpo", AlgorithmPreset(advantage="grpo", agg="seq-mean-token-mean"))
-# REINFORCE++ (Hu, 2025): globally whitened discounted returns with the PPO clip, no critic.
-ALGORITHMS.add("reinforce_pp", AlgorithmPreset(advantage="reinforce_pp"))
+
+def load_preset(path: Path) -> AlgorithmPreset:
+    """The preset of one algorithm's YAML file (``name`` must be the file's stem)."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    name = data.pop("name", None)
+    if name != path.stem:
+        raise ValueError(f"{path}: name must be {path.stem!r}, got {name!r}")
+    unknown = sorted(set(data) - set(PRESET_KEYS))
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown} (known: {', '.join(PRESET_KEYS)})")
+    try:
+        return AlgorithmPreset(**data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+ALGORITHMS: Registry[AlgorithmPreset] = Registry("algorithm")
+for _path in sorted(PRESET_DIR.glob("*.yaml")):
+    ALGORITHMS.add(_path.stem, load_preset(_path))
+
+
+class _FromPreset:
+    """The default of a preset key in an ``algo`` section: the named algorithm's value."""
+
+    def __repr__(self) -> str:
+        return "<the algorithm's preset>"
+
+
+FROM_PRESET: Any = _FromPreset()
+
+
+def fill_from_preset(section: Any) -> AlgorithmPreset:
+    """Set every preset key of the ``algo`` dataclass ``section`` still at
+    :data:`FROM_PRESET` to the value of ``ALGORITHMS[section.name]``, and return the resolved
+    preset (validated: a bad value raises ``ValueError`` naming the key)."""
+    base = ALGORITHMS[section.name]
+    for key in PRESET_KEYS:
+        if getattr(section, key) is FROM_PRESET:
+            setattr(section, key, getattr(base, key))
+    return AlgorithmPreset(**{key: getattr(section, key) for key in PRESET_KEYS})
+
+
+def preset_error(section: str, error: Exception) -> str:
+    """A preset's ``ValueError`` with each offending key named as ``<section>.<key>``."""
+    parts = str(error.args[0] if error.args else error).split("; ")
+    return "; ".join(
+        f"{section}.{p}" if p.split(" ", 1)[0] in PRESET_KEYS else f"{section}: {p}" for p in parts
+    )
+
+
+def ineffective_keys(
+    section: Any,
+    preset: AlgorithmPreset,
+    conditional: dict[str, tuple[Any, str]],
+    name: str,
+    path: str = "algo",
+) -> list[str]:
+    """Messages for the keys ``section`` (the ``algo`` mapping as given) sets that change nothing
+    for the configured algorithm: preset keys outside :meth:`AlgorithmPreset.effective_keys`
+    and the trainer's ``conditional`` keys (``key -> (test(preset), why)``) whose test fails."""
+    given = set(section or ())
+    messages = [
+        f"{path}.{key} has no effect with {path}.advantage={preset.advantage} ({name})"
+        for key in sorted((given & set(PRESET_KEYS)) - preset.effective_keys())
+    ]
+    messages += [
+        f"{path}.{key} has no effect for {name}: {why}"
+        for key, (test, why) in conditional.items()
+        if key in given and not test(preset)
+    ]
+    return messages

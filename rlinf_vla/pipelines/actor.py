@@ -9,40 +9,59 @@ of their final observation) and are broadcast to the policy's log-prob granulari
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 
+from rlinf_vla.algos.presets import (
+    FROM_PRESET,
+    GROUP_ESTIMATORS,
+    PRESET_KEYS,
+    AlgorithmPreset,
+    fill_from_preset,
+    preset_error,
+)
 from rlinf_vla.config import ConfigError, check_at_least
 from rlinf_vla.runtime import Channel, Worker, offload_module, resident
 from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
-from rlinf_vla.types import EvalOutput, Observation
+from rlinf_vla.training.learner import Learner, Schedule
+from rlinf_vla.training.objective import LossSettings
+from rlinf_vla.types import Observation
 
-#: ``algo.gamma`` when it is not given: PPO discounts, GRPO scores the plain episode return.
-DEFAULT_GAMMA = {"ppo": 0.99, "grpo": 1.0}
+#: ``algo.group_size`` of a group algorithm (GRPO, DAPO, RLOO) when it is not given.
+DEFAULT_GROUP_SIZE = 4
 
 
 @dataclass
 class AlgoConfig:
-    """The ``algo`` section.
+    """The ``algo`` section of ``rlinf-vla train``.
+
+    ``name`` picks the algorithm: ``ppo``, ``grpo``, ``dapo``, ``reinforce_pp`` or ``rloo``
+    (``rlinf_vla/configs/algo/<name>.yaml``, docs/algorithms.md). Its preset keys
+    (``advantage``, ``agg``, ``clip_low``, ``clip_high``, ``dual_clip``, ``use_critic``,
+    ``normalize_std``, ``dynamic_sampling``, ``overlong_buffer``, ``gamma``, ``lam``,
+    ``kl_in_reward``; see :class:`~rlinf_vla.algos.AlgorithmPreset`) default to that file's
+    values and can be overridden one by one. Per algorithm, on chunk-level rewards:
+
+    - ``gae`` (PPO): GAE over chunk steps, bootstrapping truncated episodes from the value of
+      their final observation; value loss.
+    - ``grpo`` / ``rloo`` (GRPO, DAPO, RLOO): each env's first episode in the rollout is scored
+      by its return (discounted by ``gamma`` per chunk step) and compared within groups of
+      ``group_size`` envs that share a reset id; its chunk steps share the advantage, later
+      episodes are masked out. DAPO's dynamic sampling masks out groups whose scores are all
+      equal. ``overlong_buffer`` has no meaning for episodes and is left out.
+    - ``reinforce_pp``: discounted chunk returns (not across episode boundaries), whitened
+      over the batch.
 
     Attributes:
-        name: ``ppo`` (GAE advantages, value loss) or ``grpo`` (each env's first episode in
-            the rollout is scored by its return, discounted by ``gamma``; scores are
-            normalised within groups of ``group_size`` envs that share a reset id; no value
-            loss).
-        group_size: GRPO group size; must equal ``env.group_size``.
-        normalize_std: GRPO divides by the group's std (``False``: Dr. GRPO).
-        gamma, lam: discount and GAE lambda, per chunk step (GRPO uses ``gamma`` for its
-            episode scores: 1 sums the rewards, below 1 a sooner success scores higher).
-            ``gamma=None`` (the default) takes the algorithm's: 0.99 for PPO, 1.0 for GRPO.
-        clip_low, clip_high: PPO ratio clip ``[1 - clip_low, 1 + clip_high]``.
-        dual_clip: dual-clip constant (``None``: off).
-        value_coef, entropy_coef: weights of the value loss and the entropy bonus.
-        value_clip: value-loss clipping range (``None``: off).
-        normalize_advantages: whiten advantages over the batch.
+        group_size: envs per group (must equal ``env.group_size``; the shipped env configs
+            follow it); ``None``: 4 for a group algorithm, else 1.
+        value_coef, value_clip: weight and clipping range of the value loss (with a critic).
+        entropy_coef: weight of the entropy bonus.
+        normalize_advantages: PPO: whiten the GAE advantages over the batch.
         update_epochs: passes over the rollout batch per iteration.
         minibatch_size: samples (env chunk steps) per optimizer step.
         micro_batch_size: samples per forward/backward (gradient accumulation; the update
@@ -52,9 +71,10 @@ class AlgoConfig:
         weight_decay: AdamW weight decay.
         lr_schedule: ``constant`` or ``linear`` decay to 0 over the run.
         warmup_iterations: linear warmup of the learning rate.
-        critic_warmup_iterations: PPO: for the first N iterations only the value head learns
-            (the policy's learning rate is 0), so the first policy updates use advantages from
-            a critic fitted to the starting policy's returns rather than from a random one.
+        critic_warmup_iterations: with a critic: for the first N iterations only the value head
+            learns (the policy's learning rate is 0), so the first policy updates use
+            advantages from a critic fitted to the starting policy's returns rather than from
+            a random one.
         fsdp: with several actor workers, shard the policy, its gradients and the optimizer
             state over them with FSDP2 (``False``: every worker holds a replica and gradients
             are all-reduced).
@@ -70,21 +90,30 @@ class AlgoConfig:
             ``off``. Weights, optimizer state and losses stay float32.
     """
 
-    name: Literal["ppo", "grpo"] = "ppo"
-    group_size: int = 1
-    normalize_std: bool = True
-    gamma: float | None = None
-    lam: float = 0.95
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
+    name: str = "ppo"
+    # the algorithm's preset keys (rlinf_vla/configs/algo/<name>.yaml)
+    advantage: str = FROM_PRESET
+    policy_loss: str = FROM_PRESET
+    clip_low: float = FROM_PRESET
+    clip_high: float = FROM_PRESET
+    dual_clip: float | None = FROM_PRESET
+    agg: str = FROM_PRESET
+    use_critic: bool = FROM_PRESET
+    normalize_std: bool = FROM_PRESET
+    dynamic_sampling: bool = FROM_PRESET
+    overlong_buffer: float | None = FROM_PRESET
+    gamma: float = FROM_PRESET
+    lam: float = FROM_PRESET
+    kl_in_reward: bool = FROM_PRESET
+    # the trainer's keys
+    group_size: int | None = None
     value_coef: float = 0.5
-    entropy_coef: float = 0.0
     value_clip: float | None = None
+    entropy_coef: float = 0.0
     normalize_advantages: bool = True
     update_epochs: int = 2
-    minibatch_size: int = 64
-    micro_batch_size: int = 32
+    minibatch_size: int = 32
+    micro_batch_size: int = 16
     max_grad_norm: float = 1.0
     lr: float = 1e-4
     value_lr: float = 1e-3
@@ -96,21 +125,36 @@ class AlgoConfig:
     autocast: Literal["auto", "bf16", "off"] = "auto"
     fsdp: bool = False
 
+    #: trainer keys that change something only for some algorithms: key -> (test, why)
+    CONDITIONAL: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
+        "value_coef": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "value_clip": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "value_lr": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "critic_warmup_iterations": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "normalize_advantages": (lambda p: p.advantage == "gae", "whitens GAE advantages"),
+        "group_size": (lambda p: p.uses_groups, "only group advantages (grpo, rloo) use groups"),
+    }
+
     def __post_init__(self) -> None:
+        bad_preset = None
+        try:
+            fill_from_preset(self)
+        except ValueError as e:  # named below with the other bad values
+            bad_preset = preset_error("algo", e)
+        uses_groups = self.advantage in GROUP_ESTIMATORS
+        if self.group_size is None:
+            self.group_size = DEFAULT_GROUP_SIZE if uses_groups else 1
         check_at_least(self, "algo", ("update_epochs", "minibatch_size", "micro_batch_size"), 1)
         if self.minibatch_size % self.micro_batch_size:
             raise ConfigError(
                 f"algo.micro_batch_size={self.micro_batch_size} must divide "
                 f"algo.minibatch_size={self.minibatch_size}"
             )
-        if self.name not in DEFAULT_GAMMA:
-            raise ConfigError(f"algo.name: unknown {self.name!r} (known: ppo, grpo)")
-        if self.gamma is None:
-            self.gamma = DEFAULT_GAMMA[self.name]
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise ConfigError("algo.gamma and algo.lam must lie in [0, 1]")
-        if self.name == "grpo" and self.group_size < 2:
-            raise ConfigError(f"algo.group_size must be >= 2 for GRPO, got {self.group_size}")
+        if uses_groups and self.group_size < 2:
+            raise ConfigError(
+                f"algo.group_size must be >= 2 for {self.name} (it compares the episodes of a "
+                f"group), got {self.group_size}"
+            )
         if self.lr <= 0 or self.value_lr <= 0:
             raise ConfigError("algo.lr and algo.value_lr must be > 0")
         # Every bad value is named at once (inf / nan are refused when the section is built).
@@ -118,9 +162,6 @@ class AlgoConfig:
             f"algo.{key} {rule}, got {getattr(self, key)}"
             for key, ok, rule in [
                 ("group_size", self.group_size >= 1, "must be >= 1"),
-                ("clip_low", 0 <= self.clip_low < 1, "must lie in [0, 1) (ratio >= 1 - clip_low)"),
-                ("clip_high", self.clip_high >= 0, "must be >= 0"),
-                ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "must be > 1 or null"),
                 (
                     "value_clip",
                     self.value_clip is None or self.value_clip > 0,
@@ -130,17 +171,28 @@ class AlgoConfig:
                 ("max_grad_norm", self.max_grad_norm > 0, "must be > 0 (the gradient's norm cap)"),
                 ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
                 ("warmup_iterations", self.warmup_iterations >= 0, "must be >= 0"),
-                (
-                    "critic_warmup_iterations",
-                    self.critic_warmup_iterations >= 0
-                    and (self.name == "ppo" or self.critic_warmup_iterations == 0),
-                    "must be >= 0, and 0 unless algo.name=ppo (only PPO has a critic)",
-                ),
+                ("critic_warmup_iterations", self.critic_warmup_iterations >= 0, "must be >= 0"),
             ]
             if not ok
         ]
-        if bad:
-            raise ConfigError("; ".join(bad))
+        if bad or bad_preset:
+            raise ConfigError("; ".join(([bad_preset] if bad_preset else []) + bad))
+
+    @property
+    def preset(self) -> AlgorithmPreset:
+        """The algorithm as configured (its preset with this section's overrides)."""
+        return AlgorithmPreset(**{key: getattr(self, key) for key in PRESET_KEYS})
+
+    def loss_settings(self) -> LossSettings:
+        return LossSettings(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            agg=self.agg,
+            value_coef=self.value_coef if self.use_critic else 0.0,
+            value_clip=self.value_clip,
+            entropy_coef=self.entropy_coef,
+        )
 
 
 def autocast(device: torch.device, mode: str) -> Any:
@@ -189,11 +241,14 @@ def chunk_level(traj: Any) -> dict[str, Tensor]:
 
 
 def _advantages(traj: Any, algo: AlgoConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """Advantages, returns and loss mask ``[T, b]`` of one trajectory."""
-    from rlinf_vla.algos import compute_advantages, granularity
+    """Advantages, returns and loss mask ``[T, b]`` of one trajectory (see :class:`AlgoConfig`
+    for each estimator)."""
+    from rlinf_vla.algos import compute_advantages, dynamic_sampling, granularity
 
     chunks = chunk_level(traj)
-    if algo.name == "ppo":
+    T = traj.num_steps
+    everything = torch.ones_like(chunks["rewards"], dtype=torch.bool)
+    if algo.advantage == "gae":
         adv, ret = compute_advantages(
             "gae",
             values=traj.value,
@@ -202,15 +257,21 @@ def _advantages(traj: Any, algo: AlgoConfig) -> tuple[Tensor, Tensor, Tensor]:
             lam=algo.lam,
             **chunks,
         )
-        return adv, ret, torch.ones_like(adv, dtype=torch.bool)
-    # GRPO: score each env's first episode; its chunk steps share the group-relative advantage.
+        return adv, ret, everything
     dones = chunks["terminated"] | chunks["truncated"]
+    if algo.advantage == "reinforce_pp":
+        adv, ret = compute_advantages(
+            "reinforce_pp", rewards=chunks["rewards"], dones=dones, gamma=algo.gamma
+        )
+        return adv, ret, everything
+    # Group estimators: each env's first episode is scored; its chunk steps share the advantage.
     scores = granularity.episode_scores(chunks["rewards"], dones, gamma=algo.gamma)
-    adv, _ = compute_advantages(
-        "grpo", scores=scores, group_size=algo.group_size, normalize_std=algo.normalize_std
-    )
+    extra = {"normalize_std": algo.normalize_std} if algo.advantage == "grpo" else {}
+    adv, _ = compute_advantages(algo.advantage, scores=scores, group_size=algo.group_size, **extra)
     mask = granularity.valid_until_first_done(dones)
-    T = traj.num_steps
+    if algo.dynamic_sampling:  # groups whose episodes all scored the same teach nothing
+        keep, _ = dynamic_sampling(scores, algo.group_size)
+        mask = mask & keep[None, :]
     return adv.expand(T, -1), scores.expand(T, -1), mask
 
 
@@ -268,28 +329,32 @@ class ActorWorker(Worker):
             policy_name, **{**policy_config, "device": str(self.device)}
         ).train()
         self.fsdp = False
-        self.optimizer = self._build_optimizer()
+        a = self.algo
+        self.learner = Learner(
+            self.policy,
+            a.lr,
+            second_group=(lambda name: "value_head" in name, a.value_lr),
+            weight_decay=a.weight_decay,
+            max_grad_norm=a.max_grad_norm,
+            schedule=Schedule(a.warmup_iterations, a.lr_schedule, a.critic_warmup_iterations),
+        )
         self.generator = torch.Generator().manual_seed(seed + 1000 * self.rank)
         self.version = 0
         self._synced_full: set[str] = set()  # collectives whose receivers hold every weight
-        self.nan_streak = 0  # optimizer updates skipped in a row (non-finite loss/gradient)
         # Collocated on a GPU: weights and optimizer state wait in host memory between updates
         # (not with FSDP, whose sharded parameters stay where FSDP put them).
         self.offload = offload and self.device.type == "cuda"
         if self.offload:
             offload_module(self.policy)
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW with the value head in its own parameter group (``algo.value_lr``)."""
-        value_params = [p for n, p in self.policy.named_parameters() if "value_head" in n]
-        value_ids = {id(p) for p in value_params}
-        other = [p for p in self.policy.parameters() if id(p) not in value_ids and p.requires_grad]
-        groups = [{"params": other, "lr": self.algo.lr, "base_lr": self.algo.lr}]
-        if value_params:
-            groups.append(
-                {"params": value_params, "lr": self.algo.value_lr, "base_lr": self.algo.value_lr}
-            )
-        return torch.optim.AdamW(groups, weight_decay=self.algo.weight_decay)
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.learner.optimizer
+
+    @property
+    def nan_streak(self) -> int:
+        """Optimizer updates skipped in a row (non-finite loss or gradient)."""
+        return self.learner.nan_streak
 
     def shard(self) -> None:
         """Shard the policy and the optimizer state over the actor ranks with FSDP2.
@@ -297,7 +362,7 @@ class ActorWorker(Worker):
         Needs the actor group's default process group (the runner forms it). Every block of a
         ``ModuleList`` (transformer layers, ...) becomes its own FSDP unit, gathered just
         before it runs; the rest of the model forms the root unit, gathered for ``evaluate``.
-        Gradients are reduce-scattered (averaged) by FSDP, so the manual all-reduce is off.
+        Gradients are reduce-scattered by FSDP, so the manual all-reduce is off.
         """
         from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
@@ -315,8 +380,7 @@ class ActorWorker(Worker):
         fully_shard(self.policy, mesh=mesh)
         register_fsdp_forward_method(self.policy, "evaluate")
         self.fsdp = True
-        self.dp = None
-        self.optimizer = self._build_optimizer()
+        self.learner.use_fsdp(self.world_size)
 
     def save(self, path: str) -> None:
         """Policy in its on-disk format (rank 0), optimizer and RNG states (every rank).
@@ -343,11 +407,10 @@ class ActorWorker(Worker):
                 trained = self.state_dict(self.changing_names())
         state = {
             "lora_trained": trained if self.rank == 0 else None,
-            "optimizer": self._optimizer_state(),
+            **self.learner.state_dict(self._optimizer_state()),
             "torch_rng": get_rng_state(self.device),
             "generator": self.generator.get_state(),
             "version": self.version,
-            "nan_streak": self.nan_streak,
         }
         torch.save(state, Path(path) / f"actor_rank{self.rank}.pt")
 
@@ -385,22 +448,15 @@ class ActorWorker(Worker):
             # The base weights never train: the built policy has them (from policy.checkpoint
             # or the seed); the folder's weights have the adapter merged in.
             self.policy.load_state_dict(self._lora_trained(state, path), strict=False)
-            self.optimizer.load_state_dict(state["optimizer"])
         else:
             loaded = type(self.policy).from_pretrained(Path(path) / "policy")
             self.policy.load_state_dict(loaded.state_dict())
-            self.optimizer.load_state_dict(state["optimizer"])
-        # The optimizer state carries the learning rates it was saved with; the config of the
-        # resumed run decides them (so a resume can change algo.lr / value_lr / weight_decay).
-        for group, base_lr in zip(
-            self.optimizer.param_groups, (self.algo.lr, self.algo.value_lr), strict=False
-        ):
-            group["base_lr"] = group["lr"] = base_lr
-            group["weight_decay"] = self.algo.weight_decay
+        # The rates and weight decay are this run's config's (a resume may change algo.lr,
+        # value_lr, weight_decay), not those the optimizer state was saved with.
+        self.learner.load_state_dict(state, load_optimizer=not self.fsdp)
         set_rng_state(state["torch_rng"], self.device)
         self.generator.set_state(state["generator"])
         self.version = state["version"]
-        self.nan_streak = state.get("nan_streak", 0)
 
     def _lora_trained(self, state: dict[str, Any], path: str) -> dict[str, Tensor]:
         """The trained tensors of a LoRA run's checkpoint (adapter, heads), checked to be
@@ -491,54 +547,11 @@ class ActorWorker(Worker):
         self._synced_full.add(collective_name)
         return sum(t.numel() * t.element_size() for t in weights.values())
 
-    def _set_lr(self, iteration: int, total: int) -> float:
-        a = self.algo
-        scale = 1.0
-        if a.warmup_iterations and iteration < a.warmup_iterations:
-            scale = (iteration + 1) / a.warmup_iterations
-        elif a.lr_schedule == "linear":
-            scale = max(0.0, 1.0 - iteration / max(1, total))
-        policy_scale = 0.0 if iteration < a.critic_warmup_iterations else scale
-        for i, group in enumerate(self.optimizer.param_groups):  # 0: policy, 1: value head
-            group["lr"] = group["base_lr"] * (policy_scale if i == 0 else scale)
-        return self.algo.lr * policy_scale
-
     def join_data_parallel(self, collective_name: str | None) -> None:
-        """Average gradients over the actor ranks through ``collective_name`` (``None``: one rank)."""
-        self.dp = None if collective_name is None else self.collective(collective_name)
-
-    def _average_gradients(self) -> None:
-        dp = getattr(self, "dp", None)
-        if dp is None:
-            return
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]
+        """Sum gradients over the actor ranks through ``collective_name`` (``None``: one rank)."""
+        self.learner.join_data_parallel(
+            None if collective_name is None else self.collective(collective_name)
         )
-        dp.all_reduce(flat, average=True)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
-
-    def _apply_gradients(self) -> float:
-        """Average the gradients over the ranks, clip them and step the optimizer; a
-        non-finite gradient is dropped instead (counted in ``nan_streak``). Returns the norm."""
-        self._average_gradients()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.policy.parameters(), self.algo.max_grad_norm
-        )
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
-            grad_norm = grad_norm.full_tensor()
-        norm = float(grad_norm)
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.nan_streak += 1
-        else:
-            self.optimizer.step()
-            self.nan_streak = 0
-        return norm
 
     def train(
         self,
@@ -557,92 +570,47 @@ class ActorWorker(Worker):
     def _train(
         self, trajectories: list[Any], iteration: int, total_iterations: int
     ) -> dict[str, float]:
-        from rlinf_vla.algos import entropy_loss, ppo_policy_loss, value_loss, whiten
+        from rlinf_vla.algos import whiten
 
         a = self.algo
         batch = build_batch(trajectories, a)
-        if a.name == "ppo" and a.normalize_advantages and len(batch) > 1:
+        if a.advantage == "gae" and a.normalize_advantages and len(batch) > 1:
             batch.advantages = whiten(batch.advantages)
-        lr = self._set_lr(iteration, total_iterations)
+        lr = self.learner.set_lr(iteration, total_iterations)
         features = self._frozen_features(batch) if a.cache_frozen_features else None
+        settings = a.loss_settings()
         n = len(batch)
         sums: dict[str, float] = {}
-        steps = measured = 0
+        steps = measured = skipped = 0
+        grad_norm_sum = 0.0
         for _ in range(a.update_epochs):
             order = torch.randperm(n, generator=self.generator)
             for start in range(0, n, a.minibatch_size):
                 mb_idx = order[start : start + a.minibatch_size]
-                # Each loss term is a mean over the valid entries of the whole minibatch. A
-                # micro-batch adds its masked mean times its share of the minibatch's valid
-                # samples: sum(l * m) / (valid entries of the minibatch), as every sample has
-                # the same number of entries (tokens / actions / chunk) in each term. So the
-                # gradients add up to the minibatch's, whatever algo.micro_batch_size is.
-                valid = int(batch.mask[mb_idx].sum())
+                # Every term divides by its count over the whole minibatch on every rank, so
+                # the micro-batches' (and ranks') gradients add up to the minibatch's,
+                # whatever algo.micro_batch_size is (rlinf_vla.training.learner).
+                valid = self.learner.global_sum(float(batch.mask[mb_idx].sum()))
                 measured += valid > 0
-                self.optimizer.zero_grad(set_to_none=True)
+                self.learner.zero_grad()
                 for m_start in range(0, len(mb_idx), a.micro_batch_size):
                     idx = mb_idx[m_start : m_start + a.micro_batch_size]
                     mb = batch.select(idx)
-                    share = int(mb.mask.sum()) / max(valid, 1)
-                    if share == 0 and not self.fsdp:
+                    if not mb.mask.any() and not self.fsdp:
                         continue  # adds 0 (FSDP's collectives need every rank in every pass)
-                    replay = {k: v.to(self.device) for k, v in mb.replay.items()}
-                    with autocast(self.device, a.autocast):
-                        if features is None:
-                            out = self.policy.evaluate(mb.obs, replay)
-                        else:
-                            out = self.policy.evaluate_features(features[idx], replay)
-                    out = EvalOutput(
-                        logprob=out.logprob.float(),
-                        entropy=out.entropy.float(),
-                        value=None if out.value is None else out.value.float(),
-                    )
-                    sample_mask = mb.mask.to(out.logprob.device)
-                    pg, pg_m = ppo_policy_loss(
-                        logprob=out.logprob,
-                        old_logprob=mb.old_logprob.to(out.logprob.device),
-                        advantages=_expand(mb.advantages.to(out.logprob.device), out.logprob),
-                        mask=_expand(sample_mask, out.logprob),
-                        clip_low=a.clip_low,
-                        clip_high=a.clip_high,
-                        dual_clip=a.dual_clip,
-                    )
-                    loss = pg
-                    metrics = {
-                        "policy_loss": pg_m["policy_loss"],
-                        "clip_fraction": pg_m["clip_fraction"],
-                        "approx_kl": pg_m["approx_kl"],
-                    }
-                    if out.value is not None and a.name == "ppo":
-                        vl, _ = value_loss(
-                            values=out.value,
-                            old_values=mb.old_value.to(out.value.device),
-                            returns=mb.returns.to(out.value.device),
-                            mask=_expand(sample_mask, out.value),
-                            clip=a.value_clip,
-                        )
-                        loss = loss + a.value_coef * vl
-                        metrics["value_loss"] = vl.detach()
-                    el, el_m = entropy_loss(
-                        entropy=out.entropy, mask=_expand(sample_mask, out.entropy)
-                    )
-                    loss = loss + a.entropy_coef * el
-                    metrics["entropy"] = el_m["entropy"]
-                    (loss * share).backward()
-                    for k, v in metrics.items():  # the minibatch's masked means, summed
-                        sums[k] = sums.get(k, 0.0) + float(v) * share
-                grad_norm = self._apply_gradients()
-                if not math.isfinite(grad_norm):
-                    sums["skipped_updates"] = sums.get("skipped_updates", 0.0) + 1
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
+                    loss, metrics = self._micro_loss(mb, idx, features, settings, valid)
+                    self.learner.backward(loss)
+                    for k, v in metrics.items():  # shares of the minibatch's values
+                        sums[k] = sums.get(k, 0.0) + v
+                grad_norm = self.learner.step()
+                skipped += not math.isfinite(grad_norm)
+                grad_norm_sum += grad_norm
                 steps += 1
         self.version += 1
-        grad_norm_sum = sums.pop("grad_norm")
-        skipped = sums.pop("skipped_updates", 0.0)
         # the losses' metrics: a mean over the minibatches that held a valid sample
         result = {f"train/{k}": v / max(measured, 1) for k, v in sums.items()}
         result["train/grad_norm"] = grad_norm_sum / steps
-        result["train/skipped_updates"] = skipped
+        result["train/skipped_updates"] = float(skipped)
         result["train/nan_streak"] = float(self.nan_streak)
         result["train/lr"] = lr
         result["train/advantage_mean"] = float(batch.advantages.mean())
@@ -650,6 +618,54 @@ class ActorWorker(Worker):
         result["train/samples"] = float(batch.mask.sum())
         result["train/frozen_features"] = float(features is not None)
         return result
+
+    def _micro_loss(
+        self,
+        mb: Batch,
+        idx: Tensor,
+        features: Tensor | None,
+        settings: LossSettings,
+        valid: float,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """One micro-batch's share of its minibatch's loss; ``valid``: the minibatch's valid
+        samples over every rank. Each sample has the same number of log-prob (entropy, value)
+        entries, so a term's count is ``valid`` times its entries per sample (``token-mean``)
+        or ``valid`` (the sequence modes)."""
+        from rlinf_vla.training.objective import Counts, objective
+
+        replay = {k: v.to(self.device) for k, v in mb.replay.items()}
+        with autocast(self.device, self.algo.autocast):
+            if features is None:
+                out = self.policy.evaluate(mb.obs, replay)
+            else:
+                out = self.policy.evaluate_features(features[idx], replay)
+        logprob, entropy = out.logprob.float(), out.entropy.float()
+        values = None if out.value is None else out.value.float()
+        dev = logprob.device
+        sample_mask = mb.mask.to(dev)
+
+        def count(x: Tensor, agg: str) -> float:
+            return valid * (x[0].numel() if agg == "token-mean" else 1)
+
+        counts = Counts(
+            policy=count(logprob, settings.agg),
+            value=0.0 if values is None else count(values, "token-mean"),
+            entropy=count(entropy, settings.agg),
+        )
+        return objective(
+            settings,
+            counts,
+            logprob=logprob,
+            old_logprob=mb.old_logprob.to(dev),
+            advantages=_expand(mb.advantages.to(dev), logprob),
+            mask=_expand(sample_mask, logprob),
+            entropy=entropy,
+            entropy_mask=_expand(sample_mask, entropy),
+            values=values,
+            old_values=None if values is None else mb.old_value.to(dev),
+            returns=None if values is None else mb.returns.to(dev),
+            value_mask=None if values is None else _expand(sample_mask, values),
+        )
 
     def _frozen_features(self, batch: Batch) -> Tensor | None:
         """The policy's frozen features of every sample of ``batch`` (``[N, ...]``: those the
@@ -689,18 +705,20 @@ class ActorWorker(Worker):
         this rank (the family's own :meth:`~rlinf_vla.policies.Policy.loss`), accumulated over
         micro-batches of ``algo.micro_batch_size``; gradients are averaged over the ranks."""
         a = self.algo
-        lr = self._set_lr(step, total_steps)
+        lr = self.learner.set_lr(step, total_steps)
         obs, actions = self.demos.sample(a.minibatch_size, self.generator)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.learner.zero_grad()
         loss_sum = 0.0
+        # the mean over every rank's minibatch: the learner sums the ranks' gradients
+        total = a.minibatch_size * self.learner.global_sum(1.0)
         for start in range(0, a.minibatch_size, a.micro_batch_size):
             rows = slice(start, start + a.micro_batch_size)
-            share = len(actions[rows]) / a.minibatch_size
+            share = len(actions[rows]) / total
             with autocast(self.device, a.autocast):
                 loss = self.policy.loss(obs.select(rows), actions[rows].to(self.device))
-            (loss.float() * share).backward()
-            loss_sum += float(loss.detach()) * share
-        grad_norm = self._apply_gradients()
+            self.learner.backward(loss.float() * share)
+            loss_sum += float(loss.detach()) * len(actions[rows]) / a.minibatch_size
+        grad_norm = self.learner.step()
         self.version += 1
         return {
             "train/loss": loss_sum,

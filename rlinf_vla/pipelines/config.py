@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlinf_vla.algos.presets import ineffective_keys
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
 from rlinf_vla.pipelines.actor import AlgoConfig
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
@@ -170,11 +171,18 @@ def validate(cfg: Any) -> TrainJob:
 
     # Every section is checked before any error is raised, so that one run names them all.
     errors = SectionErrors()
+    algo = errors.build(lambda: from_section(AlgoConfig, cfg["algo"], "algo"))
+    if algo is not None and "group_size" not in (cfg["algo"] or {}):
+        # Groups follow env.group_size when the command line sets only that one; else both
+        # take the algorithm's default.
+        if algo.preset.uses_groups and env.get("group_size", 1) > 1:
+            algo.group_size = env["group_size"]
+        elif algo.preset.uses_groups:
+            env["group_size"] = algo.group_size
     env_cfg = errors.build(make_env_config)
     policy, pol_cfg = errors.build(resolve_policy) or (policy, None)
     sections = {
         "cluster": ClusterConfig,
-        "algo": AlgoConfig,
         "placement": TrainPlacementConfig,
         "runner": RunnerConfig,
     }
@@ -187,6 +195,7 @@ def validate(cfg: Any) -> TrainJob:
         env=env,
         policy_name=policy_name,
         policy=policy,
+        algo=algo,
         **built,
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
@@ -216,16 +225,20 @@ def validate(cfg: Any) -> TrainJob:
             f"policy.image_keys={list(image_keys)} asks for camera(s) {missing} that env "
             f"{env_name!r} does not provide (its cameras: {list(env_cfg.cameras)}){hint}"
         )
-    if job.algo.name == "grpo":
+    for message in ineffective_keys(
+        cfg["algo"], job.algo.preset, AlgoConfig.CONDITIONAL, job.algo.name
+    ):
+        errors.add(message)
+    if job.algo.preset.uses_groups:
         if job.algo.group_size != env_cfg.group_size:
             errors.add(
                 f"algo.group_size={job.algo.group_size} must equal env.group_size={env_cfg.group_size}: "
-                "GRPO compares the episodes of envs that share a reset id"
+                f"{job.algo.name} compares the episodes of envs that share a reset id"
             )
         steps = job.runner.rollout_chunks * pol_cfg.chunk_size
         if env_cfg.max_episode_steps is not None and steps < env_cfg.max_episode_steps:
             errors.add(
-                f"GRPO scores whole episodes: runner.rollout_chunks x policy.chunk_size = {steps} env steps "
+                f"{job.algo.name} scores whole episodes: runner.rollout_chunks x policy.chunk_size = {steps} env steps "
                 f"is shorter than env.max_episode_steps={env_cfg.max_episode_steps}"
             )
     if job.runner.eval_interval > 0 and job.runner.eval_videos:

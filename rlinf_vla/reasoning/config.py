@@ -8,10 +8,19 @@ Sections: ``model`` (:class:`~rlinf_vla.reasoning.model.ModelConfig`), ``data``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from rlinf_vla.algos import ALGORITHMS, KL_ESTIMATORS
+from rlinf_vla.algos import KL_ESTIMATORS
+from rlinf_vla.algos.presets import (
+    FROM_PRESET,
+    PRESET_KEYS,
+    AlgorithmPreset,
+    fill_from_preset,
+    ineffective_keys,
+    preset_error,
+)
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
 from rlinf_vla.reasoning.data import DataConfig
@@ -23,22 +32,35 @@ from rlinf_vla.runtime.placement import (
     parse_devices,
     resolve_placement,
 )
+from rlinf_vla.training.objective import LossSettings
 
 COMPONENTS = ("rollout", "actor", "reward")
 
 
 @dataclass
 class MathAlgoConfig:
-    """The ``algo`` section.
+    """The ``algo`` section of ``rlinf-vla math-grpo``.
+
+    ``name`` picks the algorithm: ``grpo``, ``dapo``, ``reinforce_pp``, ``rloo`` or ``ppo``
+    (``rlinf_vla/configs/algo/<name>.yaml``, docs/algorithms.md). Its preset keys
+    (``advantage``, ``agg``, ``clip_low``, ``clip_high``, ``dual_clip``, ``use_critic``,
+    ``normalize_std``, ``dynamic_sampling``, ``overlong_buffer``, ``gamma``, ``lam``,
+    ``kl_in_reward``; see :class:`~rlinf_vla.algos.AlgorithmPreset`) default to that file's
+    values and can be overridden one by one. Per advantage: ``grpo`` / ``rloo`` compare the
+    responses to one prompt; ``reinforce_pp`` whitens the score on each response's last token
+    over the batch; ``gae`` (PPO) trains a value head on the model's last hidden states and
+    estimates per-token advantages (discount ``gamma``, ``lam`` per token).
 
     Attributes:
-        name: ``grpo``, ``dapo`` or ``reinforce_pp`` (presets in :mod:`rlinf_vla.algos`).
         group_size: responses sampled per prompt (a GRPO group).
         prompts_per_step: prompts per training step (DAPO: groups kept after filtering).
         max_new_tokens: generation limit per response.
         temperature, top_p, top_k: sampling settings of the rollout (``top_k=0``: off).
         stop_strings: a response also ends once it contains one of these.
         lr: AdamW learning rate; ``weight_decay``, ``betas`` its other settings.
+        value_lr: PPO: the value head's learning rate.
+        value_coef, value_clip: PPO: weight and clipping range of the value loss.
+        normalize_advantages: PPO: whiten the GAE advantages over the batch's tokens.
         warmup_steps: linear learning-rate warm-up from 0 over this many steps.
         max_grad_norm: gradient clipping (``0``: off).
         update_epochs: passes over each batch; more than 1 makes the update off-policy and
@@ -46,25 +68,38 @@ class MathAlgoConfig:
         minibatch_size: responses per optimizer step (``0``: the whole batch, one step).
         micro_batch_size: responses per forward/backward pass (gradient accumulation).
         kl_coef: weight of the KL to the frozen initial policy (``0``: no reference model).
-            GRPO/DAPO add it as a loss term; REINFORCE++ folds it into the reward.
+            Added as a loss term, or folded into the reward where the preset says
+            ``kl_in_reward`` (REINFORCE++).
         kl_estimator: ``k1``, ``k2`` or ``k3``.
         format_weight: reward for a ``\\boxed{}`` answer, added to the 0/1 correctness.
-        overlong_buffer: DAPO's soft overlong penalty: the ramp covers this fraction of
-            ``max_new_tokens`` (``None``: the preset's, ``0``: off).
-        overlong_penalty_factor: the penalty at the limit.
-        clip_high: the upper PPO clip ε_high (``None``: the preset's).
-        max_sample_rounds: DAPO only: sampling rounds per step to fill ``prompts_per_step``
-            groups whose rewards are not all equal.
+        overlong_penalty_factor: DAPO's overlong penalty at the limit (with
+            ``overlong_buffer``).
+        max_sample_rounds: with dynamic sampling: sampling rounds per step to fill
+            ``prompts_per_step`` groups whose rewards are not all equal.
         skip_zero_advantage: responses whose advantage is exactly 0 (GRPO groups where every
             response scored the same) contribute no gradient; skip their forward and backward
             passes. The loss keeps its normalisation, so the update is unchanged. Only applies
-            without a KL term.
+            without a KL or value term.
         fallback_last_number: an answer without ``\\boxed{}`` or an "answer is" phrase is read
             from the last number of the response.
-        gradient_checkpointing: recompute activations in the backward pass.
     """
 
-    name: Literal["grpo", "dapo", "reinforce_pp"] = "grpo"
+    name: str = "grpo"
+    # the algorithm's preset keys (rlinf_vla/configs/algo/<name>.yaml)
+    advantage: str = FROM_PRESET
+    policy_loss: str = FROM_PRESET
+    clip_low: float = FROM_PRESET
+    clip_high: float = FROM_PRESET
+    dual_clip: float | None = FROM_PRESET
+    agg: str = FROM_PRESET
+    use_critic: bool = FROM_PRESET
+    normalize_std: bool = FROM_PRESET
+    dynamic_sampling: bool = FROM_PRESET
+    overlong_buffer: float | None = FROM_PRESET
+    gamma: float = FROM_PRESET
+    lam: float = FROM_PRESET
+    kl_in_reward: bool = FROM_PRESET
+    # the trainer's keys
     group_size: int = 8
     prompts_per_step: int = 8
     max_new_tokens: int = 96
@@ -75,6 +110,10 @@ class MathAlgoConfig:
     lr: float = 2e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    value_lr: float = 1e-4
+    value_coef: float = 0.5
+    value_clip: float | None = None
+    normalize_advantages: bool = True
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     update_epochs: int = 1
@@ -83,35 +122,52 @@ class MathAlgoConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     format_weight: float = 0.0
-    overlong_buffer: float | None = None
     overlong_penalty_factor: float = 1.0
-    clip_high: float | None = None
     max_sample_rounds: int = 3
     skip_zero_advantage: bool = True
     fallback_last_number: bool = True
 
+    #: trainer keys that change something only for some algorithms: key -> (test, why)
+    CONDITIONAL: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
+        "value_coef": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "value_clip": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "value_lr": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "normalize_advantages": (lambda p: p.advantage == "gae", "whitens GAE advantages"),
+        "max_sample_rounds": (lambda p: p.dynamic_sampling, "refills dynamic sampling"),
+        "overlong_penalty_factor": (
+            lambda p: bool(p.overlong_buffer),
+            "scales the overlong penalty (overlong_buffer)",
+        ),
+    }
+
     def __post_init__(self) -> None:
-        ALGORITHMS[self.name]
+        try:
+            preset = fill_from_preset(self)
+        except ValueError as e:
+            raise ConfigError(preset_error("algo", e)) from None
         KL_ESTIMATORS[self.kl_estimator]
         positive = ("prompts_per_step", "max_new_tokens", "update_epochs", "micro_batch_size")
         check_at_least(self, "algo", (*positive, "max_sample_rounds"), 1)
-        if self.group_size < 1 or (self.name != "reinforce_pp" and self.group_size < 2):
+        if self.group_size < 1 or (preset.uses_groups and self.group_size < 2):
             raise ConfigError(
                 f"algo.group_size must be >= 2 for {self.name} (it compares the responses to "
                 f"one prompt), got {self.group_size}"
             )
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("algo: need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
-        if self.lr <= 0 or self.kl_coef < 0 or self.max_grad_norm < 0 or self.minibatch_size < 0:
-            raise ConfigError("algo: need lr > 0 and kl_coef, max_grad_norm, minibatch_size >= 0")
-        if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= 1:
-            raise ConfigError(f"algo.overlong_buffer must be in [0, 1], got {self.overlong_buffer}")
+        if self.lr <= 0 or self.value_lr <= 0:
+            raise ConfigError("algo.lr and algo.value_lr must be > 0")
+        if self.kl_coef < 0 or self.max_grad_norm < 0 or self.minibatch_size < 0:
+            raise ConfigError("algo: need kl_coef, max_grad_norm, minibatch_size >= 0")
+        if self.value_coef < 0 or (self.value_clip is not None and self.value_clip <= 0):
+            raise ConfigError("algo: need value_coef >= 0 and value_clip > 0 or null")
         if len(self.betas) != 2:
             raise ConfigError(f"algo.betas must be two numbers, got {self.betas}")
 
     @property
-    def preset(self) -> Any:
-        return ALGORITHMS[self.name]
+    def preset(self) -> AlgorithmPreset:
+        """The algorithm as configured (its preset with this section's overrides)."""
+        return AlgorithmPreset(**{key: getattr(self, key) for key in PRESET_KEYS})
 
     @property
     def batch_size(self) -> int:
@@ -121,13 +177,24 @@ class MathAlgoConfig:
     @property
     def overlong_tokens(self) -> int:
         """The length of DAPO's overlong ramp in tokens (0: no penalty)."""
-        frac = self.preset.overlong_buffer if self.overlong_buffer is None else self.overlong_buffer
-        return round((frac or 0.0) * self.max_new_tokens)
+        return round((self.overlong_buffer or 0.0) * self.max_new_tokens)
 
     @property
     def on_policy(self) -> bool:
         """One optimizer step per batch: the rollout-time log-probs equal the current ones."""
         return self.update_epochs == 1 and self.minibatch_size in (0, self.batch_size)
+
+    def loss_settings(self) -> LossSettings:
+        return LossSettings(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            agg=self.agg,
+            value_coef=self.value_coef if self.use_critic else 0.0,
+            value_clip=self.value_clip,
+            kl_coef=0.0 if self.kl_in_reward else self.kl_coef,
+            kl_estimator=self.kl_estimator,
+        )
 
 
 @dataclass
@@ -242,6 +309,11 @@ def validate(cfg: Any) -> MathGrpoJob:
     built = {
         k: errors.build(lambda k=k, c=c: from_section(c, cfg[k], k)) for k, c in sections.items()
     }
+    errors.raise_any()
+    for message in ineffective_keys(
+        cfg["algo"], built["algo"].preset, MathAlgoConfig.CONDITIONAL, built["algo"].name
+    ):
+        errors.add(message)
     errors.raise_any()
     job = MathGrpoJob(**built, raw=OmegaConf.to_container(cfg, resolve=True))
     job.model.source()  # the weights exist

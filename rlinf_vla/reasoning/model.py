@@ -265,13 +265,21 @@ def make_token_batch(
 
 
 def response_logprobs(
-    model: torch.nn.Module, batch: TokenBatch, chunk: int, temperature: float = 1.0
-) -> Tensor:
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    chunk: int,
+    temperature: float = 1.0,
+    value_head: torch.nn.Module | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``log π(y_t | prompt, y_<t)`` of every response token.
+
+    Args:
+        value_head: also return ``V(prompt, y_<t)``, this module applied to the last hidden
+            state that predicts token ``t`` (float32), for PPO's critic.
 
     Returns:
         ``[B, L]`` float32 log-probs, 0 where ``response_mask`` is false; differentiable when
-        called with gradients enabled.
+        called with gradients enabled. With ``value_head``: ``(log-probs, values [B, L])``.
     """
     body, head = backbone_and_head(model)
     device = head.weight.device
@@ -286,4 +294,8 @@ def response_logprobs(
         h[mask], head, batch.response_ids.to(device)[mask], chunk, temperature
     )
     out = torch.zeros(mask.shape, dtype=torch.float32, device=device)
-    return out.masked_scatter(mask, picked)
+    out = out.masked_scatter(mask, picked)
+    if value_head is None:
+        return out
+    values = value_head(h.float()).squeeze(-1) * mask
+    return out, values

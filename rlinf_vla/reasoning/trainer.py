@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlinf_vla.algos import compute_advantages, dynamic_sampling, overlong_penalty
+from rlinf_vla.algos import compute_advantages, dynamic_sampling, overlong_penalty, whiten
 from rlinf_vla.config import ConfigError, to_dict
 from rlinf_vla.pipelines.checkpoints import (
     Resume,
@@ -59,8 +59,11 @@ from rlinf_vla.runtime import (
     wait_started,
 )
 from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
+from rlinf_vla.training.objective import OBJECTIVE_METRICS, Counts
 
 WEIGHTS = "math-weights"
+#: metrics of the loss terms: each actor rank reports its share, they add up over the ranks
+LOSS_METRICS = {f"train/{k}" for k in OBJECTIVE_METRICS}
 DATA_PARALLEL = "math-data-parallel"
 
 
@@ -244,63 +247,95 @@ class MathGrpoRunner:
                     groups.append(group)
         return groups, stats
 
-    def advantages(self, groups: list[dict[str, Any]]) -> list[list[list[float]]]:
-        """Per-token advantages ``[group][response][token]``."""
+    def sequences(self, groups: list[dict[str, Any]]) -> list[Sequence]:
+        """Every response of ``groups`` with its per-token advantages (``rlinf_vla.algos``, as
+        the algorithm's ``advantage`` says; PPO also with its value targets)."""
         a = self.job.algo
-        if not groups:
+        seqs = [Sequence(g["prompt"], r, []) for g in groups for r in g["responses"]]
+        if not seqs:
             return []
         scores = torch.cat([g["score"] for g in groups])
-        lengths = [len(r) for g in groups for r in g["responses"]]
-        if a.preset.advantage == "grpo":
+        lengths = [len(s.response) for s in seqs]
+        if a.preset.uses_groups:  # grpo, rloo: one advantage per response, on each token
+            extra = {"normalize_std": a.normalize_std} if a.advantage == "grpo" else {}
             adv, _ = compute_advantages(
-                "grpo", scores=scores, group_size=a.group_size, normalize_std=a.preset.normalize_std
+                a.advantage, scores=scores, group_size=a.group_size, **extra
             )
-            flat = [[float(adv[i])] * n for i, n in enumerate(lengths)]
-        else:  # reinforce_pp: the score on each response's last token, returns whitened
-            L, B = max(lengths), len(lengths)
-            mask = torch.zeros(L, B, dtype=torch.bool)
-            rewards = torch.zeros(L, B)
-            for b, n in enumerate(lengths):
-                mask[:n, b] = True
-                rewards[n - 1, b] = scores[b]
+            for s, value, n in zip(seqs, adv.tolist(), lengths, strict=True):
+                s.advantages = [value] * n
+            return seqs
+        # Token sequences, time-major [L, B]: the score on each response's last token.
+        L, B = max(lengths), len(lengths)
+        mask = torch.zeros(L, B, dtype=torch.bool)
+        rewards = torch.zeros(L, B)
+        for b, n in enumerate(lengths):
+            mask[:n, b] = True
+            rewards[n - 1, b] = scores[b]
+        if a.advantage == "reinforce_pp":
             kl = None
-            if a.kl_coef > 0:
-                seqs = [Sequence(g["prompt"], r, []) for g in groups for r in g["responses"]]
-                per_seq = [
-                    row
-                    for rows in self.actor.scatter("kl_to_reference", seqs, args=(self.pad_id,))
-                    for row in rows
-                ]
-                kl = torch.zeros(L, B)
-                for b, row in enumerate(per_seq):
-                    kl[: len(row), b] = torch.tensor(row)
+            if a.kl_coef > 0 and a.kl_in_reward:
+                kl = self._per_token(
+                    self.actor.scatter("kl_to_reference", seqs, args=(self.pad_id,)), L, B
+                )
             adv, _ = compute_advantages(
-                "reinforce_pp", rewards=rewards, mask=mask, gamma=1.0, kl=kl, kl_coef=a.kl_coef
+                "reinforce_pp", rewards=rewards, mask=mask, gamma=a.gamma, kl=kl, kl_coef=a.kl_coef
             )
-            flat = [adv[:n, b].tolist() for b, n in enumerate(lengths)]
-        out, k = [], 0
-        for g in groups:
-            out.append(flat[k : k + len(g["responses"])])
-            k += len(g["responses"])
+            for b, s in enumerate(seqs):
+                s.advantages = adv[: lengths[b], b].tolist()
+            return seqs
+        # gae (PPO): the critic's values at rollout time; 0 after the last token.
+        values = torch.zeros(L + 1, B)
+        values[:L] = self._per_token(
+            self.actor.scatter("token_values", seqs, args=(self.pad_id,)), L, B
+        )
+        terminated = torch.zeros(L, B, dtype=torch.bool)
+        for b, n in enumerate(lengths):
+            terminated[n - 1, b] = True
+        adv, ret = compute_advantages(
+            "gae",
+            rewards=rewards,
+            values=values,
+            terminated=terminated,
+            truncated=torch.zeros_like(terminated),
+            gamma=a.gamma,
+            lam=a.lam,
+        )
+        if a.normalize_advantages and mask.sum() > 1:
+            adv = whiten(adv, mask)
+        for b, s in enumerate(seqs):
+            n = lengths[b]
+            s.advantages = adv[:n, b].tolist()
+            s.returns = ret[:n, b].tolist()
+            s.values = values[:n, b].tolist()
+        return seqs
+
+    @staticmethod
+    def _per_token(per_rank: list[list[list[float]]], L: int, B: int) -> torch.Tensor:
+        """Per-response token values gathered from the actor ranks -> ``[L, B]``."""
+        out = torch.zeros(L, B)
+        for b, row in enumerate(r for rows in per_rank for r in rows):
+            out[: len(row), b] = torch.tensor(row)
         return out
 
     def update(self, groups: list[dict[str, Any]], step: int) -> dict[str, float]:
         a = self.job.algo
-        seqs = [
-            Sequence(g["prompt"], resp, adv)
-            for g, advs in zip(groups, self.advantages(groups), strict=True)
-            for resp, adv in zip(g["responses"], advs, strict=True)
-        ]
+        seqs = self.sequences(groups)
         self.shuffle.shuffle(seqs)
         n_mb = a.batch_size // a.minibatch_size if a.minibatch_size else 1
         minibatches = [mb for mb in split_evenly(seqs, min(n_mb, len(seqs))) if mb]
-        denominators = [
-            float(sum(len(s.response) for s in mb))
-            if a.preset.agg == "token-mean"
-            else float(len(mb))
+        # Each term divides by its count over the whole minibatch (all micro-batches and
+        # ranks): the policy and KL terms as algo.agg counts, the value term its tokens.
+        counts = [
+            Counts(
+                policy=float(sum(len(s.response) for s in mb))
+                if a.agg == "token-mean"
+                else float(len(mb)),
+                value=float(sum(len(s.response) for s in mb)),
+            )
             for mb in minibatches
         ]
-        skip = a.skip_zero_advantage and not (a.kl_coef > 0 and a.name != "reinforce_pp")
+        settings = a.loss_settings()
+        skip = a.skip_zero_advantage and not settings.kl_coef and not settings.value_coef
         active = [not skip or any(not s.zero_advantage for s in mb) for mb in minibatches]
         if not any(active):  # no gradient anywhere: no update, the weights stay as they are
             return {
@@ -315,14 +350,15 @@ class MathGrpoRunner:
             for r in range(world)
         ]
         calls = [
-            self.actor.train(shards[r], denominators, active, self.pad_id, step, ranks=[r])
+            self.actor.train(shards[r], counts, active, self.pad_id, step, ranks=[r])
             for r in range(world)
         ]
         per_rank = [c.wait()[0] for c in calls]
         out = {}
         for k in per_rank[0]:
             vals = [m[k] for m in per_rank if k in m]
-            summed = k in ("train/skipped_zero_advantage",)
+            # the loss terms' shares add up over the ranks; the rest is per rank, averaged
+            summed = k in LOSS_METRICS or k == "train/skipped_zero_advantage"
             out[k] = sum(vals) if summed else sum(vals) / len(vals)
         out["train/skipped_zero_advantage"] /= max(1, len(seqs) * a.update_epochs)
         return out

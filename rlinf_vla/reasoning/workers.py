@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlinf_vla.algos import kl_divergence, kl_loss, metrics_to_floats, ppo_policy_loss
+from rlinf_vla.algos import kl_divergence
 from rlinf_vla.config import from_section
 from rlinf_vla.reasoning.config import MathAlgoConfig
 from rlinf_vla.reasoning.generation import Response, encode_prompts, sample_responses
@@ -38,6 +38,8 @@ from rlinf_vla.runtime import (
     onload_optimizer,
     resident,
 )
+from rlinf_vla.training.learner import Learner, Schedule
+from rlinf_vla.training.objective import objective
 
 
 def _setup_threads(cfg: ModelConfig) -> None:
@@ -223,11 +225,14 @@ class RewardWorker(Worker):
 # --------------------------------------------------------------------------- actor
 @dataclass
 class Sequence:
-    """One response to train on: prompt and response token ids, and per-token advantages."""
+    """One response to train on: prompt and response token ids, and per-token advantages
+    (PPO: also the per-token value targets and the values at rollout time)."""
 
     prompt: list[int]
     response: list[int]
     advantages: list[float]
+    returns: list[float] | None = None
+    values: list[float] | None = None
 
     @property
     def zero_advantage(self) -> bool:
@@ -252,23 +257,44 @@ class ActorWorker(Worker):
         self.reference = None
         if self.algo.kl_coef > 0 and self.cfg.lora_rank == 0:
             self.reference = load_model(self.cfg).to(self.device).eval().requires_grad_(False)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=self.algo.lr,
-            betas=tuple(self.algo.betas),
-            weight_decay=self.algo.weight_decay,
+        # PPO's critic: a linear read-out of the last hidden state (float32), trained beside
+        # the model at algo.value_lr.
+        self.value_head = None
+        if self.algo.use_critic:
+            self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1).to(self.device)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+        trained = torch.nn.ModuleDict({"model": self.model})
+        if self.value_head is not None:
+            trained["value_head"] = self.value_head
+        a = self.algo
+        self.learner = Learner(
+            trained,
+            a.lr,
+            second_group=(lambda name: name.startswith("value_head."), a.value_lr),
+            betas=tuple(a.betas),
+            weight_decay=a.weight_decay,
+            max_grad_norm=a.max_grad_norm,
+            schedule=Schedule(warmup=a.warmup_steps),
         )
-        self.dp = None
         self.offload_between_steps = offload and self.device.type == "cuda"
         self.synced_once = False
-        self.nan_streak = 0
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.learner.optimizer
+
+    @property
+    def nan_streak(self) -> int:
+        return self.learner.nan_streak
 
     def _onload(self) -> None:
         """The model, the optimizer state and the reference back on the device (collocated on
         a GPU, they wait in host memory between updates: :meth:`_offload`)."""
         if self.offload_between_steps:
             onload_module(self.model, self.device)
+            if self.value_head is not None:
+                onload_module(self.value_head, self.device)
             onload_optimizer(self.optimizer, self.device)
             if self.reference is not None:
                 onload_module(self.reference, self.device)
@@ -276,6 +302,8 @@ class ActorWorker(Worker):
     def _offload(self) -> None:
         if self.offload_between_steps:
             offload_module(self.model)
+            if self.value_head is not None:
+                offload_module(self.value_head)
             offload_optimizer(self.optimizer)
             if self.reference is not None:
                 offload_module(self.reference)
@@ -288,7 +316,7 @@ class ActorWorker(Worker):
 
     # ----------------------------------------------------------------- weights
     def join_data_parallel(self, collective_name: str) -> None:
-        self.dp = self.collective(collective_name)
+        self.learner.join_data_parallel(self.collective(collective_name))
 
     def sync_to(self, collective_name: str, version: int) -> int:
         """Broadcast the weights (LoRA: the adapters, after a first full sync) to the rollout."""
@@ -336,25 +364,23 @@ class ActorWorker(Worker):
             for c, r in zip(current, ref, strict=True)
         ]
 
-    # ----------------------------------------------------------------- update
-    def _set_lr(self, step: int) -> float:
-        warm = self.algo.warmup_steps
-        lr = self.algo.lr * (min(1.0, (step + 1) / warm) if warm else 1.0)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+    @torch.no_grad()
+    def token_values(self, seqs: list[Sequence], pad_id: int) -> list[list[float]]:
+        """PPO: the value head's estimate before each response token (the critic's values at
+        rollout time, for GAE)."""
+        self._onload()  # for the update that follows, which offloads again
+        position = {id(s): i for i, s in enumerate(seqs)}
+        out: list[list[float]] = [[] for _ in seqs]
+        for micro in _micro_batches(seqs, self.algo.micro_batch_size):
+            batch = make_token_batch([s.prompt for s in micro], [s.response for s in micro], pad_id)
+            _, values = response_logprobs(
+                self.model, batch, self.cfg.logprob_chunk_tokens, self._temperature, self.value_head
+            )
+            for i, s in enumerate(micro):
+                out[position[id(s)]] = values[i, : len(s.response)].cpu().tolist()
+        return out
 
-    def _average_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        if self.dp is None:
-            return
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]
-        )
-        self.dp.all_reduce(flat)  # the loss is already normalised by the global batch
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+    # ----------------------------------------------------------------- update
 
     def train(
         self,
@@ -376,90 +402,76 @@ class ActorWorker(Worker):
             pad_id: the tokenizer's padding id.
             step: the training step (for the learning-rate warm-up).
         """
-        a, preset = self.algo, self.algo.preset
+        a = self.algo
         self._onload()
-        lr = self._set_lr(step)
+        lr = self.learner.set_lr(step, step + 1)
+        settings = a.loss_settings()
         timings = {"logprob_s": 0.0, "train_s": 0.0}
         t0 = time.perf_counter()
-        need_kl = a.kl_coef > 0 and a.name != "reinforce_pp"
+        need_kl = settings.kl_coef > 0
         flat = [s for mb in minibatches for s in mb]
         old = None if a.on_policy else self._no_grad_logprobs(flat, pad_id, reference=False)
         ref = self._no_grad_logprobs(flat, pad_id, reference=True) if need_kl else None
         timings["logprob_s"] = time.perf_counter() - t0
         index = {id(s): i for i, s in enumerate(flat)}
-        skip = a.skip_zero_advantage and not need_kl
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        skip = a.skip_zero_advantage and not need_kl and not settings.value_coef
         sums: dict[str, float] = {}
-        weight_total = 0.0
-        grad_norms, skipped, updates, skipped_seqs = [], 0, 0, 0
+        grad_norms, skipped, updates, skipped_seqs, measured = [], 0, 0, 0, 0
         t1 = time.perf_counter()
         for _ in range(a.update_epochs):
-            for mb, denom, live in zip(minibatches, denominators, active, strict=True):
+            for mb, counts, live in zip(minibatches, denominators, active, strict=True):
                 todo = [s for s in mb if not (skip and s.zero_advantage)]
                 skipped_seqs += len(mb) - len(todo)
                 if skip and not live:
                     continue
-                self.optimizer.zero_grad(set_to_none=True)
+                self.learner.zero_grad()
                 for micro in _micro_batches(todo, a.micro_batch_size):
                     batch = make_token_batch(
                         [s.prompt for s in micro], [s.response for s in micro], pad_id
                     )
                     mask = batch.response_mask.to(self.device)
-                    logprob = response_logprobs(
-                        self.model, batch, self.cfg.logprob_chunk_tokens, self._temperature
+                    out = response_logprobs(
+                        self.model,
+                        batch,
+                        self.cfg.logprob_chunk_tokens,
+                        self._temperature,
+                        self.value_head,
                     )
-                    adv = _pad([s.advantages for s in micro], mask.shape).to(self.device)
-                    old_lp = (
-                        logprob.detach()
-                        if old is None
-                        else _pad([old[index[id(s)]] for s in micro], mask.shape).to(self.device)
-                    )
-                    loss, m = ppo_policy_loss(
+                    logprob, values = out if self.value_head is not None else (out, None)
+
+                    def padded(rows: list[Any], mask: Tensor = mask) -> Tensor:
+                        return _pad(rows, mask.shape).to(self.device)
+
+                    loss, metrics = objective(
+                        settings,
+                        counts,
                         logprob=logprob,
-                        old_logprob=old_lp,
-                        advantages=adv,
+                        old_logprob=logprob.detach()
+                        if old is None
+                        else padded([old[index[id(s)]] for s in micro]),
+                        advantages=padded([s.advantages for s in micro]),
                         mask=mask,
-                        clip_low=preset.clip_low,
-                        clip_high=preset.clip_high if a.clip_high is None else a.clip_high,
-                        dual_clip=preset.dual_clip,
-                        agg=preset.agg,
+                        values=values,
+                        old_values=None if values is None else padded([s.values for s in micro]),
+                        returns=None if values is None else padded([s.returns for s in micro]),
+                        ref_logprob=None
+                        if ref is None
+                        else padded([ref[index[id(s)]] for s in micro]),
                     )
-                    tokens = float(mask.sum())
-                    local = tokens if preset.agg == "token-mean" else float(len(micro))
-                    scale = local / denom
-                    total = loss * scale
-                    metrics = metrics_to_floats(m)
-                    if ref is not None:
-                        ref_lp = _pad([ref[index[id(s)]] for s in micro], mask.shape)
-                        kl, km = kl_loss(
-                            logprob=logprob,
-                            ref_logprob=ref_lp.to(self.device),
-                            mask=mask,
-                            estimator=a.kl_estimator,
-                            agg=preset.agg,
-                        )
-                        total = total + a.kl_coef * kl * scale
-                        metrics.update(metrics_to_floats(km))
-                    total.backward()
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + v * tokens
-                    weight_total += tokens
-                self._average_gradients(params)
-                norm = torch.nn.utils.clip_grad_norm_(
-                    params, a.max_grad_norm if a.max_grad_norm > 0 else float("inf")
-                )
-                if math.isfinite(float(norm)):
-                    self.optimizer.step()
-                    self.nan_streak = 0
+                    self.learner.backward(loss)
+                    for k, v in metrics.items():  # shares of the minibatch's values
+                        sums[k] = sums.get(k, 0.0) + v
+                measured += 1
+                norm = self.learner.step()
+                if math.isfinite(norm):
                     updates += 1
-                    grad_norms.append(float(norm))
+                    grad_norms.append(norm)
                 else:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self.nan_streak += 1
                     skipped += 1
         timings["train_s"] = time.perf_counter() - t1
         self._offload()
-        out = {f"train/{k}": v / weight_total for k, v in sums.items()} if weight_total else {}
+        # this rank's share of each minibatch's value, summed over the ranks by the caller
+        out = {f"train/{k}": v / measured for k, v in sums.items()} if measured else {}
         out.update(
             {
                 "train/lr": lr,
@@ -484,7 +496,9 @@ class ActorWorker(Worker):
         if self.rank == 0:
             self.model.save_pretrained(folder / "model")
             load_tokenizer(self.cfg).save_pretrained(folder / "model")
-            state["optimizer"] = self.optimizer.state_dict()
+            state.update(self.learner.state_dict())
+            if self.value_head is not None:  # PPO's critic
+                state["value_head"] = {k: v.cpu() for k, v in self.value_head.state_dict().items()}
         torch.save(state, folder / f"actor_{self.rank}.pt")
 
     def load(self, path: str) -> None:
@@ -502,8 +516,15 @@ class ActorWorker(Worker):
 
             saved = AutoModelForCausalLM.from_pretrained(folder / "model")
             self.model.load_state_dict(saved.state_dict())
-        optimizer = torch.load(folder / "actor_0.pt", weights_only=False)["optimizer"]
-        self.optimizer.load_state_dict(optimizer)
+        shared = torch.load(folder / "actor_0.pt", weights_only=False)
+        if self.value_head is not None:
+            if "value_head" not in shared:
+                raise RuntimeError(
+                    f"{folder} holds no value head: it was written by a run without a critic "
+                    "(resume it with the algorithm it was trained with)"
+                )
+            self.value_head.load_state_dict(shared["value_head"])
+        self.learner.load_state_dict(shared)
         own = folder / f"actor_{self.rank}.pt"
         if own.exists():
             torch.set_rng_state(torch.load(own, weights_only=False)["rng"])

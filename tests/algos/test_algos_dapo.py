@@ -45,7 +45,7 @@ def test_dapo_is_a_named_combination():
         "agg": "token-mean",
     }
     assert ALGORITHMS["ppo"].use_critic and ALGORITHMS["ppo"].advantage == "gae"
-    assert ALGORITHMS.names() == ["dapo", "grpo", "ppo", "reinforce_pp"]
+    assert ALGORITHMS.names() == ["dapo", "grpo", "ppo", "reinforce_pp", "rloo"]
 
 
 def test_presets_are_validated():

@@ -25,6 +25,7 @@ from rlinf_vla.reasoning.trainer import MathGrpoRunner
 from rlinf_vla.reasoning.workers import ActorWorker, Sequence, _trainable_state
 from rlinf_vla.runtime.cluster import Device
 from rlinf_vla.runtime.worker import WorkerContext
+from rlinf_vla.training.objective import Counts
 from tests.reasoning.conftest import small_run_args
 
 
@@ -151,14 +152,48 @@ def test_split_has_no_shared_question_and_the_sampler_covers_an_epoch(tmp_path: 
 
 
 # --------------------------------------------------------------------------- advantages
+def _advantages(runner: object, groups: list[dict]) -> list[list[list[float]]]:
+    """Per-token advantages ``[group][response][token]`` of ``MathGrpoRunner.sequences``."""
+    seqs = MathGrpoRunner.sequences(runner, groups)
+    out, k = [], 0
+    for g in groups:
+        out.append([s.advantages for s in seqs[k : k + len(g["responses"])]])
+        k += len(g["responses"])
+    return out
+
+
+def test_rloo_baselines_each_response_by_the_others() -> None:
+    algo = MathAlgoConfig(name="rloo", group_size=4)
+    fake = SimpleNamespace(job=SimpleNamespace(algo=algo))
+    groups = [
+        {
+            "prompt": [0],
+            "score": torch.tensor([1.0, 0.0, 0.0, 1.0]),
+            "responses": [[1, 2], [3], [4, 5, 6], [7]],
+        }
+    ]
+    adv = _advantages(fake, groups)
+    # 1 - (0 + 0 + 1) / 3 = 2/3;  0 - (1 + 0 + 1) / 3 = -2/3
+    assert adv[0][0] == pytest.approx([2 / 3] * 2, abs=1e-6)
+    assert adv[0][2] == pytest.approx([-2 / 3] * 3, abs=1e-6)
+
+
 def test_grpo_groups_get_hand_computed_advantages() -> None:
     algo = MathAlgoConfig(group_size=4)
     fake = SimpleNamespace(job=SimpleNamespace(algo=algo))
     groups = [
-        {"score": torch.tensor([1.0, 0.0, 0.0, 0.0]), "responses": [[1, 2], [3], [4, 5, 6], [7]]},
-        {"score": torch.tensor([1.0, 1.0, 1.0, 1.0]), "responses": [[1], [2], [3], [4]]},
+        {
+            "prompt": [0],
+            "score": torch.tensor([1.0, 0.0, 0.0, 0.0]),
+            "responses": [[1, 2], [3], [4, 5, 6], [7]],
+        },
+        {
+            "prompt": [0],
+            "score": torch.tensor([1.0, 1.0, 1.0, 1.0]),
+            "responses": [[1], [2], [3], [4]],
+        },
     ]
-    adv = MathGrpoRunner.advantages(fake, groups)
+    adv = _advantages(fake, groups)
     # group 1: mean 0.25, unbiased std 0.5 -> (1 - .25) / .5 = 1.5, (0 - .25) / .5 = -0.5
     assert adv[0][0] == pytest.approx([1.5, 1.5], abs=1e-4)
     assert adv[0][2] == pytest.approx([-0.5] * 3, abs=1e-4)
@@ -168,8 +203,8 @@ def test_grpo_groups_get_hand_computed_advantages() -> None:
 def test_reinforce_pp_whitens_the_returns_of_all_tokens() -> None:
     algo = MathAlgoConfig(name="reinforce_pp", group_size=2)
     fake = SimpleNamespace(job=SimpleNamespace(algo=algo))
-    adv = MathGrpoRunner.advantages(
-        fake, [{"score": torch.tensor([1.0, 0.0]), "responses": [[5, 6], [7]]}]
+    adv = _advantages(
+        fake, [{"prompt": [0], "score": torch.tensor([1.0, 0.0]), "responses": [[5, 6], [7]]}]
     )
     # returns per token: [1, 1] and [0]; mean 2/3, unbiased std sqrt(1/3)
     std = (1 / 3) ** 0.5
@@ -194,7 +229,7 @@ def test_lora_trains_only_the_adapters_with_a_kl_to_the_base_model(tiny_model_di
     p = tok("5-2=")["input_ids"]
     seqs = [Sequence(p, tok("3")["input_ids"], [1.0]), Sequence(p, tok("8")["input_ids"], [-1.0])]
     for step in range(2):
-        m = actor.train([seqs], [2.0], [True], tok.pad_token_id, step=step)
+        m = actor.train([seqs], [Counts(2.0)], [True], tok.pad_token_id, step=step)
     assert m["train/kl"] > 0  # the first step moved the policy away from the base model
     after = actor.model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -223,7 +258,7 @@ def test_skipping_zero_advantage_responses_leaves_the_update_unchanged(
                 tiny_model_dir, name=agg_algo, skip_zero_advantage=skip, micro_batch_size=1
             )
             before = _seq_logprobs(actor, seqs)
-            m = actor.train([seqs], [denom], [True], tok.pad_token_id, step=0)
+            m = actor.train([seqs], [Counts(denom)], [True], tok.pad_token_id, step=0)
             results[skip] = ({k: v.clone() for k, v in actor.model.state_dict().items()}, m)
             after = _seq_logprobs(actor, seqs)
         assert results[True][1]["train/skipped_zero_advantage"] == 2
@@ -245,7 +280,7 @@ def test_a_batch_without_signal_makes_no_optimizer_step(tiny_model_dir: Path) ->
     actor = _local_actor(tiny_model_dir)
     before = {k: v.clone() for k, v in actor.model.state_dict().items()}
     seqs = [Sequence(tok("1")["input_ids"], tok("2")["input_ids"], [0.0])] * 2
-    m = actor.train([seqs], [2.0], [False], tok.pad_token_id, step=0)
+    m = actor.train([seqs], [Counts(2.0)], [False], tok.pad_token_id, step=0)
     assert m["train/updates"] == 0
     for k, v in actor.model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -329,8 +364,18 @@ def test_invalid_configs_fail_before_anything_starts(tiny_model_dir: Path, tmp_p
         job("algo.minibatch_size=5")
     with pytest.raises(ConfigError, match=r"data\.path is required"):
         job("data=file")
-    with pytest.raises(ConfigError, match=r"unknown choice .ppo.*dapo, grpo, reinforce_pp"):
-        job("algo=ppo")
+    with pytest.raises(
+        ConfigError, match=r"unknown choice .ppx.*dapo, grpo, ppo, reinforce_pp, rloo"
+    ):
+        job("algo=ppx")
+    # a key that changes nothing for the algorithm is refused, naming why
+    with pytest.raises(
+        ConfigError, match=r"algo\.value_coef has no effect for grpo: needs a critic"
+    ):
+        job("algo.value_coef=1.0")
+    with pytest.raises(ConfigError, match=r"algo\.lam has no effect with algo\.advantage=rloo"):
+        job("algo=rloo", "algo.lam=0.9")
+    assert job("algo=ppo", "algo.value_coef=1.0").algo.value_coef == 1.0
     with pytest.raises(ConfigError, match=r"neither a model folder nor a \.gguf file"):
         job(f"model.path={tmp_path / 'nothing'}")
     (tmp_path / "run" / "checkpoints" / "step_2").mkdir(parents=True)  # no COMPLETE: unfinished

@@ -1,0 +1,216 @@
+"""The learner both trainers update their models with (``train``/``sft`` and ``math-grpo``).
+
+It owns the optimizer, the learning-rate schedule, gradient accumulation with global
+normalisers, data parallelism (an all-reduce over the actor ranks, or FSDP2), the skip of
+non-finite updates, and the optimizer's part of a checkpoint. An actor worker turns its
+trajectories into micro-batches and calls, per optimizer step::
+
+    learner.zero_grad()
+    for micro in micro_batches:
+        loss = loss_fn(micro, denominator=count_of_the_whole_minibatch)   # a sum / global count
+        learner.backward(loss)
+    grad_norm = learner.step()                 # all-reduce (sum), clip, step or skip
+
+**Global normalisers.** Each micro-batch's loss is its numerator divided by the count of the
+*whole* minibatch over *every* rank (``rlinf_vla.algos.aggregation_count``, summed with
+:meth:`Learner.global_sum`): valid tokens for ``token-mean``, sequences for the sequence
+modes. Gradients are then *summed* over micro-batches and ranks, so the update is the
+gradient of the minibatch's loss whatever ``micro_batch_size`` or the number of ranks is, and
+however the valid samples fall into micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The learning-rate schedule, per optimizer step or per iteration (the caller's unit).
+
+    Attributes:
+        warmup: linear warm-up from ``1/warmup`` of the rate to the full rate over this many
+            steps (``0``: none).
+        decay: ``constant``, or ``linear`` to 0 at ``total`` steps (after the warm-up).
+        critic_warmup: for the first N steps only the second parameter group (the value
+            head) learns; the policy's rate is 0.
+    """
+
+    warmup: int = 0
+    decay: Literal["constant", "linear"] = "constant"
+    critic_warmup: int = 0
+
+    def scale(self, step: int, total: int) -> float:
+        """The factor on the base learning rate at ``step`` (0-based) of ``total``."""
+        if self.warmup and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.decay == "linear":
+            return max(0.0, 1.0 - step / max(1, total))
+        return 1.0
+
+
+class Learner:
+    """AdamW over a module's trainable parameters, optionally with a second group (the value
+    head) at its own learning rate.
+
+    Args:
+        module: the trained model (its ``requires_grad`` parameters are optimised).
+        lr: the base learning rate of the main group.
+        second_group: ``(predicate on the parameter name, lr)``: those parameters form a second
+            group with their own rate (``None``: one group).
+        betas, weight_decay: AdamW settings.
+        max_grad_norm: the gradients' global norm is clipped to this (``0`` or ``inf``: off).
+        schedule: the learning-rate schedule.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        lr: float,
+        *,
+        second_group: tuple[Callable[[str], bool], float] | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+        schedule: Schedule | None = None,
+    ) -> None:
+        self.module = module
+        self.lr, self.second_group = lr, second_group
+        self.betas, self.weight_decay = tuple(betas), weight_decay
+        self.max_grad_norm = max_grad_norm if max_grad_norm > 0 else math.inf
+        self.schedule = schedule or Schedule()
+        self.dp: Any = None  # a collective over the actor ranks (summed gradients)
+        self.fsdp_world = 0  # > 0: FSDP2 averages the gradients over this many ranks
+        self.nan_streak = 0  # optimizer steps skipped in a row (non-finite gradient)
+        self.optimizer = self.build_optimizer()
+
+    # ----------------------------------------------------------------- setup
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """A fresh AdamW over the module's current parameters (again after FSDP sharding)."""
+        second: list[nn.Parameter] = []
+        main: list[nn.Parameter] = []
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if self.second_group is not None and self.second_group[0](name):
+                second.append(p)
+            else:
+                main.append(p)
+        groups = [{"params": main, "lr": self.lr, "base_lr": self.lr}]
+        if second:
+            lr2 = self.second_group[1]  # type: ignore[index]
+            groups.append({"params": second, "lr": lr2, "base_lr": lr2})
+        self.optimizer = torch.optim.AdamW(groups, betas=self.betas, weight_decay=self.weight_decay)
+        return self.optimizer
+
+    def join_data_parallel(self, collective: Any) -> None:
+        """Sum gradients (and counts) over the ranks of ``collective`` (``None``: one rank)."""
+        self.dp = collective
+
+    def use_fsdp(self, world_size: int, collective: Any = None) -> None:
+        """The module was sharded with FSDP2 over ``world_size`` ranks: FSDP reduce-scatters
+        the gradients as a mean, so :meth:`backward` scales the loss by the world size to
+        keep their sum; ``collective`` still sums the counts. Rebuilds the optimizer."""
+        self.fsdp_world = world_size
+        self.dp = collective
+        self.build_optimizer()
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    # ----------------------------------------------------------------- schedule
+    def set_lr(self, step: int, total: int) -> float:
+        """Set each group's rate for ``step`` of ``total``; returns the main group's."""
+        scale = self.schedule.scale(step, total)
+        main = 0.0 if step < self.schedule.critic_warmup else scale
+        for i, group in enumerate(self.optimizer.param_groups):
+            group["lr"] = group["base_lr"] * (main if i == 0 else scale)
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ----------------------------------------------------------------- accumulation
+    def global_sum(self, value: float) -> float:
+        """``value`` summed over the data-parallel ranks (a count: the loss's denominator)."""
+        if self.dp is None and not self.fsdp_world:
+            return float(value)
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        if self.dp is not None:
+            self.dp.all_reduce(t)
+        else:  # FSDP: the actor group's default process group
+            import torch.distributed as dist
+
+            t = t.to(self.parameters[0].device)  # NCCL reduces device tensors only
+            dist.all_reduce(t)
+        return float(t[0])
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: Tensor) -> None:
+        """Accumulate the gradient of ``loss``, a micro-batch's numerator divided by the
+        global count of its minibatch."""
+        (loss * self.fsdp_world if self.fsdp_world else loss).backward()
+
+    def step(self) -> float:
+        """Sum the gradients over the ranks, clip them and step; a non-finite gradient is
+        dropped instead (counted in :attr:`nan_streak`). Returns the norm before clipping."""
+        params = self.parameters
+        if self.dp is not None and not self.fsdp_world:
+            _all_reduce_gradients(self.dp, params)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
+            norm = norm.full_tensor()
+        value = float(norm)
+        if math.isfinite(value):
+            self.optimizer.step()
+            self.nan_streak = 0
+        else:
+            self.zero_grad()
+            self.nan_streak += 1
+        return value
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The optimizer state (``optimizer_state``: one gathered elsewhere, e.g. FSDP's full
+        state) and the skip streak."""
+        return {
+            "optimizer": self.optimizer.state_dict()
+            if optimizer_state is None
+            else optimizer_state,
+            "nan_streak": self.nan_streak,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+        """Restore :meth:`state_dict`'s state. The rates and the weight decay stay those of this
+        run's config (a resume may change them)."""
+        if load_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.reset_hyperparameters()
+        self.nan_streak = state.get("nan_streak", 0)
+
+    def reset_hyperparameters(self) -> None:
+        """The configured base rates and weight decay on every group (after loading an
+        optimizer state, which carries the ones it was saved with)."""
+        rates: Iterable[float] = (self.lr, self.second_group[1] if self.second_group else self.lr)
+        for group, lr in zip(self.optimizer.param_groups, rates, strict=False):
+            group["base_lr"] = group["lr"] = lr
+            group["weight_decay"] = self.weight_decay
+
+
+def _all_reduce_gradients(dp: Any, params: list[nn.Parameter]) -> None:
+    """Sum the gradients of ``params`` over the ranks of ``dp`` in one flat all-reduce (a
+    parameter without a gradient counts as zeros)."""
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]
+    )
+    dp.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()

@@ -1,0 +1,138 @@
+"""The loss both trainers minimise: the clipped policy term, and as the algorithm says a value
+term, an entropy bonus and a KL penalty, each divided by its minibatch-wide count.
+
+    loss = policy + value_coef * value + entropy_coef * (-entropy) + kl_coef * kl
+
+Every tensor is ``[N, ...]`` with its ``mask``; the value term may have its own shape (one
+value per embodied sample, ``[N]``, against per-action log-probs ``[N, K, A]``) and so its own
+mask and count (and the entropy too). See :mod:`rlinf_vla.training.learner` for why the counts are global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from rlinf_vla.algos.losses import entropy_loss, kl_loss, ppo_policy_loss, value_loss
+
+#: the metrics :func:`objective` reports
+OBJECTIVE_METRICS = (
+    "policy_loss",
+    "clip_fraction",
+    "dual_clip_fraction",
+    "approx_kl",
+    "ratio_mean",
+    "value_loss",
+    "value_clip_fraction",
+    "entropy",
+    "kl",
+)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's settings (from the algorithm's preset and the ``algo`` section).
+
+    ``agg`` aggregates the policy, entropy and KL terms; the value term is a mean over its
+    valid entries. A coefficient of 0 leaves its term out.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    agg: str = "token-mean"
+    value_coef: float = 0.0
+    value_clip: float | None = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+@dataclass(frozen=True)
+class Counts:
+    """The minibatch-wide counts (over every micro-batch and rank) the terms divide by:
+    ``policy`` as ``agg`` counts the log-prob mask (also the KL's), ``value`` the valid value
+    entries, ``entropy`` as ``agg`` counts the entropy mask (``None``: ``policy``)."""
+
+    policy: float
+    value: float = 0.0
+    entropy: float | None = None
+
+
+def objective(
+    s: LossSettings,
+    counts: Counts,
+    *,
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    entropy: Tensor | None = None,
+    values: Tensor | None = None,
+    old_values: Tensor | None = None,
+    returns: Tensor | None = None,
+    value_mask: Tensor | None = None,
+    entropy_mask: Tensor | None = None,
+    ref_logprob: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The micro-batch's share of the minibatch loss, and its share of the metrics.
+
+    Returns:
+        ``loss`` 0-d (the micro-batches' losses add up to the minibatch's) and metrics whose
+        sums over the micro-batches are the minibatch's values: the loss terms
+        (``policy_loss``, ``value_loss``, ``kl``) and masked means weighted by the
+        micro-batch's share of the count (``clip_fraction``, ``approx_kl``, ``entropy``, ...).
+    """
+    from rlinf_vla.algos.losses import aggregation_count
+
+    share = aggregation_count(mask, s.agg) / max(counts.policy, 1e-12)
+    loss, m = ppo_policy_loss(
+        logprob=logprob,
+        old_logprob=old_logprob,
+        advantages=advantages,
+        mask=mask,
+        clip_low=s.clip_low,
+        clip_high=s.clip_high,
+        dual_clip=s.dual_clip,
+        agg=s.agg,
+        denominator=counts.policy,
+    )
+    metrics = {"policy_loss": float(loss.detach())}
+    for key in ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean"):
+        metrics[key] = float(m[key]) * share
+    if s.value_coef and values is not None:
+        vmask = mask if value_mask is None else value_mask
+        vl, vm = value_loss(
+            values=values,
+            old_values=old_values,
+            returns=returns,
+            mask=vmask,
+            clip=s.value_clip,
+            denominator=counts.value,
+        )
+        loss = loss + s.value_coef * vl
+        vshare = aggregation_count(vmask) / max(counts.value, 1e-12)
+        metrics["value_loss"] = float(vl.detach())
+        metrics["value_clip_fraction"] = float(vm["value_clip_fraction"]) * vshare
+    if entropy is not None:
+        emask = mask if entropy_mask is None else entropy_mask
+        ecount = counts.policy if counts.entropy is None else counts.entropy
+        el, em = entropy_loss(entropy=entropy, mask=emask, agg=s.agg, denominator=ecount)
+        if s.entropy_coef:
+            loss = loss + s.entropy_coef * el
+        metrics["entropy"] = (
+            float(em["entropy"]) * aggregation_count(emask, s.agg) / max(ecount, 1e-12)
+        )
+    if s.kl_coef and ref_logprob is not None:
+        kl, km = kl_loss(
+            logprob=logprob,
+            ref_logprob=ref_logprob,
+            mask=mask,
+            estimator=s.kl_estimator,
+            agg=s.agg,
+            denominator=counts.policy,
+        )
+        loss = loss + s.kl_coef * kl
+        metrics["kl"] = float(km["kl"]) * share
+    return loss, metrics
