@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlinf_vla.config import ConfigError, check_at_least
+from rlinf_vla.runtime.stall import StallPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,13 @@ class ClusterConfig:
             per CPU core).
         namespace: the Ray namespace for named actors (channels, workers).
         wait_timeout_s: how long to wait for ``num_nodes`` nodes.
+        start_timeout_s: seconds each worker may take to start (imports, building models and
+            simulators; ``None``: no limit).
+        stall_factor: a worker call that runs longer than this many times the longest earlier
+            call of its method (and longer than ``stall_min_s``) is stalled: the run stops
+            naming the workers that have not answered (``None``: calls have no deadline). A
+            method's first call has none. See :mod:`rlinf_vla.runtime.stall`.
+        stall_min_s: no call is stalled before this many seconds.
     """
 
     address: str | None = None
@@ -58,9 +66,23 @@ class ClusterConfig:
     devices_per_node: int | None = None
     namespace: str = "rlinf_vla"
     wait_timeout_s: float = 60.0
+    start_timeout_s: float | None = 600.0
+    stall_factor: float | None = 5.0
+    stall_min_s: float = 120.0
 
     def __post_init__(self) -> None:
         check_at_least(self, "cluster", ("num_nodes", "num_cpus", "devices_per_node"), 1)
+        bad = [
+            f"cluster.{key} must be > 0, got {getattr(self, key)}"
+            for key in ("wait_timeout_s", "start_timeout_s", "stall_min_s")
+            if getattr(self, key) is not None and getattr(self, key) <= 0
+        ]
+        if self.stall_factor is not None and self.stall_factor < 1:
+            bad.append(
+                f"cluster.stall_factor must be >= 1 (or null: no deadline), got {self.stall_factor}"
+            )
+        if bad:
+            raise ConfigError("; ".join(bad))
         if self.num_gpus is not None and self.num_gpus < 0:
             raise ConfigError(f"cluster.num_gpus must be >= 0, got {self.num_gpus}")
         if self.address is not None and (self.num_cpus is not None or self.num_gpus is not None):
@@ -100,6 +122,66 @@ def check_address(address: str | None, timeout_s: float = 3.0) -> None:
             "start the Ray head there (`ray start --head`), correct the address, or leave "
             "cluster.address unset to start a local Ray instance"
         ) from None
+
+
+def _main_thread_sigterm_handler() -> Any:
+    """The Python-level SIGTERM handler, or ``None`` off the main thread (where Python cannot
+    set one)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.getsignal(signal.SIGTERM)
+
+
+def _keep_sigterm_handler(before: Any) -> None:
+    """Undo what ``ray.init`` did to SIGTERM in the driver: it sets a Python handler that
+    raises ``SystemExit(15)``, then its core worker puts a C-level handler in front that prints
+    a stack dump and arms a 3-second ``alarm`` which aborts the process (exit 134) if it is
+    still alive by then, in the middle of writing reports or shutting down workers. The
+    caller's own handler (e.g. the CLI's, see :mod:`rlinf_vla.cli`) is put back; with none,
+    Ray's Python handler stays, without the C-level one. Either way through
+    :func:`_remembering`, so that what it raises survives a Ray call (see
+    :func:`raised_by_signal`)."""
+    import signal
+
+    handler = before if callable(before) else signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        signal.signal(signal.SIGTERM, _remembering(handler))
+
+
+#: What the SIGTERM handler raised last, until :func:`raised_by_signal` takes it.
+_signal_raised: BaseException | None = None
+
+
+def _remembering(handler: Any) -> Any:
+    """``handler``, remembering the exception it raises."""
+    if getattr(handler, "remembers", False):
+        return handler
+
+    def remember(signum: int, frame: Any) -> None:
+        global _signal_raised
+        try:
+            handler(signum, frame)
+        except BaseException as e:
+            _signal_raised = e
+            raise
+
+    remember.remembers = True  # type: ignore[attr-defined]
+    return remember
+
+
+def raised_by_signal(interrupt: KeyboardInterrupt) -> BaseException:
+    """The exception a signal handler raised while Ray waited (``ray.wait``, ``ray.get``): Ray
+    runs Python's signal handlers inside its wait and turns whatever they raise into a bare
+    ``KeyboardInterrupt``, which would make SIGTERM look like Ctrl-C. Returns ``interrupt``
+    itself when no SIGTERM handler raised since the last call."""
+    global _signal_raised
+    raised, _signal_raised = _signal_raised, None
+    if raised is None or type(interrupt) is not KeyboardInterrupt:
+        return interrupt
+    return raised
 
 
 @dataclass(frozen=True)
@@ -146,6 +228,8 @@ class Cluster:
         elif overrides:
             raise TypeError("pass either a ClusterConfig or keyword overrides, not both")
         self.config = config
+        #: The deadlines of the calls on this cluster's workers.
+        self.stall = StallPolicy(config.stall_factor, config.stall_min_s, config.start_timeout_s)
         self._owns_ray = False
         if ray.is_initialized():
             logger.info("using the Ray instance already initialised in this process")
@@ -161,8 +245,11 @@ class Cluster:
             else:
                 check_address(config.address)
                 kwargs["address"] = config.address
+            sigterm = _main_thread_sigterm_handler()
             ray.init(**kwargs)
             self._owns_ray = True
+            if sigterm is not None:
+                _keep_sigterm_handler(sigterm)
         self._wait_for_nodes()
         self.devices: list[Device] = self._enumerate_devices()
 

@@ -17,15 +17,19 @@ Every worker knows its ``rank``, ``world_size``, ``group_name``, ``node_id`` and
 before its ``__init__`` runs. Calls return a :class:`GroupResult` future; the first exception
 raised in any worker surfaces in the driver as one :class:`WorkerError` naming the group, the
 rank, the node and carrying the remote traceback. A worker process that dies is reported the
-same way, never as a hang.
+same way, never as a hang, and so is one that stops answering: every call has a deadline
+derived from the earlier calls of its method (:mod:`rlinf_vla.runtime.stall`), past which
+:class:`WorkerStalled` names the workers that have not answered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
+import signal
 import socket
 import time
 import traceback
@@ -33,9 +37,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from rlinf_vla.runtime.cluster import Cluster, Device
+from rlinf_vla.runtime.cluster import Cluster, Device, raised_by_signal
+from rlinf_vla.runtime.stall import Process, StallPolicy
 
 W = TypeVar("W", bound="Worker")
+
+#: Longest single wait on Ray inside :func:`wait_all`, in seconds: deadlines are checked and
+#: Ctrl-C is handled at least this often.
+POLL_S = 0.5
 
 
 class WorkerError(RuntimeError):
@@ -70,6 +79,45 @@ class WorkerError(RuntimeError):
     def __reduce__(self):  # picklable across processes
         args = (self.group, self.rank, self.node, self.method, self.remote_traceback, self.died)
         return (WorkerError, args)
+
+
+class WorkerStalled(WorkerError):
+    """Workers that did not answer a call within its deadline (see
+    :class:`~rlinf_vla.runtime.stall.StallPolicy`). A stalled call raises nothing by itself:
+    this is the driver giving up on it.
+
+    Attributes (``group``, ``rank``, ``node``, ``method``: the first stalled worker, a stopped
+    process first):
+        message: the workers that have not answered, their processes, and the deadline's rule.
+        waiting: ``group[rank].method`` of every call that had not answered, stalled ones first.
+        waited_s: how long the first stalled call had run.
+        limit_s: its deadline in seconds.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        node: str,
+        method: str,
+        message: str,
+        waiting: list[str],
+        waited_s: float,
+        limit_s: float,
+    ):
+        RuntimeError.__init__(self, message)
+        self.group, self.rank, self.node, self.method = group, rank, node, method
+        self.remote_traceback, self.died = "", False
+        self.message, self.waiting, self.waited_s, self.limit_s = (
+            message,
+            waiting,
+            waited_s,
+            limit_s,
+        )
+
+    def __reduce__(self):
+        args = (self.group, self.rank, self.node, self.method, self.message, self.waiting)
+        return (WorkerStalled, (*args, self.waited_s, self.limit_s))
 
 
 @dataclass(frozen=True)
@@ -166,7 +214,9 @@ class _WorkerHost:
         self.worker: Worker | None = None
 
     def init(self, cls: type[Worker], ctx: WorkerContext, args: tuple, kwargs: dict) -> Any:
-        def build() -> None:
+        """Build the worker; returns its :class:`~rlinf_vla.runtime.stall.Process`."""
+
+        def build() -> Process:
             if ctx.device.threads is not None:
                 # Ray starts the process with OMP_NUM_THREADS=1; a CPU slot of several cores
                 # computes with all of them (subprocesses keep the variable: one thread).
@@ -177,6 +227,7 @@ class _WorkerHost:
             worker._ctx = ctx
             worker.__init__(*args, **kwargs)
             self.worker = worker
+            return Process.this()
 
         return _guarded(f"{cls.__name__}.__init__", build)
 
@@ -220,11 +271,21 @@ class GroupResult:
     """Futures of one call on some ranks of a group.
 
     ``wait()`` returns the results in rank order; ``done()`` polls; ``await result`` works in
-    async code.
+    async code. ``limit_s``: seconds the call may run before :func:`wait_all` reports it as
+    stalled (``None``: no deadline); ``issued``: when it was made (``time.monotonic()``).
     """
 
-    def __init__(self, group: WorkerGroup, method: str, ranks: list[int], refs: list[Any]):
+    def __init__(
+        self,
+        group: WorkerGroup,
+        method: str,
+        ranks: list[int],
+        refs: list[Any],
+        limit_s: float | None = None,
+    ):
         self.group, self.method, self.ranks, self.refs = group, method, ranks, refs
+        self.limit_s = limit_s
+        self.issued = time.monotonic()
 
     def done(self) -> bool:
         import ray
@@ -238,6 +299,7 @@ class GroupResult:
         Raises:
             WorkerError: the first failure (exception or dead worker) in completion order,
                 as soon as it happens, without waiting for the other ranks.
+            WorkerStalled: a rank did not answer within the call's deadline.
             TimeoutError: ``timeout`` seconds passed; names the ranks still running.
         """
         return wait_all([self], timeout=timeout)[0]
@@ -253,7 +315,13 @@ def wait_all(results: Sequence[GroupResult], timeout: float | None = None) -> li
     """Wait for several group calls at once; the first failure in any of them is raised.
 
     Waiting on all concurrent calls together matters: when one group fails while another
-    blocks on it (say, on a channel), the failure surfaces instead of a hang.
+    blocks on it (say, on a channel), the failure surfaces instead of a hang. Each returned
+    call's duration is recorded for its method's deadline (:mod:`rlinf_vla.runtime.stall`).
+
+    Raises:
+        WorkerError: the first failure, as soon as it happens.
+        WorkerStalled: a call ran past its deadline; names every worker not yet answered.
+        TimeoutError: ``timeout`` seconds passed; names the calls still running.
     """
     import ray
 
@@ -265,38 +333,96 @@ def wait_all(results: Sequence[GroupResult], timeout: float | None = None) -> li
     values: dict[Any, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     while pending:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        # Short waits: a stalled call is noticed, and Ctrl-C handled, within POLL_S.
+        wait_s = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
+        try:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM in Ray's disguise
+            raise raised_by_signal(e) from None
+        now = time.monotonic()
         if not ready:
-            still = ", ".join(
-                f"{r.group.name}[{rank}].{r.method}" for r, rank in map(owner.get, pending)
-            )
-            raise TimeoutError(f"no result after {timeout} s from: {still}")
+            if deadline is not None and now >= deadline:
+                still = ", ".join(
+                    f"{r.group.name}[{rank}].{r.method}" for r, rank in map(owner.get, pending)
+                )
+                raise TimeoutError(f"no result after {timeout} s from: {still}")
+            late = [
+                ref
+                for ref in pending
+                if owner[ref][0].limit_s is not None
+                and now - owner[ref][0].issued > owner[ref][0].limit_s
+            ]
+            if late:
+                raise _stalled([owner[ref] for ref in late], [owner[ref] for ref in pending], now)
+            continue
         ref = ready[0]
         result, rank = owner[ref]
         values[ref] = _unwrap(result, rank, ref)
+        result.group._observe(result.method, now - result.issued)
     return [[values[ref] for ref in result.refs] for result in results]
+
+
+def _stalled(
+    late: list[tuple[GroupResult, int]], pending: list[tuple[GroupResult, int]], now: float
+) -> WorkerStalled:
+    """The :class:`WorkerStalled` for the calls ``late`` (past their deadline) among those
+    ``pending``. Every pending worker is named, a stopped process first (the likely cause: the
+    others may just be waiting for it), then the late calls, in the order they were made."""
+
+    def stopped(item: tuple[GroupResult, int]) -> bool:
+        process = item[0].group.process(item[1])
+        return process is not None and "stopped" in (process.state() or "")
+
+    def who(item: tuple[GroupResult, int]) -> str:
+        result, r = item
+        process = result.group.process(r)
+        where = f"node {result.group.devices[r].node_ip}" if process is None else process.describe()
+        return f"{result.group.name}[{r}].{result.method}() ({where})"
+
+    named = sorted(pending, key=lambda item: (not stopped(item), item not in late))
+    trigger = late[0][0]
+    waited = now - trigger.issued
+    if trigger.method == "__init__":
+        rule = "the start timeout, cluster.start_timeout_s"
+    else:
+        longest = trigger.group._longest.get(trigger.method, 0.0)
+        rule = trigger.group.stall.explain(trigger.method, longest)
+    message = (
+        f"no answer from {len(named)} worker call(s): {trigger.group.name}.{trigger.method}() "
+        f"has run {waited:.0f} s, past its deadline of {trigger.limit_s:.0f} s ({rule})\n"
+        + "\n".join(f"  {who(item)}" for item in named)
+    )
+    head, rank = named[0]
+    return WorkerStalled(
+        head.group.name,
+        rank,
+        head.group.devices[rank].node_ip,
+        head.method,
+        message,
+        [f"{r.group.name}[{k}].{r.method}" for r, k in named],
+        waited,
+        trigger.limit_s,
+    )
 
 
 def wait_started(groups: Sequence[WorkerGroup], timeout: float | None = None) -> None:
     """Wait until every worker of ``groups`` (launched with ``wait=False``) has started.
 
     The workers' ``__init__`` run concurrently. If one fails, every group is shut down and its
-    :class:`WorkerError` is raised. ``timeout`` defaults to the longest start timeout of the
-    groups (no limit if one of them has none).
+    :class:`WorkerError` is raised; one that takes longer than its group's start timeout
+    raises :class:`WorkerStalled`. ``timeout``: an overall limit on top (``TimeoutError``).
     """
     pending = [g for g in groups if g._starting is not None]
     if not pending:
         return
-    if timeout is None and all(g._start_timeout is not None for g in pending):
-        timeout = max(g._start_timeout for g in pending)
     try:
-        wait_all([g._starting for g in pending], timeout=timeout)
+        started = wait_all([g._starting for g in pending], timeout=timeout)
     except BaseException:
         for g in groups:
             g.shutdown()
         raise
-    for g in pending:
+    for g, processes in zip(pending, started, strict=True):
+        g._processes = processes
         g._starting = None
 
 
@@ -343,7 +469,8 @@ class WorkerGroup(Generic[W]):
         args, kwargs: passed to every worker's ``__init__``.
         env_vars: extra environment variables for the worker processes.
         max_concurrency: how many calls one worker may run at once (1: strictly in order).
-        timeout: seconds to wait for all workers to start.
+        timeout: seconds each worker may take to start (``None``: the cluster's
+            ``start_timeout_s``); a worker that takes longer raises :class:`WorkerStalled`.
         wait: wait here until every worker's ``__init__`` has returned (the default). With
             ``wait=False`` the constructor returns once the workers are launched; pass several
             such groups to :func:`wait_started` to let their ``__init__`` run at the same time
@@ -352,6 +479,9 @@ class WorkerGroup(Generic[W]):
 
     A public method ``m`` of the worker class is called on all ranks as ``group.m(...)``, or
     on some ranks as ``group.m(..., ranks=[0, 2])``; ``group.call("m", ...)`` is the same.
+
+    Every call has a deadline from the cluster's :class:`~rlinf_vla.runtime.stall.StallPolicy`
+    and the longest earlier call of its method (none for a method's first call).
     """
 
     def __init__(
@@ -364,7 +494,7 @@ class WorkerGroup(Generic[W]):
         kwargs: dict[str, Any] | None = None,
         env_vars: dict[str, str] | None = None,
         max_concurrency: int = 1,
-        timeout: float | None = 300.0,
+        timeout: float | None = None,
         wait: bool = True,
     ) -> None:
         import ray
@@ -376,6 +506,9 @@ class WorkerGroup(Generic[W]):
         self.devices: list[Device] = [cluster.device(i) for i in devices]
         if not self.devices:
             raise ValueError(f"worker group {name!r} has no devices")
+        self.stall: StallPolicy = cluster.stall
+        self._longest: dict[str, float] = {}  # method -> its longest call so far, in seconds
+        self._processes: list[Process] | None = None  # known once the workers started
         host_cls = ray.remote(_WorkerHost)
         self._actors = []
         for rank, device in enumerate(self.devices):
@@ -412,10 +545,10 @@ class WorkerGroup(Generic[W]):
             )
             for rank, (actor, device) in enumerate(zip(self._actors, self.devices, strict=True))
         ]
+        start_limit = self.stall.start_timeout_s if timeout is None else timeout
         self._starting: GroupResult | None = GroupResult(
-            self, "__init__", list(range(len(refs))), refs
+            self, "__init__", list(range(len(refs))), refs, limit_s=start_limit
         )
-        self._start_timeout = timeout
         if wait:
             self._wait_started()
 
@@ -436,7 +569,9 @@ class WorkerGroup(Generic[W]):
                 f"worker group {self.name!r} has ranks 0-{self.world_size - 1}, not {bad}"
             )
         refs = [self._actors[r].call.remote(method, args, kwargs) for r in chosen]
-        return GroupResult(self, method, chosen, refs)
+        return GroupResult(
+            self, method, chosen, refs, limit_s=self.stall.limit(self._longest.get(method))
+        )
 
     def scatter(
         self, method: str, *items: Sequence[Any], args: tuple = (), **kwargs: Any
@@ -477,17 +612,34 @@ class WorkerGroup(Generic[W]):
         if self._starting is not None:
             wait_started([self])
 
+    def process(self, rank: int) -> Process | None:
+        """The process id and host of a rank (``None`` until the workers have started)."""
+        return None if self._processes is None else self._processes[rank]
+
+    def _observe(self, method: str, seconds: float) -> None:
+        """Record a returned call's duration, which sets the deadline of later calls."""
+        if method != "__init__":
+            self._longest[method] = max(seconds, self._longest.get(method, 0.0))
+
     def actor(self, rank: int) -> Any:
         """The Ray actor handle of a rank (for advanced uses such as collectives)."""
         self._wait_started()
         return self._actors[rank]
 
     def shutdown(self) -> None:
-        """Kill every worker of the group."""
+        """Kill every worker of the group.
+
+        A worker process that is stopped (``SIGSTOP``) cannot act on Ray's kill request and
+        would stay behind on a long-lived cluster; on this host it is sent ``SIGKILL``.
+        """
         import ray
 
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
+        for process in self._processes or []:
+            if "stopped" in (process.state() or ""):
+                with contextlib.suppress(OSError):
+                    os.kill(process.pid, signal.SIGKILL)
         self._actors = []
         self._starting = None
 

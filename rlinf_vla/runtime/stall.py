@@ -1,0 +1,94 @@
+"""Stall detection: a deadline for every worker call, derived from the calls measured before it.
+
+A worker that stops answering (a process stopped with ``SIGSTOP``, a simulator deadlocked, a
+node frozen) does not raise anything: without a deadline the driver would wait until Ray's
+health checks give up on the process, minutes later, or forever. So every call of a group gets
+a deadline: once a method of a group has returned at least once, a later call of that method is
+*stalled* when it runs longer than ``factor`` times the longest call of it seen so far, and
+longer than ``min_s``::
+
+    limit = max(min_s, factor * longest earlier call of this method of this group)
+
+The first call of each method sets the scale and has no deadline (it often includes
+compilation, simulator start-up or cache warm-up). A worker's start (its ``__init__``) has the
+fixed limit ``start_timeout_s`` instead. :func:`~rlinf_vla.runtime.wait_all` checks the
+deadlines while it waits and raises :class:`~rlinf_vla.runtime.WorkerStalled` naming the workers that have not
+answered, with their process id, host and, on the driver's host, the process state (a stopped
+process is named as such).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StallPolicy:
+    """How long a worker call may take (see the module docstring).
+
+    Attributes:
+        factor: a call is stalled after ``factor`` x the longest earlier call of its method
+            (``None``: calls have no deadline).
+        min_s: and never before this many seconds.
+        start_timeout_s: seconds every worker of a group may take to start (``None``: no limit).
+    """
+
+    factor: float | None = 5.0
+    min_s: float = 120.0
+    start_timeout_s: float | None = 600.0
+
+    def limit(self, longest: float | None) -> float | None:
+        """Seconds a call may run, given the longest earlier call of its method (``None``:
+        none returned yet, or no deadline at all)."""
+        if self.factor is None or longest is None:
+            return None
+        return max(self.min_s, self.factor * longest)
+
+    def explain(self, method: str, longest: float) -> str:
+        """How a deadline of ``method`` came about, naming the keys that set it."""
+        return (
+            f"{self.factor:g} x the longest earlier {method}() ({longest:.1f} s), at least "
+            f"{self.min_s:g} s: cluster.stall_factor, cluster.stall_min_s"
+        )
+
+
+@dataclass(frozen=True)
+class Process:
+    """Where a worker runs: its process id and host name."""
+
+    pid: int
+    host: str
+
+    @staticmethod
+    def this() -> Process:
+        return Process(os.getpid(), socket.gethostname())
+
+    def describe(self) -> str:
+        """``pid 123 on host-a``, plus the process state when it is on this host and not
+        running or sleeping (``stopped (SIGSTOP?)``, ``gone``, ``a zombie``...)."""
+        text = f"pid {self.pid} on {self.host}"
+        state = self.state()
+        return text if state is None else f"{text}, {state}"
+
+    def state(self) -> str | None:
+        """The process state in words when it matters, read from ``/proc`` (``None``: another
+        host, or running / sleeping as an answering process does)."""
+        if self.host != socket.gethostname():
+            return None
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                # "pid (comm) S ...": the state follows the last parenthesis.
+                code = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return "the process is gone"
+        except (OSError, IndexError):
+            return None
+        return {
+            "T": "the process is stopped (SIGSTOP / SIGTSTP; SIGCONT resumes it)",
+            "t": "the process is stopped by a debugger",
+            "Z": "the process is a zombie (it exited)",
+            "X": "the process is gone",
+            "D": "the process is in an uninterruptible wait (disk, network file system)",
+        }.get(code)
