@@ -214,8 +214,17 @@ def run(job: EvalJob) -> dict[str, Any]:
     try:
         if todo:
             done_now = _evaluate(job, todo, log, console)
-    finally:
-        results = finalize(job, log)
+    except BaseException as e:
+        finalize(job, log)
+        done = sum(t.key in log for t in job.trials)
+        console.print(
+            f"[bold red]evaluation stopped:[/] {_reason(e)}; {done} of {len(job.trials)} "
+            f"trials are recorded in {out} (results.json, summary.md); the same command "
+            f"with eval.output_dir={out} runs the other {len(job.trials) - done}",
+            highlight=False,
+        )
+        raise
+    results = finalize(job, log)
     elapsed = time.monotonic() - start
     timing = {
         "trials_run": done_now,
@@ -226,6 +235,15 @@ def run(job: EvalJob) -> dict[str, Any]:
     console.print(render_summary(results), markup=False, highlight=False, soft_wrap=True)
     console.print(f"results: {out / 'results.json'} ({timing})")
     return results
+
+
+def _reason(error: BaseException) -> str:
+    """Why the evaluation stopped, in a few words (the error itself is printed by the CLI)."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(error, SystemExit):
+        return f"exit requested ({error.code})"
+    return type(error).__name__
 
 
 def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> int:
@@ -288,18 +306,21 @@ def _evaluate_in(
                 "output_dir": str(Path(job.output_dir).resolve()),
                 "video_fps": ev.video_fps,
             },
-            timeout=None,
         )
         loop = _EvalLoop(group, sizes, policy, ev.greedy, ev.retries, _Queue(todo), log, progress)
         try:
             with progress:
                 loop.run()
-        finally:
-            try:
-                group.close().wait(timeout=120)
-            except Exception as e:  # closing must not hide the original error
-                console.print(f"[yellow]closing the env workers failed: {e}")
+        except BaseException:
+            # A stalled, crashed or interrupted run: the workers may not answer a close, so
+            # they are killed (their simulator subprocesses end with them).
             group.shutdown()
+            raise
+        try:
+            group.close().wait(timeout=120)
+        except Exception as e:  # the trials are recorded; only the cleanup failed
+            console.print(f"[yellow]closing the env workers failed: {e}")
+        group.shutdown()
     return loop.finished
 
 

@@ -13,8 +13,11 @@ shows; :class:`RunLoop` does the rest, the same way for every command:
 - logs each iteration's metrics, warns about skipped non-finite updates and aborts after
   ``max_nan_updates`` of them in a row;
 - saves a checkpoint every ``save_interval`` iterations and after the last one;
-- when the run stops early (an error, a crashed worker, Ctrl-C), prints the last checkpoint and
-  the command that resumes from it, then re-raises.
+- when the run stops early (an error, a crashed or stalled worker, Ctrl-C, SIGTERM), prints the
+  last checkpoint and the command that resumes from it, then re-raises. A worker that stops
+  answering is caught by the runtime's call deadlines (:mod:`rlinf_vla.runtime.stall`, set by
+  ``cluster.stall_factor`` and ``cluster.stall_min_s``), which raise
+  :class:`~rlinf_vla.runtime.WorkerStalled` here.
 """
 
 from __future__ import annotations
@@ -96,6 +99,15 @@ def device_summary(devices: list[Any]) -> str:
             parts.append(f"{len(mine)} GPU{'s' * (len(mine) > 1)}")
     where = f" on {nodes} nodes" if nodes > 1 else ""
     return " + ".join(parts) + where
+
+
+def _reason(error: BaseException) -> str:
+    """Why a run stopped, in a few words (the CLI prints the error itself afterwards)."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(error, SystemExit):
+        return f"exit requested ({error.code})"
+    return type(error).__name__
 
 
 class TrainingAborted(RunAborted):
@@ -218,7 +230,7 @@ class RunLoop:
                         with self._disk_full_aborts(f"the checkpoint of {word} {i + 1}"):
                             self.last_checkpoint = save(i + 1)
         except BaseException as e:
-            console.print(f"[bold red]training stopped in {word} {i + 1}:[/] {type(e).__name__}")
+            console.print(f"[bold red]training stopped in {word} {i + 1}:[/] {_reason(e)}")
             console.print(self.resume_hint(), soft_wrap=True, markup=False, highlight=False)
             raise
         finally:

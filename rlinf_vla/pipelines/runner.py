@@ -153,7 +153,7 @@ class EmbodiedRunner:
                 self.start_iteration = self._restore(self.checkpoint.path)
         except BaseException:
             # Nothing outlives a failed start (on a long-lived Ray cluster).
-            self.shutdown()
+            self.shutdown(graceful=False)
             raise
 
     def _output_dir(self) -> Path:
@@ -166,6 +166,7 @@ class EmbodiedRunner:
         Raises:
             TrainingAborted: too many non-finite updates in a row.
             WorkerError: a worker crashed (its name and traceback are in the message).
+            WorkerStalled: a worker stopped answering (named, with its process).
             Either way the console names the last checkpoint to resume from.
         """
         r = self.job.runner
@@ -336,9 +337,12 @@ class EmbodiedRunner:
         )
         return iteration
 
-    def shutdown(self) -> None:
-        if "rollout" in self.__dict__:
-            # The evaluation env's simulator subprocesses (a crashed worker's die with it).
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every worker. ``graceful``: first let the rollout workers close their
+        evaluation envs; a run that stopped on an error or a signal skips that (a stalled or
+        blocked worker would not answer, and the simulators' subprocesses end with their
+        worker anyway)."""
+        if graceful and "rollout" in self.__dict__:
             with contextlib.suppress(Exception):
                 self.rollout.close().wait(timeout=60)
         for name in ("env", "rollout", "actor"):
@@ -415,7 +419,9 @@ def run(job: TrainJob) -> Path:
         runner = EmbodiedRunner(job, cluster, checkpoint)
         try:
             out = runner.run()
-        finally:
-            runner.shutdown()
+        except BaseException:
+            runner.shutdown(graceful=False)
+            raise
+        runner.shutdown()
     print(f"run folder: {out}  (metrics.jsonl, config.yaml, checkpoints/)")
     return out
