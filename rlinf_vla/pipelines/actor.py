@@ -155,10 +155,11 @@ class AlgoConfig:
                 f"algo.group_size must be >= 2 for {self.name} (it compares the episodes of a "
                 f"group), got {self.group_size}"
             )
-        if self.lr <= 0 or self.value_lr <= 0:
-            raise ConfigError("algo.lr and algo.value_lr must be > 0")
         # Every bad value is named at once (inf / nan are refused when the section is built).
-        bad = [
+        bad = (
+            ["algo.lr and algo.value_lr must be > 0"] if self.lr <= 0 or self.value_lr <= 0 else []
+        )
+        bad += [
             f"algo.{key} {rule}, got {getattr(self, key)}"
             for key, ok, rule in [
                 ("group_size", self.group_size >= 1, "must be >= 1"),
@@ -231,13 +232,12 @@ class Batch:
 
 
 def chunk_level(traj: Any) -> dict[str, Tensor]:
-    """Per-step ``[T, b, K]`` rewards and dones of a trajectory reduced to chunks ``[T, b]``."""
-    terminated = traj.terminated.any(dim=-1)
-    return {
-        "rewards": traj.reward.sum(dim=-1),
-        "terminated": terminated,
-        "truncated": traj.truncated.any(dim=-1) & ~terminated,
-    }
+    """Per-step ``[T, b, K]`` rewards and dones of a trajectory reduced to chunks ``[T, b]``
+    (``granularity.chunk_rewards``)."""
+    from rlinf_vla.algos.granularity import chunk_rewards
+
+    rewards, terminated, truncated = chunk_rewards(traj.reward, traj.terminated, traj.truncated)
+    return {"rewards": rewards, "terminated": terminated, "truncated": truncated}
 
 
 def _advantages(traj: Any, algo: AlgoConfig) -> tuple[Tensor, Tensor, Tensor]:
@@ -301,11 +301,6 @@ def build_batch(trajectories: list[Any], algo: AlgoConfig) -> Batch:
         mask=torch.cat(mask),
         features=torch.cat([t.features.flatten(0, 1) for t in trajectories]) if shipped else None,
     )
-
-
-def _expand(x: Tensor, like: Tensor) -> Tensor:
-    """``[N]`` -> ``like``'s shape ``[N, ...]`` (an advantage per sample, to each token)."""
-    return x.view(-1, *([1] * (like.dim() - 1))).expand_as(like)
 
 
 class ActorWorker(Worker):
@@ -631,6 +626,7 @@ class ActorWorker(Worker):
         samples over every rank. Each sample has the same number of log-prob (entropy, value)
         entries, so a term's count is ``valid`` times its entries per sample (``token-mean``)
         or ``valid`` (the sequence modes)."""
+        from rlinf_vla.algos.granularity import expand_like
         from rlinf_vla.training.objective import Counts, objective
 
         replay = {k: v.to(self.device) for k, v in mb.replay.items()}
@@ -651,20 +647,21 @@ class ActorWorker(Worker):
             policy=count(logprob, settings.agg),
             value=0.0 if values is None else count(values, "token-mean"),
             entropy=count(entropy, settings.agg),
+            tokens=count(logprob, "token-mean"),
         )
         return objective(
             settings,
             counts,
             logprob=logprob,
             old_logprob=mb.old_logprob.to(dev),
-            advantages=_expand(mb.advantages.to(dev), logprob),
-            mask=_expand(sample_mask, logprob),
+            advantages=expand_like(mb.advantages.to(dev), logprob),
+            mask=expand_like(sample_mask, logprob),
             entropy=entropy,
-            entropy_mask=_expand(sample_mask, entropy),
+            entropy_mask=expand_like(sample_mask, entropy),
             values=values,
             old_values=None if values is None else mb.old_value.to(dev),
             returns=None if values is None else mb.returns.to(dev),
-            value_mask=None if values is None else _expand(sample_mask, values),
+            value_mask=None if values is None else expand_like(sample_mask, values),
         )
 
     def _frozen_features(self, batch: Batch) -> Tensor | None:

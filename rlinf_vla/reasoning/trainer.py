@@ -331,6 +331,7 @@ class MathGrpoRunner:
                 if a.agg == "token-mean"
                 else float(len(mb)),
                 value=float(sum(len(s.response) for s in mb)),
+                tokens=float(sum(len(s.response) for s in mb)),
             )
             for mb in minibatches
         ]

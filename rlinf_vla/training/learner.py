@@ -205,12 +205,16 @@ class Learner:
 
 def _all_reduce_gradients(dp: Any, params: list[nn.Parameter]) -> None:
     """Sum the gradients of ``params`` over the ranks of ``dp`` in one flat all-reduce (a
-    parameter without a gradient counts as zeros)."""
+    parameter without a gradient counts as zeros). A parameter no rank has a gradient for
+    keeps none, so that AdamW leaves it alone (no weight decay, no momentum step) as on one
+    rank."""
     flat = torch.cat(
         [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]
+        + [torch.tensor([float(p.grad is not None) for p in params], dtype=params[0].dtype)]
     )
     dp.all_reduce(flat)
+    had_grad = flat[-len(params) :] > 0
     offset = 0
-    for p in params:
-        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+    for p, has in zip(params, had_grad.tolist(), strict=True):
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone() if has else None
         offset += p.numel()

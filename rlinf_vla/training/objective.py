@@ -53,11 +53,14 @@ class LossSettings:
 class Counts:
     """The minibatch-wide counts (over every micro-batch and rank) the terms divide by:
     ``policy`` as ``agg`` counts the log-prob mask (also the KL's), ``value`` the valid value
-    entries, ``entropy`` as ``agg`` counts the entropy mask (``None``: ``policy``)."""
+    entries, ``entropy`` as ``agg`` counts the entropy mask (``None``: ``policy``); ``tokens``
+    the valid log-prob entries, by which the per-token metrics weigh (``None``: ``policy``,
+    which is that count for ``token-mean``)."""
 
     policy: float
     value: float = 0.0
     entropy: float | None = None
+    tokens: float | None = None
 
 
 def objective(
@@ -82,11 +85,13 @@ def objective(
         ``loss`` 0-d (the micro-batches' losses add up to the minibatch's) and metrics whose
         sums over the micro-batches are the minibatch's values: the loss terms
         (``policy_loss``, ``value_loss``, ``kl``) and masked means weighted by the
-        micro-batch's share of the count (``clip_fraction``, ``approx_kl``, ``entropy``, ...).
+        micro-batch's share of the valid tokens (``clip_fraction``, ``approx_kl``, ``entropy``, ...).
     """
     from rlinf_vla.algos.losses import aggregation_count
 
-    share = aggregation_count(mask, s.agg) / max(counts.policy, 1e-12)
+    # The metrics are masked means over tokens: each micro-batch weighs by its share of them.
+    tokens = counts.policy if counts.tokens is None else counts.tokens
+    share = aggregation_count(mask) / max(tokens, 1e-12)
     loss, m = ppo_policy_loss(
         logprob=logprob,
         old_logprob=old_logprob,
@@ -121,9 +126,9 @@ def objective(
         el, em = entropy_loss(entropy=entropy, mask=emask, agg=s.agg, denominator=ecount)
         if s.entropy_coef:
             loss = loss + s.entropy_coef * el
-        metrics["entropy"] = (
-            float(em["entropy"]) * aggregation_count(emask, s.agg) / max(ecount, 1e-12)
-        )
+        # its own mask: one entropy per sample or per action, as many for every sample
+        eshare = share if entropy_mask is None else aggregation_count(emask, s.agg) / ecount
+        metrics["entropy"] = float(em["entropy"]) * eshare
     if s.kl_coef and ref_logprob is not None:
         kl, km = kl_loss(
             logprob=logprob,

@@ -93,12 +93,68 @@ def test_grpo_scores_first_episode_per_group():
     assert torch.allclose(adv[0], torch.tensor([s, -s, s, -s]), atol=1e-4)
 
 
-def test_gamma_defaults_per_algorithm_and_unknown_names_fail():
-    assert AlgoConfig().gamma == 0.99
-    assert AlgoConfig(name="grpo", group_size=2).gamma == 1.0
+def test_the_presets_defaults_and_overrides_and_unknown_names_fail():
+    import yaml
+
+    from rlinf_vla.algos.presets import PRESET_DIR
+
+    for name in ("ppo", "grpo", "dapo", "reinforce_pp", "rloo"):
+        written = yaml.safe_load((PRESET_DIR / f"{name}.yaml").read_text())
+        algo = AlgoConfig(name=name)
+        for key, value in written.items():
+            assert getattr(algo, key) == value, (name, key)
+    assert AlgoConfig().gamma == 0.99 and AlgoConfig().lam == 0.95
+    assert AlgoConfig(name="grpo").gamma == 1.0 and AlgoConfig(name="grpo").group_size == 4
     assert AlgoConfig(name="grpo", group_size=2, gamma=0.8).gamma == 0.8
-    with pytest.raises(ConfigError, match="known: ppo, grpo"):
+    assert AlgoConfig(name="ppo").group_size == 1
+    with pytest.raises(ConfigError, match="known: dapo, grpo, ppo, reinforce_pp, rloo"):
         AlgoConfig(name="reinforce")
+    with pytest.raises(ConfigError, match=r"algo\.clip_low must lie in \[0, 1\).*algo\.lr"):
+        AlgoConfig(clip_low=-0.5, lr=-1)
+
+
+def _episodes():
+    """4 envs in 2 groups of 2, T=3 chunks of K=1: env 0 succeeds at chunk 1 then earns a
+    reward in a second episode, env 1 never succeeds, env 2 succeeds at chunk 0 and env 3 at
+    chunk 2."""
+    reward = torch.zeros(3, 4, 1)
+    terminated = torch.zeros(3, 4, 1, dtype=torch.bool)
+    for env, t in ((0, 1), (2, 0), (3, 2)):
+        reward[t, env, 0] = 1.0
+        terminated[t, env, 0] = True
+    reward[2, 0, 0] = 1.0  # second episode of env 0
+    zeros = torch.zeros(3, 4)
+    return _trajectory(reward, terminated, torch.zeros_like(terminated), torch.zeros(4, 4), zeros)
+
+
+def test_rloo_baselines_each_episode_by_the_other_of_its_group():
+    adv, ret, mask = _advantages(_episodes(), AlgoConfig(name="rloo", group_size=2, gamma=0.5))
+    # scores: env0 0.5 (t=1), env1 0, env2 1 (t=0), env3 0.25 (t=2); with G=2 the baseline of
+    # each is the other's score: 0.5, -0.5, 0.75, -0.75
+    assert torch.equal(ret[0], torch.tensor([0.5, 0.0, 1.0, 0.25]))
+    assert torch.allclose(adv, torch.tensor([0.5, -0.5, 0.75, -0.75]).expand(3, -1))
+    assert mask[:, 0].tolist() == [True, True, False]
+
+
+def test_dapo_masks_out_groups_whose_episodes_all_scored_the_same():
+    traj = _episodes()
+    adv, _, mask = _advantages(traj, AlgoConfig(name="dapo", group_size=2))
+    # undiscounted scores: (1, 0) and (1, 1): the second group teaches nothing
+    assert not mask[:, 2:].any()
+    assert mask[:, 0].tolist() == [True, True, False] and mask[:, 1].all()
+    s = 0.5 / 0.5**0.5
+    assert torch.allclose(adv[:, :2], torch.tensor([s, -s]).expand(3, -1), atol=1e-4)
+
+
+def test_reinforce_pp_discounts_within_episodes_and_whitens_over_the_batch():
+    adv, ret, mask = _advantages(_episodes(), AlgoConfig(name="reinforce_pp", gamma=0.5))
+    # env 0: rewards (0, 1 | 1): G = (0.5, 1 | 1); env 1: 0; env 2: (1 | 0, 0) -> (1, 0, 0);
+    # env 3: (0, 0, 1) -> (0.25, 0.5, 1)
+    expected = torch.tensor([[0.5, 0.0, 1.0, 0.25], [1.0, 0.0, 0.0, 0.5], [1.0, 0.0, 0.0, 1.0]])
+    assert torch.allclose(ret, expected)
+    whitened = (expected - expected.mean()) / (expected.std() + 1e-8)
+    assert torch.allclose(adv, whitened, atol=1e-5)
+    assert mask.all()
 
 
 def test_build_batch_flattens_time_and_envs():
