@@ -222,6 +222,7 @@ def run(job: EvalJob) -> dict[str, Any]:
             f"trials are recorded in {out} (results.json, summary.md); the same command "
             f"with eval.output_dir={out} runs the other {len(job.trials) - done}",
             highlight=False,
+            soft_wrap=True,
         )
         raise
     results = finalize(job, log)
