@@ -274,7 +274,7 @@ class MathGrpoRunner:
         if a.advantage == "reinforce_pp":
             kl = None
             if a.kl_coef > 0 and a.kl_in_reward:
-                kl = self._per_token(
+                kl = _per_token(
                     self.actor.scatter("kl_to_reference", seqs, args=(self.pad_id,)), L, B
                 )
             adv, _ = compute_advantages(
@@ -285,9 +285,7 @@ class MathGrpoRunner:
             return seqs
         # gae (PPO): the critic's values at rollout time; 0 after the last token.
         values = torch.zeros(L + 1, B)
-        values[:L] = self._per_token(
-            self.actor.scatter("token_values", seqs, args=(self.pad_id,)), L, B
-        )
+        values[:L] = _per_token(self.actor.scatter("token_values", seqs, args=(self.pad_id,)), L, B)
         terminated = torch.zeros(L, B, dtype=torch.bool)
         for b, n in enumerate(lengths):
             terminated[n - 1, b] = True
@@ -308,14 +306,6 @@ class MathGrpoRunner:
             s.returns = ret[:n, b].tolist()
             s.values = values[:n, b].tolist()
         return seqs
-
-    @staticmethod
-    def _per_token(per_rank: list[list[list[float]]], L: int, B: int) -> torch.Tensor:
-        """Per-response token values gathered from the actor ranks -> ``[L, B]``."""
-        out = torch.zeros(L, B)
-        for b, row in enumerate(r for rows in per_rank for r in rows):
-            out[: len(row), b] = torch.tensor(row)
-        return out
 
     def update(self, groups: list[dict[str, Any]], step: int) -> dict[str, float]:
         a = self.job.algo
@@ -514,6 +504,15 @@ class MathGrpoRunner:
         for name in ("rollout", "reward", "actor"):
             if name in self.__dict__:  # all of them unless the start failed
                 self.__dict__[name].shutdown()
+
+
+def _per_token(per_rank: list[list[list[float]]], L: int, B: int) -> torch.Tensor:
+    """Per-response token values gathered from the actor ranks (in response order) ->
+    ``[L, B]``, 0 after each response's end."""
+    out = torch.zeros(L, B)
+    for b, row in enumerate(r for rows in per_rank for r in rows):
+        out[: len(row), b] = torch.tensor(row)
+    return out
 
 
 def _rollout_metrics(stats: dict[str, Any], max_new_tokens: int) -> dict[str, float]:
