@@ -67,28 +67,60 @@ class Process:
 
     def describe(self) -> str:
         """``pid 123 on host-a``, plus the process state when it is on this host and not
-        running or sleeping (``stopped (SIGSTOP?)``, ``gone``, ``a zombie``...)."""
+        running or sleeping (stopped, gone, a zombie, a stopped subprocess...)."""
         text = f"pid {self.pid} on {self.host}"
         state = self.state()
         return text if state is None else f"{text}, {state}"
 
     def state(self) -> str | None:
-        """The process state in words when it matters, read from ``/proc`` (``None``: another
-        host, or running / sleeping as an answering process does)."""
+        """The process state in words when it matters, read from ``/proc``: the process's own,
+        else that of a stopped subprocess (a simulator). ``None``: another host, or running /
+        sleeping as an answering process does."""
         if self.host != socket.gethostname():
             return None
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                # "pid (comm) S ...": the state follows the last parenthesis.
-                code = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+        code = _state_code(self.pid)
+        if code is None:
             return "the process is gone"
-        except (OSError, IndexError):
-            return None
-        return {
-            "T": "the process is stopped (SIGSTOP / SIGTSTP; SIGCONT resumes it)",
-            "t": "the process is stopped by a debugger",
-            "Z": "the process is a zombie (it exited)",
-            "X": "the process is gone",
-            "D": "the process is in an uninterruptible wait (disk, network file system)",
-        }.get(code)
+        if code in _STATES:
+            return _STATES[code]
+        stopped = [child for child in _children(self.pid) if _state_code(child) == "T"]
+        if stopped:
+            return f"its subprocess {', '.join(map(str, stopped))} is stopped ({_SIGCONT})"
+        return None
+
+    def stopped_pids(self) -> list[int]:
+        """This process and its subprocesses that are stopped (on this host): they cannot act
+        on a request to exit, nor notice that their parent died."""
+        if self.host != socket.gethostname():
+            return []
+        family = [self.pid, *_children(self.pid)]
+        return [pid for pid in family if _state_code(pid) in ("T", "t")]
+
+
+_SIGCONT = "SIGSTOP / SIGTSTP; SIGCONT resumes it"
+_STATES = {
+    "T": f"the process is stopped ({_SIGCONT})",
+    "t": "the process is stopped by a debugger",
+    "Z": "the process is a zombie (it exited)",
+    "X": "the process is gone",
+    "D": "the process is in an uninterruptible wait (disk, network file system)",
+}
+
+
+def _state_code(pid: int) -> str | None:
+    """The one-letter state of process ``pid`` (``None``: there is no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # "pid (comm) S ...": the state follows the last parenthesis.
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    """The direct subprocesses of ``pid`` (empty where ``/proc`` does not list them)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []

@@ -630,16 +630,18 @@ class WorkerGroup(Generic[W]):
         """Kill every worker of the group.
 
         A worker process that is stopped (``SIGSTOP``) cannot act on Ray's kill request and
-        would stay behind on a long-lived cluster; on this host it is sent ``SIGKILL``.
+        would stay behind on a long-lived cluster, and a stopped subprocess of a worker (a
+        simulator) would not notice its parent's death; on this host they are sent
+        ``SIGKILL``.
         """
         import ray
 
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         for process in self._processes or []:
-            if "stopped" in (process.state() or ""):
+            for pid in process.stopped_pids():
                 with contextlib.suppress(OSError):
-                    os.kill(process.pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
         self._actors = []
         self._starting = None
 

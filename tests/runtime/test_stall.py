@@ -5,6 +5,8 @@ import pickle
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -124,3 +126,25 @@ def test_deadlines_follow_the_config():
 def test_bad_deadline_settings_are_refused_naming_the_key(values, key):
     with pytest.raises(ConfigError, match=key):
         ClusterConfig(**values)
+
+
+def test_the_process_state_names_a_stopped_subprocess():
+    me = Process.this()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert me.state() is None and me.stopped_pids() == []
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while me.state() is None:
+            assert time.monotonic() < deadline, "the stopped subprocess is not seen"
+            time.sleep(0.05)
+        assert me.state() == (
+            f"its subprocess {child.pid} is stopped (SIGSTOP / SIGTSTP; SIGCONT resumes it)"
+        )
+        assert me.stopped_pids() == [child.pid]
+        assert Process(child.pid, me.host).state().startswith("the process is stopped")
+        assert Process(child.pid, "another-host").state() is None  # /proc is this host's
+    finally:
+        child.kill()
+        child.wait()
+    assert Process(child.pid, me.host).state() == "the process is gone"
