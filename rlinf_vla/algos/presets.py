@@ -27,8 +27,33 @@ from rlinf_vla.algos.registry import Registry
 #: The folder of the algorithms' YAML files.
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "algo"
 
-#: Advantage estimators that compare the episodes (or responses) of a group.
-GROUP_ESTIMATORS = ("grpo", "rloo")
+
+def estimator_kind(name: str) -> str:
+    """What the registered advantage estimator ``name`` takes, read from its signature, which
+    is how both trainers call it:
+
+    - ``group``: one score per episode or response and ``group_size`` (``grpo``, ``rloo``);
+    - ``critic``: rewards and a critic's ``values`` (``gae``);
+    - ``return``: per-step rewards alone (``reinforce_pp``).
+    """
+    params = accepts(name)
+    if "scores" in params:
+        return "group"
+    if "values" in params:
+        return "critic"
+    if "rewards" in params:
+        return "return"
+    raise ValueError(
+        f"advantage estimator {name!r} takes none of scores, values, rewards: the trainers "
+        "cannot call it"
+    )
+
+
+def accepts(name: str) -> set[str]:
+    """The keyword arguments of the registered advantage estimator ``name``."""
+    import inspect
+
+    return set(inspect.signature(ADVANTAGES[name]).parameters)
 
 
 @dataclass(frozen=True)
@@ -36,20 +61,22 @@ class AlgorithmPreset:
     """A named combination of registered pieces, validated on construction.
 
     Attributes:
-        advantage: name in ``ADVANTAGES`` (``gae``, ``grpo``, ``rloo``, ``reinforce_pp``).
+        advantage: name in ``ADVANTAGES`` (``gae``, ``grpo``, ``rloo``, ``reinforce_pp``); its
+            signature says how the trainers call it (:func:`estimator_kind`).
         policy_loss: name in ``LOSSES``.
         clip_low: ε_low of the PPO clip.
         clip_high: ε_high; > ``clip_low`` is DAPO's clip-higher.
         dual_clip: c > 1 of the dual clip, or ``None``.
         agg: aggregation mode of the policy, entropy and KL terms, a name in ``AGGREGATIONS``.
         use_critic: train a value head and add ``value_loss`` (needed by ``gae``).
-        normalize_std: ``grpo`` divides group advantages by the group std (``False``: Dr. GRPO).
+        normalize_std: ``grpo`` divides group advantages by the group std (``False``: Dr. GRPO);
+            for estimators that take it.
         dynamic_sampling: drop groups whose scores are all equal (``dapo.dynamic_sampling``).
         overlong_buffer: DAPO's soft overlong punishment for text, as the fraction of the
             maximum generation length that forms the buffer, or ``None``. Embodied episodes
             have no lengths to punish: ``train`` leaves it out.
         gamma: discount per step (embodied: per chunk; text: per token).
-        lam: GAE λ (``gae`` only).
+        lam: GAE λ, for estimators that take it (``gae``).
         kl_in_reward: with a KL coefficient, fold the per-token KL to the reference into the
             reward (REINFORCE++) instead of adding a loss term.
     """
@@ -91,13 +118,13 @@ class AlgorithmPreset:
                 ("lam", 0.0 <= self.lam <= 1.0, "must lie in [0, 1]"),
                 (
                     "use_critic",
-                    self.use_critic or self.advantage != "gae",
-                    "must be true with advantage=gae (GAE needs values)",
+                    self.use_critic or estimator_kind(self.advantage) != "critic",
+                    f"must be true with advantage={self.advantage} (it needs values)",
                 ),
                 (
                     "dynamic_sampling",
                     not self.dynamic_sampling or self.uses_groups,
-                    f"needs a group advantage ({', '.join(GROUP_ESTIMATORS)})",
+                    "needs a group advantage (e.g. grpo, rloo)",
                 ),
             ]
             if not ok
@@ -108,16 +135,14 @@ class AlgorithmPreset:
     @property
     def uses_groups(self) -> bool:
         """The advantage compares the members of a group (``algo.group_size`` >= 2)."""
-        return self.advantage in GROUP_ESTIMATORS
+        return estimator_kind(self.advantage) == "group"
 
     def effective_keys(self) -> set[str]:
-        """The preset keys that change something for this algorithm (``lam`` only for
-        ``gae``, ``normalize_std`` only for ``grpo``, ``dynamic_sampling`` only for groups)."""
+        """The preset keys that change something for this algorithm (``lam`` and
+        ``normalize_std`` only for estimators that take them, ``dynamic_sampling`` only for
+        groups)."""
         keys = set(PRESET_KEYS) - {"lam", "normalize_std", "dynamic_sampling"}
-        if self.advantage == "gae":
-            keys.add("lam")
-        if self.advantage == "grpo":
-            keys.add("normalize_std")
+        keys |= {"lam", "normalize_std"} & accepts(self.advantage)
         if self.uses_groups:
             keys.add("dynamic_sampling")
         return keys
@@ -208,3 +233,11 @@ def ineffective_keys(
         if key in given and not test(preset)
     ]
     return messages
+
+
+def estimate(name: str, **available: Any) -> tuple[Any, Any]:
+    """``ADVANTAGES[name]`` called with those of ``available`` it takes (a trainer offers
+    everything its kind of estimator may use: ``normalize_std`` to a group estimator, ``kl``
+    to a return estimator, ...)."""
+    params = accepts(name)
+    return ADVANTAGES[name](**{k: v for k, v in available.items() if k in params})

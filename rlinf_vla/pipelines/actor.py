@@ -16,11 +16,13 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from rlinf_vla.algos.advantages import ADVANTAGES
 from rlinf_vla.algos.presets import (
     FROM_PRESET,
-    GROUP_ESTIMATORS,
     PRESET_KEYS,
     AlgorithmPreset,
+    estimate,
+    estimator_kind,
     fill_from_preset,
     preset_error,
 )
@@ -131,7 +133,10 @@ class AlgoConfig:
         "value_clip": (lambda p: p.use_critic, "needs a critic (use_critic)"),
         "value_lr": (lambda p: p.use_critic, "needs a critic (use_critic)"),
         "critic_warmup_iterations": (lambda p: p.use_critic, "needs a critic (use_critic)"),
-        "normalize_advantages": (lambda p: p.advantage == "gae", "whitens GAE advantages"),
+        "normalize_advantages": (
+            lambda p: estimator_kind(p.advantage) == "critic",
+            "whitens a critic's advantages",
+        ),
         "group_size": (lambda p: p.uses_groups, "only group advantages (grpo, rloo) use groups"),
     }
 
@@ -141,7 +146,7 @@ class AlgoConfig:
             fill_from_preset(self)
         except ValueError as e:  # named below with the other bad values
             bad_preset = preset_error("algo", e)
-        uses_groups = self.advantage in GROUP_ESTIMATORS
+        uses_groups = self.advantage in ADVANTAGES and estimator_kind(self.advantage) == "group"
         if self.group_size is None:
             self.group_size = DEFAULT_GROUP_SIZE if uses_groups else 1
         check_at_least(self, "algo", ("update_epochs", "minibatch_size", "micro_batch_size"), 1)
@@ -241,16 +246,18 @@ def chunk_level(traj: Any) -> dict[str, Tensor]:
 
 
 def _advantages(traj: Any, algo: AlgoConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """Advantages, returns and loss mask ``[T, b]`` of one trajectory (see :class:`AlgoConfig`
-    for each estimator)."""
-    from rlinf_vla.algos import compute_advantages, dynamic_sampling, granularity
+    """Advantages, returns and loss mask ``[T, b]`` of one trajectory, by the kind of the
+    algorithm's estimator (:func:`~rlinf_vla.algos.presets.estimator_kind`; see
+    :class:`AlgoConfig`)."""
+    from rlinf_vla.algos import dynamic_sampling, granularity
 
     chunks = chunk_level(traj)
     T = traj.num_steps
     everything = torch.ones_like(chunks["rewards"], dtype=torch.bool)
-    if algo.advantage == "gae":
-        adv, ret = compute_advantages(
-            "gae",
+    kind = estimator_kind(algo.advantage)
+    if kind == "critic":  # GAE over chunk steps
+        adv, ret = estimate(
+            algo.advantage,
             values=traj.value,
             final_values=traj.final_value,
             gamma=algo.gamma,
@@ -259,15 +266,19 @@ def _advantages(traj: Any, algo: AlgoConfig) -> tuple[Tensor, Tensor, Tensor]:
         )
         return adv, ret, everything
     dones = chunks["terminated"] | chunks["truncated"]
-    if algo.advantage == "reinforce_pp":
-        adv, ret = compute_advantages(
-            "reinforce_pp", rewards=chunks["rewards"], dones=dones, gamma=algo.gamma
+    if kind == "return":  # discounted chunk returns, not across episode boundaries
+        adv, ret = estimate(
+            algo.advantage, rewards=chunks["rewards"], dones=dones, gamma=algo.gamma
         )
         return adv, ret, everything
     # Group estimators: each env's first episode is scored; its chunk steps share the advantage.
     scores = granularity.episode_scores(chunks["rewards"], dones, gamma=algo.gamma)
-    extra = {"normalize_std": algo.normalize_std} if algo.advantage == "grpo" else {}
-    adv, _ = compute_advantages(algo.advantage, scores=scores, group_size=algo.group_size, **extra)
+    adv, _ = estimate(
+        algo.advantage,
+        scores=scores,
+        group_size=algo.group_size,
+        normalize_std=algo.normalize_std,
+    )
     mask = granularity.valid_until_first_done(dones)
     if algo.dynamic_sampling:  # groups whose episodes all scored the same teach nothing
         keep, _ = dynamic_sampling(scores, algo.group_size)
@@ -569,7 +580,7 @@ class ActorWorker(Worker):
 
         a = self.algo
         batch = build_batch(trajectories, a)
-        if a.advantage == "gae" and a.normalize_advantages and len(batch) > 1:
+        if estimator_kind(a.advantage) == "critic" and a.normalize_advantages and len(batch) > 1:
             batch.advantages = whiten(batch.advantages)
         lr = self.learner.set_lr(iteration, total_iterations)
         features = self._frozen_features(batch) if a.cache_frozen_features else None

@@ -17,6 +17,7 @@ from rlinf_vla.algos.presets import (
     FROM_PRESET,
     PRESET_KEYS,
     AlgorithmPreset,
+    estimator_kind,
     fill_from_preset,
     ineffective_keys,
     preset_error,
@@ -132,7 +133,10 @@ class MathAlgoConfig:
         "value_coef": (lambda p: p.use_critic, "needs a critic (use_critic)"),
         "value_clip": (lambda p: p.use_critic, "needs a critic (use_critic)"),
         "value_lr": (lambda p: p.use_critic, "needs a critic (use_critic)"),
-        "normalize_advantages": (lambda p: p.advantage == "gae", "whitens GAE advantages"),
+        "normalize_advantages": (
+            lambda p: estimator_kind(p.advantage) == "critic",
+            "whitens a critic's advantages",
+        ),
         "max_sample_rounds": (lambda p: p.dynamic_sampling, "refills dynamic sampling"),
         "overlong_penalty_factor": (
             lambda p: bool(p.overlong_buffer),

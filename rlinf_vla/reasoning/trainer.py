@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from rlinf_vla.algos import compute_advantages, dynamic_sampling, overlong_penalty, whiten
+from rlinf_vla.algos import dynamic_sampling, overlong_penalty, whiten
+from rlinf_vla.algos.presets import estimate, estimator_kind
 from rlinf_vla.config import ConfigError, to_dict
 from rlinf_vla.pipelines.checkpoints import (
     Resume,
@@ -256,10 +257,13 @@ class MathGrpoRunner:
             return []
         scores = torch.cat([g["score"] for g in groups])
         lengths = [len(s.response) for s in seqs]
-        if a.preset.uses_groups:  # grpo, rloo: one advantage per response, on each token
-            extra = {"normalize_std": a.normalize_std} if a.advantage == "grpo" else {}
-            adv, _ = compute_advantages(
-                a.advantage, scores=scores, group_size=a.group_size, **extra
+        kind = estimator_kind(a.advantage)
+        if kind == "group":  # one advantage per response, on each of its tokens
+            adv, _ = estimate(
+                a.advantage,
+                scores=scores,
+                group_size=a.group_size,
+                normalize_std=a.normalize_std,
             )
             for s, value, n in zip(seqs, adv.tolist(), lengths, strict=True):
                 s.advantages = [value] * n
@@ -271,26 +275,26 @@ class MathGrpoRunner:
         for b, n in enumerate(lengths):
             mask[:n, b] = True
             rewards[n - 1, b] = scores[b]
-        if a.advantage == "reinforce_pp":
+        if kind == "return":  # REINFORCE++: the KL to the reference may join the reward
             kl = None
             if a.kl_coef > 0 and a.kl_in_reward:
                 kl = _per_token(
                     self.actor.scatter("kl_to_reference", seqs, args=(self.pad_id,)), L, B
                 )
-            adv, _ = compute_advantages(
-                "reinforce_pp", rewards=rewards, mask=mask, gamma=a.gamma, kl=kl, kl_coef=a.kl_coef
+            adv, _ = estimate(
+                a.advantage, rewards=rewards, mask=mask, gamma=a.gamma, kl=kl, kl_coef=a.kl_coef
             )
             for b, s in enumerate(seqs):
                 s.advantages = adv[: lengths[b], b].tolist()
             return seqs
-        # gae (PPO): the critic's values at rollout time; 0 after the last token.
+        # a critic (gae, PPO): its values at rollout time; 0 after the last token.
         values = torch.zeros(L + 1, B)
         values[:L] = _per_token(self.actor.scatter("token_values", seqs, args=(self.pad_id,)), L, B)
         terminated = torch.zeros(L, B, dtype=torch.bool)
         for b, n in enumerate(lengths):
             terminated[n - 1, b] = True
-        adv, ret = compute_advantages(
-            "gae",
+        adv, ret = estimate(
+            a.advantage,
             rewards=rewards,
             values=values,
             terminated=terminated,

@@ -218,3 +218,28 @@ def test_the_actor_takes_the_frozen_features_the_rollout_sent():
     actor.policy.frozen_features = frozen_pass
     marked = sent + 1.0
     assert torch.equal(actor._frozen_features(dataclasses.replace(batch, features=marked)), marked)
+
+
+def test_a_new_group_estimator_needs_only_its_function_and_a_preset(monkeypatch, tmp_path):
+    """The recipe of docs/algorithms.md: register the function, write the YAML; the embodied
+    trainer calls it by its signature (here a "best of the others" baseline, by hand)."""
+    from rlinf_vla.algos import ADVANTAGES, ALGORITHMS
+    from rlinf_vla.algos.presets import load_preset
+
+    def max_baseline(*, scores, group_size):
+        """``A_i = s_i - max_{j != i} s_j``. Shapes: ``scores [N]`` -> ``[N]``."""
+        s = scores.view(-1, group_size)
+        others = torch.stack(
+            [torch.cat([row[:i], row[i + 1 :]]).max() for row in s for i in range(group_size)]
+        )
+        return scores - others, scores.clone()
+
+    monkeypatch.setitem(ADVANTAGES._entries, "max_baseline", max_baseline)
+    (tmp_path / "vs_best.yaml").write_text(
+        "name: vs_best\nadvantage: max_baseline\nuse_critic: false\nagg: token-mean\n"
+    )
+    monkeypatch.setitem(ALGORITHMS._entries, "vs_best", load_preset(tmp_path / "vs_best.yaml"))
+    adv, _, mask = _advantages(_episodes(), AlgoConfig(name="vs_best", group_size=2))
+    # scores (1, 0 | 1, 1): 1 - 0, 0 - 1, 1 - 1, 1 - 1
+    assert torch.equal(adv[0], torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    assert mask[:, 0].tolist() == [True, True, False]
