@@ -110,7 +110,7 @@ COMMANDS: dict[str, Command] = {
         ),
         Command(
             "math-grpo",
-            "GRPO / DAPO / REINFORCE++ on math problems with verifier rewards (an LLM on the same runtime)",
+            "GRPO, DAPO, REINFORCE++, RLOO or PPO on math problems with verifier rewards (an LLM on the same runtime)",
             "math_grpo",
             "rlinf_vla.reasoning",
             config_root="math_grpo",
