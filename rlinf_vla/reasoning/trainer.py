@@ -3,9 +3,11 @@
 One step::
 
     prompts ──rollout workers──> n responses each ──reward workers──> verifier scores
-        -> overlong penalty, advantages (rlinf_vla.algos: grpo / reinforce_pp)
+        -> overlong penalty, advantages (the algorithm's estimator: grpo, rloo, reinforce_pp,
+           or gae on the actor's value head for PPO)
         -> DAPO: drop groups whose scores are all equal, sample more (up to max_sample_rounds)
-        -> actor workers: GRPO/DAPO token-level PPO loss, optional KL, gradient accumulation
+        -> actor workers: token-level PPO loss, optional KL and value terms, gradient
+           accumulation (rlinf_vla.training.Learner)
         -> weights broadcast to the rollout workers
 
 Responses whose advantage is exactly 0 (every response of the group scored the same) add
