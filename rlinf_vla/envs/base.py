@@ -144,6 +144,11 @@ class EnvConfig:
         """The ``images`` keys the env's observations will have (known before it starts)."""
         return ("main",)
 
+    def describe(self) -> str:
+        """What the env runs, after its name in a run's header (``PickCube-v1``,
+        ``libero_goal tasks [2, 5]``; empty: nothing more to say)."""
+        return ""
+
     @classmethod
     def from_kwargs(cls, env_name: str = "", **kwargs: Any) -> EnvConfig:
         """Build the config from keyword arguments; unknown keys fail, naming them."""

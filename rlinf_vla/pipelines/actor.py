@@ -569,7 +569,9 @@ class ActorWorker(Worker):
     ) -> dict[str, float]:
         """Take ``num_trajectories`` trajectories from ``channel[key]`` and run the PPO epochs
         (with the policy and optimizer on the device meanwhile, when they are offloaded)."""
-        trajectories = channel.get_batch(key, num_trajectories)
+        # in source order, not arrival order: the update must not depend on which rollout
+        # worker finished first (rlinf_vla.pipelines.routing)
+        trajectories = sorted(channel.get_batch(key, num_trajectories), key=lambda t: t.source)
         with resident(self.policy, self.device, self.optimizer, enabled=self.offload):
             return self._train(trajectories, iteration, total_iterations)
 

@@ -33,6 +33,7 @@ from rlinf_vla.pipelines.config import TrainJob, check_env_split
 from rlinf_vla.pipelines.evaluation import evaluate_on_worker
 from rlinf_vla.pipelines.loop import RunLoop, Say, count_text, device_ranges, device_summary
 from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
+from rlinf_vla.pipelines.routing import Routing
 from rlinf_vla.pipelines.tracking import MetricsLogger, run_folder
 from rlinf_vla.runtime import (
     Channel,
@@ -146,8 +147,12 @@ class EmbodiedRunner:
             # With FSDP every actor rank takes part in gathering the full weights.
             self._gather_ranks = None if self.fsdp else [0]
             # Env stage (rank, s) -> rollout worker and actor rank, fixed for the whole run.
-            stages = job.placement.stages
-            self.sources = [(r, s) for r in range(self.env.world_size) for s in range(stages)]
+            self.routing = Routing.round_robin(
+                self.env.world_size,
+                job.placement.stages,
+                self.rollout.world_size,
+                self.actor.world_size,
+            )
             self.start_iteration = 0
             if self.checkpoint is not None:
                 self.start_iteration = self._restore(self.checkpoint.path)
@@ -231,25 +236,24 @@ class EmbodiedRunner:
         self._sync(version=it)
         t1 = time.perf_counter()
         calls = [self.env.interact(self.channel, r.rollout_chunks)]
-        actor_ranks = self.actor.world_size
         for w in range(self.rollout.world_size):
-            mine = [src for i, src in enumerate(self.sources) if i % self.rollout.world_size == w]
-            dests = [trajectory_key(self.sources.index(src) % actor_ranks) for src in mine]
+            mine, dests = self.routing.served_by(w)
             calls.append(
                 self.rollout.generate(self.channel, r.rollout_chunks, mine, dests, ranks=[w])
             )
         env_stats, *_ = wait_all(calls)
         t2 = time.perf_counter()
-        per_rank = [
-            sum(1 for i in range(len(self.sources)) if i % actor_ranks == a)
-            for a in range(actor_ranks)
-        ]
         train = wait_all(
             [
                 self.actor.train(
-                    self.channel, trajectory_key(a), per_rank[a], it, r.max_iterations, ranks=[a]
+                    self.channel,
+                    trajectory_key(a),
+                    self.routing.trajectories_for(a),
+                    it,
+                    r.max_iterations,
+                    ranks=[a],
                 )
-                for a in range(actor_ranks)
+                for a in range(self.actor.world_size)
             ]
         )
         t3 = time.perf_counter()
@@ -382,12 +386,11 @@ def _status(metrics: dict[str, Any]) -> str:
 
 
 def _env_text(job: TrainJob) -> str:
-    """``maniskill PickCube-v1``, ``libero libero_goal tasks [2, 5]``, ``toy``."""
-    env = job.env
-    if job.env_name == "libero":
-        tasks = f" tasks {list(env['task_ids'])}" if env.get("task_ids") else ""
-        return f"libero {env.get('suite', 'libero_spatial')}{tasks}"
-    return f"{job.env_name} {env['task']}" if env.get("task") else job.env_name
+    """``maniskill PickCube-v1``, ``libero libero_goal tasks [2, 5]``, ``toy``: the env's name
+    and what its config says it runs."""
+    from rlinf_vla.envs import env_config
+
+    return f"{job.env_name} {env_config(job.env_name, **job.env).describe()}".strip()
 
 
 def _placement_dict(job: TrainJob) -> dict[str, Any]:

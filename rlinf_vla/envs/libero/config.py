@@ -98,6 +98,11 @@ class LiberoEnvConfig(EnvConfig):
     def cameras(self) -> tuple[str, ...]:
         return ("main", "wrist")
 
+    def describe(self) -> str:
+        """``libero_goal``, or ``libero_goal tasks [2, 5]``."""
+        tasks = f" tasks {list(self.task_ids)}" if self.task_ids is not None else ""
+        return f"{self.suite}{tasks}"
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_field(self, "suite", self.suite in SUITE_CHOICES, f"must be one of {SUITE_CHOICES}")

@@ -137,6 +137,9 @@ class ManiSkillEnvConfig(EnvConfig):
             return None
         return _PANDA_ACTION_DIMS.get(self.control_mode)
 
+    def describe(self) -> str:
+        return self.task
+
     @property
     def cameras(self) -> tuple[str, ...]:
         """``main``, plus ``wrist`` when asked for (``wrist``) and the robot carries a camera:
