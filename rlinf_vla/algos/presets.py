@@ -16,9 +16,10 @@ Adding an algorithm: register its functions (an estimator in ``ADVANTAGES``, a l
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rlinf_vla.algos.advantages import ADVANTAGES
 from rlinf_vla.algos.losses import AGGREGATIONS, LOSSES
@@ -191,6 +192,59 @@ class _FromPreset:
 
 
 FROM_PRESET: Any = _FromPreset()
+
+
+@dataclass
+class AlgorithmSection:
+    """The keys an ``algo`` config section shares in both trainers: ``name`` and the preset
+    keys, each defaulting to the named algorithm's YAML value (``AlgoConfig`` of ``train`` and
+    ``MathAlgoConfig`` of ``math-grpo`` extend it with their own settings)."""
+
+    name: str = "ppo"
+    advantage: str = FROM_PRESET
+    policy_loss: str = FROM_PRESET
+    clip_low: float = FROM_PRESET
+    clip_high: float = FROM_PRESET
+    dual_clip: float | None = FROM_PRESET
+    agg: str = FROM_PRESET
+    use_critic: bool = FROM_PRESET
+    normalize_std: bool = FROM_PRESET
+    dynamic_sampling: bool = FROM_PRESET
+    overlong_buffer: float | None = FROM_PRESET
+    gamma: float = FROM_PRESET
+    lam: float = FROM_PRESET
+    kl_in_reward: bool = FROM_PRESET
+
+    #: trainer keys of a critic, which change nothing without one: key -> (test, why)
+    CRITIC_KEYS: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
+        "value_coef": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "value_clip": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "value_lr": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "normalize_advantages": (
+            lambda p: estimator_kind(p.advantage) == "critic",
+            "whitens a critic's advantages",
+        ),
+    }
+
+    def fill_preset(self, path: str = "algo") -> str | None:
+        """Fill the preset keys left at their default from the named algorithm; returns the
+        message naming every bad preset value (``None``: all good), for the caller to report
+        with its other checks."""
+        try:
+            fill_from_preset(self)
+        except ValueError as e:
+            return preset_error(path, e)
+        return None
+
+    @property
+    def uses_groups(self) -> bool:
+        """The advantage compares the members of a group (``False`` for an unknown one)."""
+        return self.advantage in ADVANTAGES and estimator_kind(self.advantage) == "group"
+
+    @property
+    def preset(self) -> AlgorithmPreset:
+        """The algorithm as configured (its preset with this section's overrides)."""
+        return AlgorithmPreset(**{key: getattr(self, key) for key in PRESET_KEYS})
 
 
 def fill_from_preset(section: Any) -> AlgorithmPreset:

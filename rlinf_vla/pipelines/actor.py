@@ -16,15 +16,11 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from rlinf_vla.algos.advantages import ADVANTAGES
 from rlinf_vla.algos.presets import (
-    FROM_PRESET,
-    PRESET_KEYS,
     AlgorithmPreset,
+    AlgorithmSection,
     estimate,
     estimator_kind,
-    fill_from_preset,
-    preset_error,
 )
 from rlinf_vla.config import ConfigError, check_at_least
 from rlinf_vla.runtime import Channel, Worker, offload_module, resident
@@ -38,7 +34,7 @@ DEFAULT_GROUP_SIZE = 4
 
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(AlgorithmSection):
     """The ``algo`` section of ``rlinf-vla train``.
 
     ``name`` picks the algorithm: ``ppo``, ``grpo``, ``dapo``, ``reinforce_pp`` or ``rloo``
@@ -92,21 +88,6 @@ class AlgoConfig:
             ``off``. Weights, optimizer state and losses stay float32.
     """
 
-    name: str = "ppo"
-    # the algorithm's preset keys (rlinf_vla/configs/algo/<name>.yaml)
-    advantage: str = FROM_PRESET
-    policy_loss: str = FROM_PRESET
-    clip_low: float = FROM_PRESET
-    clip_high: float = FROM_PRESET
-    dual_clip: float | None = FROM_PRESET
-    agg: str = FROM_PRESET
-    use_critic: bool = FROM_PRESET
-    normalize_std: bool = FROM_PRESET
-    dynamic_sampling: bool = FROM_PRESET
-    overlong_buffer: float | None = FROM_PRESET
-    gamma: float = FROM_PRESET
-    lam: float = FROM_PRESET
-    kl_in_reward: bool = FROM_PRESET
     # the trainer's keys
     group_size: int | None = None
     value_coef: float = 0.5
@@ -129,24 +110,14 @@ class AlgoConfig:
 
     #: trainer keys that change something only for some algorithms: key -> (test, why)
     CONDITIONAL: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
-        "value_coef": (lambda p: p.use_critic, "needs a critic (use_critic)"),
-        "value_clip": (lambda p: p.use_critic, "needs a critic (use_critic)"),
-        "value_lr": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        **AlgorithmSection.CRITIC_KEYS,
         "critic_warmup_iterations": (lambda p: p.use_critic, "needs a critic (use_critic)"),
-        "normalize_advantages": (
-            lambda p: estimator_kind(p.advantage) == "critic",
-            "whitens a critic's advantages",
-        ),
         "group_size": (lambda p: p.uses_groups, "only group advantages (grpo, rloo) use groups"),
     }
 
     def __post_init__(self) -> None:
-        bad_preset = None
-        try:
-            fill_from_preset(self)
-        except ValueError as e:  # named below with the other bad values
-            bad_preset = preset_error("algo", e)
-        uses_groups = self.advantage in ADVANTAGES and estimator_kind(self.advantage) == "group"
+        bad_preset = self.fill_preset()  # named below with the other bad values
+        uses_groups = self.uses_groups
         if self.group_size is None:
             self.group_size = DEFAULT_GROUP_SIZE if uses_groups else 1
         check_at_least(self, "algo", ("update_epochs", "minibatch_size", "micro_batch_size"), 1)
@@ -183,11 +154,6 @@ class AlgoConfig:
         ]
         if bad or bad_preset:
             raise ConfigError("; ".join(([bad_preset] if bad_preset else []) + bad))
-
-    @property
-    def preset(self) -> AlgorithmPreset:
-        """The algorithm as configured (its preset with this section's overrides)."""
-        return AlgorithmPreset(**{key: getattr(self, key) for key in PRESET_KEYS})
 
     def loss_settings(self) -> LossSettings:
         return LossSettings(

@@ -14,13 +14,9 @@ from typing import Any, ClassVar, Literal
 
 from rlinf_vla.algos import KL_ESTIMATORS
 from rlinf_vla.algos.presets import (
-    FROM_PRESET,
-    PRESET_KEYS,
     AlgorithmPreset,
-    estimator_kind,
-    fill_from_preset,
+    AlgorithmSection,
     ineffective_keys,
-    preset_error,
 )
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
@@ -39,7 +35,7 @@ COMPONENTS = ("rollout", "actor", "reward")
 
 
 @dataclass
-class MathAlgoConfig:
+class MathAlgoConfig(AlgorithmSection):
     """The ``algo`` section of ``rlinf-vla math-grpo``.
 
     ``name`` picks the algorithm: ``grpo``, ``dapo``, ``reinforce_pp``, ``rloo`` or ``ppo``
@@ -86,20 +82,6 @@ class MathAlgoConfig:
     """
 
     name: str = "grpo"
-    # the algorithm's preset keys (rlinf_vla/configs/algo/<name>.yaml)
-    advantage: str = FROM_PRESET
-    policy_loss: str = FROM_PRESET
-    clip_low: float = FROM_PRESET
-    clip_high: float = FROM_PRESET
-    dual_clip: float | None = FROM_PRESET
-    agg: str = FROM_PRESET
-    use_critic: bool = FROM_PRESET
-    normalize_std: bool = FROM_PRESET
-    dynamic_sampling: bool = FROM_PRESET
-    overlong_buffer: float | None = FROM_PRESET
-    gamma: float = FROM_PRESET
-    lam: float = FROM_PRESET
-    kl_in_reward: bool = FROM_PRESET
     # the trainer's keys
     group_size: int = 8
     prompts_per_step: int = 8
@@ -130,13 +112,7 @@ class MathAlgoConfig:
 
     #: trainer keys that change something only for some algorithms: key -> (test, why)
     CONDITIONAL: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
-        "value_coef": (lambda p: p.use_critic, "needs a critic (use_critic)"),
-        "value_clip": (lambda p: p.use_critic, "needs a critic (use_critic)"),
-        "value_lr": (lambda p: p.use_critic, "needs a critic (use_critic)"),
-        "normalize_advantages": (
-            lambda p: estimator_kind(p.advantage) == "critic",
-            "whitens a critic's advantages",
-        ),
+        **AlgorithmSection.CRITIC_KEYS,
         "max_sample_rounds": (lambda p: p.dynamic_sampling, "refills dynamic sampling"),
         "overlong_penalty_factor": (
             lambda p: bool(p.overlong_buffer),
@@ -145,14 +121,13 @@ class MathAlgoConfig:
     }
 
     def __post_init__(self) -> None:
-        try:
-            preset = fill_from_preset(self)
-        except ValueError as e:
-            raise ConfigError(preset_error("algo", e)) from None
+        bad_preset = self.fill_preset()
+        if bad_preset:
+            raise ConfigError(bad_preset)
         KL_ESTIMATORS[self.kl_estimator]
         positive = ("prompts_per_step", "max_new_tokens", "update_epochs", "micro_batch_size")
         check_at_least(self, "algo", (*positive, "max_sample_rounds"), 1)
-        if self.group_size < 1 or (preset.uses_groups and self.group_size < 2):
+        if self.group_size < 1 or (self.uses_groups and self.group_size < 2):
             raise ConfigError(
                 f"algo.group_size must be >= 2 for {self.name} (it compares the responses to "
                 f"one prompt), got {self.group_size}"
@@ -167,11 +142,6 @@ class MathAlgoConfig:
             raise ConfigError("algo: need value_coef >= 0 and value_clip > 0 or null")
         if len(self.betas) != 2:
             raise ConfigError(f"algo.betas must be two numbers, got {self.betas}")
-
-    @property
-    def preset(self) -> AlgorithmPreset:
-        """The algorithm as configured (its preset with this section's overrides)."""
-        return AlgorithmPreset(**{key: getattr(self, key) for key in PRESET_KEYS})
 
     @property
     def batch_size(self) -> int:
