@@ -638,7 +638,7 @@ class WorkerGroup(Generic[W]):
 
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
-        for process in self._processes or []:
+        for process in (self._processes or []) if self._actors else []:
             for pid in process.stopped_pids():
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)

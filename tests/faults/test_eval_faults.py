@@ -21,7 +21,7 @@ import pytest
 from rlinf_vla.runtime import WorkerStalled
 from tests.faults.conftest import CliRun, process_gone, wait_until, worker_pids
 
-STALL_MIN_S = 15  # see test_train_faults.py
+STALL_MIN_S = 10  # see test_train_faults.py
 TRIALS = 60
 EVAL = [
     "env=toy",

@@ -22,7 +22,7 @@ from tests.faults.conftest import CliRun, checkpoint_done, process_gone, wait_un
 
 #: Seconds a call may take at least before it counts as stalled, in these runs (the default
 #: is 120 s); every call of the toy run takes well under a second, 3 s under heavy load.
-STALL_MIN_S = 15
+STALL_MIN_S = 10
 TRAIN = [
     "train",
     "env=toy",
