@@ -11,6 +11,12 @@ Each round (lockstep over all workers):
 
 A trial whose simulator crashed (its subprocess died, or the env raised) goes back to the
 front of the queue; after ``eval.retries`` such retries it is recorded as an error.
+
+An env worker that stops answering is caught by the runtime's call deadlines
+(:mod:`rlinf_vla.runtime.stall`: ``cluster.stall_factor``, ``cluster.stall_min_s``) and stops
+the evaluation with :class:`~rlinf_vla.runtime.WorkerStalled` naming it; that, a crashed worker,
+Ctrl-C or SIGTERM stop it at once (the workers are killed, not asked to close), with the
+reports written from the trials recorded so far. The same command continues the evaluation.
 """
 
 from __future__ import annotations
