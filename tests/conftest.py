@@ -1,5 +1,6 @@
-"""Test-suite wide settings: markers that skip cleanly when their hardware is missing, and a
-check that no test leaves the process's torch thread count changed."""
+"""Test-suite wide settings: markers that skip cleanly when their hardware is missing, the
+``ray`` mark (the tests that start Ray workers share one Ray instance; the others start none),
+and a check that no test leaves the process's torch thread count changed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _mark_ray_tests(items)
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -56,9 +58,33 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Cluster, "__init__", refuse)
 
 
-# Tests in these folders start Ray workers (`rlinf-vla train`, `eval`, `math-grpo` runs, the
-# runtime's own tests).
-_RAY_TEST_DIRS = {"pipelines", "eval", "reasoning", "runtime"}
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "ray: starts Ray workers (a Cluster, a WorkerGroup, an in-process `rlinf-vla` run); "
+        "gets the suite's shared Ray instance",
+    )
+
+
+# Fixtures that hand a test a ``Cluster``: a test that takes one is marked ``ray`` here.
+_CLUSTER_FIXTURES = {"cluster", "ray_cluster"}
+# Tests that start Ray workers in modules without a ``ray`` mark of their own.
+_RAY_TESTS = {
+    "tests/reasoning/test_math_grpo.py::test_two_steps_end_to_end_then_resume",
+    "tests/reasoning/test_math_grpo.py::test_collocated_on_one_gpu_offloads_the_idle_model",
+    "tests/reasoning/test_algorithms.py::test_each_algorithm_trains_two_steps",
+}
+
+
+def _mark_ray_tests(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = item.nodeid.split("[")[0]
+        if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())) or name in _RAY_TESTS:
+            item.add_marker(pytest.mark.ray)
+
+
+def _uses_ray(item: pytest.Item) -> bool:
+    return item.get_closest_marker("ray") is not None
 
 
 @pytest.fixture(scope="session")
@@ -69,30 +95,93 @@ def _session_clusters():
         cluster.shutdown()
 
 
-@pytest.fixture(autouse=True)
-def _one_ray_instance(request: pytest.FixtureRequest, _session_clusters: list) -> None:
-    """The tests that start Ray workers share one local Ray instance (a ``Cluster`` uses the
-    instance it finds running): starting and stopping one costs about 6 s, and the suite starts
-    dozens of runs. A test that shuts it down (the multi-node tests make their own) gets a
-    new one for the tests after it.
-
-    The instance has 2 CPUs on every machine, and GPUs only for the tests marked ``gpu``: on a
-    CUDA machine the other tests still place their workers on CPU slots, as in CI. Between a
-    GPU test and a CPU test the instance is started again with the other devices."""
-    if request.node.path.parent.name not in _RAY_TEST_DIRS:
-        return
+def _start_shared_ray(clusters: list, gpus: bool) -> None:
+    """Make the running Ray instance the one for a test with (``gpus``) or without GPUs:
+    start it, or stop and start it again when it has the other devices."""
     import ray
 
-    gpus = "gpu" in request.node.keywords and _cuda_available()
     if ray.is_initialized() and (ray.cluster_resources().get("GPU", 0) > 0) != gpus:
-        for cluster in _session_clusters:
+        for cluster in clusters:
             cluster.shutdown()
-        _session_clusters.clear()
+        clusters.clear()
         ray.shutdown()
     if not ray.is_initialized():
         from rlinf_vla.runtime import Cluster
 
-        _session_clusters.append(Cluster(num_cpus=2, num_gpus=None if gpus else 0))
+        clusters.append(Cluster(num_cpus=2, num_gpus=None if gpus else 0))
+
+
+def _wants_gpus(item: pytest.Item) -> bool:
+    return "gpu" in item.keywords and _cuda_available()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_for_module_fixtures(request: pytest.FixtureRequest, _session_clusters: list) -> None:
+    """Start the shared Ray instance before the module-scoped fixtures of a module with a
+    ``ray`` test (a trained run, a module's ``Cluster``), so that they use it too."""
+    first = next(
+        (
+            i
+            for i in request.session.items
+            if getattr(i, "module", None) is request.module and _uses_ray(i)
+        ),
+        None,
+    )
+    if first is not None:
+        _start_shared_ray(_session_clusters, _wants_gpus(first))
+
+
+@pytest.fixture(autouse=True)
+def _one_ray_instance(request: pytest.FixtureRequest, _session_clusters: list) -> None:
+    """The tests marked ``ray`` share one local Ray instance (a ``Cluster`` uses the instance
+    it finds running): starting and stopping one costs about 6 s, and the suite starts dozens
+    of runs. A test that shuts it down (the multi-node tests make their own) gets a new one
+    for the tests after it. Tests without the mark start no Ray at all.
+
+    The instance has 2 CPUs on every machine, and GPUs only for the tests marked ``gpu``: on a
+    CUDA machine the other tests still place their workers on CPU slots, as in CI. Between a
+    GPU test and a CPU test the instance is started again with the other devices."""
+    if _uses_ray(request.node):
+        _start_shared_ray(_session_clusters, _wants_gpus(request.node))
+
+
+class UnmarkedRayWarning(pytest.PytestWarning):
+    """A test started Ray workers without the ``ray`` mark."""
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_without_the_mark(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Warn about a test that makes a ``Cluster`` or calls ``ray.init`` without the ``ray``
+    mark: it starts (and stops) a Ray instance of its own, or passes only when an earlier test
+    left the shared one running."""
+    if _uses_ray(request.node):
+        yield
+        return
+    import ray
+
+    from rlinf_vla.runtime import Cluster
+
+    started: list[str] = []
+    init, cluster_init = ray.init, Cluster.__init__
+
+    def spy_init(*args, **kwargs):
+        started.append("ray.init")
+        return init(*args, **kwargs)
+
+    def spy_cluster_init(self, *args, **kwargs):
+        started.append("Cluster")
+        return cluster_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "init", spy_init)
+    monkeypatch.setattr(Cluster, "__init__", spy_cluster_init)
+    yield
+    if started:
+        request.node.warn(
+            UnmarkedRayWarning(
+                f"started Ray ({', '.join(sorted(set(started)))}) without the `ray` mark: "
+                "mark it `@pytest.mark.ray` so that it gets the suite's shared instance"
+            )
+        )
 
 
 @pytest.fixture

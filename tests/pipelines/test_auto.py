@@ -79,6 +79,7 @@ def test_only_plans_that_split_whole_groups_are_considered():
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_auto_profiles_prints_its_choice_and_trains(tmp_path, capsys, monkeypatch):
     """The profile runs in a worker on device 0: the driver (this process) builds no policy,
     so it holds no model and, on a GPU machine, no CUDA context while the run trains."""
@@ -198,6 +199,7 @@ def test_each_plan_is_charged_the_update_its_actor_runs():
 
 
 @pytest.mark.gpu
+@pytest.mark.ray
 def test_auto_profiles_on_the_gpu_its_workers_use(tmp_path, capsys):
     """On a GPU machine the profile measures on GPU 0 (synchronised timing, ``algo.autocast``),
     where the rollout and actor will run; one GPU leaves collocated as the only plan."""

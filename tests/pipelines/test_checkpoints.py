@@ -215,6 +215,7 @@ def _copy(trained_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_a_flipped_byte_falls_back_to_the_previous_checkpoint(trained_run, tmp_path, capsys):
     run = _copy(trained_run, tmp_path)
     _flip_byte(run / "checkpoints" / "iter_2" / "policy" / "model.safetensors")
@@ -280,6 +281,7 @@ def test_a_legacy_truncated_runner_state_is_named(trained_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_a_run_saved_without_manifests_resumes(trained_run, tmp_path, capsys):
     run = _copy(trained_run, tmp_path)
     for p in run.glob("checkpoints/*/MANIFEST.json"):

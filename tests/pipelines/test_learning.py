@@ -18,10 +18,10 @@ random-init parameters can learn in a CI-sized budget:
   variance low; many small optimizer steps per rollout (8 epochs of minibatches of 32).
 
 The tiny OpenVLA does not learn from its random initialisation in a CI budget, by PPO, by GRPO
-or by supervised cloning of the oracle (docs/training.md, "Learning tests", has the runs: the
-random vision tower and the random language model each wait for the other). Its tests start
-instead from a vision-language warm start (``rlinf_vla.pipelines.toy_pretraining``: the model
-learns to caption where the target lies and to hold still, never to act on the scene) and
+or by supervised cloning of the oracle (docs/experiments/2026-11-27-training-notes.md has the
+runs: the random vision tower and the random language model each wait for the other). Its tests
+start instead from a vision-language warm start (``rlinf_vla.pipelines.toy_pretraining``: the
+model learns to caption where the target lies and to hold still, never to act on the scene) and
 train the action read-out with RL. ``benchmarks/openvla_learning.py`` runs the same
 experiment with other settings.
 """
@@ -134,6 +134,7 @@ def _check_learns(*args) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_pi0_flow_sde_ppo_learns(tmp_path: Path) -> None:
     runner = {
         "seed": 0,
@@ -191,6 +192,7 @@ READOUT_LORA = {"lora_rank": 8, "lora_target_modules": ".*lm_head"}
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(
     tmp_path: Path, openvla_warm_start: Path
 ) -> None:
@@ -227,6 +229,7 @@ def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(
     tmp_path: Path, openvla_warm_start: Path
 ) -> None:
@@ -253,7 +256,8 @@ def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(
     Measured (2 cores, AVX512 Xeon, 32 iterations): greedy success 0.00 -> 0.94, 0.97, 0.98,
     0.95 for runner seeds 0-3, sampled 0.90-0.99 at the end; about 100 s after the warm start.
     With 24 iterations: 1.00, 1.00, 0.98, 1.00 on another machine and path; without the
-    discount and the decay: 0.98, 0.95, 0.84, 0.61 (docs/training.md has every run).
+    discount and the decay: 0.98, 0.95, 0.84, 0.61 (docs/experiments/2026-11-27-training-notes.md
+    has every run).
     """
     env = {**OPENVLA_ENV, "num_envs": 128}
     algo = {

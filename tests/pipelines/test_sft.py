@@ -167,6 +167,7 @@ def _sft(out, demos, *extra):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_cloning_the_toy_expert_lowers_the_loss_raises_success_and_resumes(tmp_path, toy_demos):
     from rlinf_vla.data import open_dataset
     from rlinf_vla.pipelines.tracking import read_metrics
@@ -196,6 +197,7 @@ def test_cloning_the_toy_expert_lowers_the_loss_raises_success_and_resumes(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_an_sft_checkpoint_starts_rl(tmp_path, toy_demos):
     from rlinf_vla import cli
     from rlinf_vla.pipelines.tracking import read_metrics

@@ -56,6 +56,7 @@ def _assert_same_steps(rows_a, rows_b):
     ],
     ids=["collocated", "hybrid", "disaggregated"],
 )
+@pytest.mark.ray
 def test_two_iterations_in_each_mode(tmp_path, placement):
     assert (
         cli.main(
@@ -88,6 +89,7 @@ def test_two_iterations_in_each_mode(tmp_path, placement):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_grpo_two_iterations(tmp_path, capsys):
     args = [
         "algo=grpo",
@@ -118,6 +120,7 @@ def test_grpo_two_iterations(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_resumed_run_matches_uninterrupted_run(tmp_path):
     common = ["cluster.devices_per_node=1", *SMALL, "runner.save_interval=2", "runner.seed=3"]
     full, part = tmp_path / "full", tmp_path / "part"
@@ -144,6 +147,7 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_evaluating_leaves_the_training_unchanged(tmp_path):
     # The rollout worker evaluates with the weights of the next iteration and its own env,
     # with its sampler's random state set aside: the training takes the same steps.
@@ -305,6 +309,7 @@ def test_resuming_a_run_without_a_complete_checkpoint_fails_before_start(
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_a_failed_start_leaves_no_worker_or_channel(tmp_path, monkeypatch):
     """On a Ray instance that outlives the run (here the test session's; for users a cluster
     they connect to), a start that fails after the workers are up removes all of them."""
@@ -355,6 +360,7 @@ MODES = {
     ],
     ids=["maniskill", "libero"],
 )
+@pytest.mark.ray
 def test_two_iterations_on_a_simulator(tmp_path, env, module, mode):
     pytest.importorskip(module)
     args = [*env, *MODES[mode], "runner.rollout_chunks=2", "algo.update_epochs=1"]
@@ -374,6 +380,7 @@ def test_two_iterations_on_a_simulator(tmp_path, env, module, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_pi0_with_flow_sde_trains(tmp_path):
     args = ["policy=pi0", "policy.image_keys=[main]", "cluster.devices_per_node=1", *SMALL]
     assert (
@@ -386,6 +393,7 @@ def test_pi0_with_flow_sde_trains(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_bf16_autocast_trains_with_float32_weights(tmp_path):
     args = ["cluster.devices_per_node=1", *SMALL, "algo.autocast=bf16", "algo.minibatch_size=16"]
     assert (
@@ -405,6 +413,7 @@ def test_bf16_autocast_trains_with_float32_weights(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.ray
 def test_collocated_on_one_gpu_with_bf16_autocast(tmp_path):
     # Env, rollout and actor on GPU 0: weights go over gloo (NCCL refuses two ranks on one
     # GPU), forward passes in bf16, weights and the optimizer in float32; the rollout worker
@@ -442,6 +451,7 @@ def test_collocated_on_one_gpu_with_bf16_autocast(tmp_path):
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu, id="cuda-nccl")]
 )
 @pytest.mark.slow
+@pytest.mark.ray
 def test_fsdp_matches_replicated_data_parallel_and_resumes(tmp_path, device):
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("FSDP over NCCL needs two GPUs")
@@ -488,6 +498,7 @@ def test_a_checkpoints_own_settings_win_over_the_yaml_defaults(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_non_finite_updates_abort_the_run_naming_the_checkpoint(tmp_path, capsys):
     common = ["cluster.devices_per_node=1", *SMALL, "runner.save_interval=1"]
     out = f"runner.output_dir={tmp_path}"
@@ -507,6 +518,7 @@ def test_non_finite_updates_abort_the_run_naming_the_checkpoint(tmp_path, capsys
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_read_out_training_on_cached_features_takes_the_same_steps(tmp_path):
     # LoRA on lm_head alone: the actor computes the frozen hidden states once per iteration and
     # runs only the read-out in its epochs. It must take the same optimizer steps as the whole
@@ -531,6 +543,7 @@ def test_read_out_training_on_cached_features_takes_the_same_steps(tmp_path):
     _assert_same_steps(runs["true"], runs["false"])
 
 
+@pytest.mark.ray
 def test_weight_sync_sends_the_frozen_weights_once(tmp_path):
     # LoRA: the first sync sends every weight, later ones only the adapter, the heads and the
     # buffers. The rollout must still act with the actor's weights: with a large learning rate
@@ -559,6 +572,7 @@ def test_weight_sync_sends_the_frozen_weights_once(tmp_path):
         assert abs(row["train/approx_kl"]) < 1e-6, row["iteration"]
 
 
+@pytest.mark.ray
 def test_a_lora_run_resumes_with_its_adapter(tmp_path):
     # The policy folder of a LoRA run holds the weights with the adapter merged in; the resume
     # takes the adapter and the heads from the actor's state onto the built base and must take

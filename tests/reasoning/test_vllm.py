@@ -185,6 +185,7 @@ def test_vllm_sampling_follows_the_generator_and_ends_at_stop_strings(tmp_path):
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.ray
 def test_math_grpo_steps_with_vllm_rollouts_then_resume(tmp_path, capsys):
     """LoRA: the first sync carries every weight, the later ones the adapters, which the
     rollout merges into the engine's weights; resuming starts a new engine from the
@@ -218,6 +219,7 @@ def test_math_grpo_steps_with_vllm_rollouts_then_resume(tmp_path, capsys):
 
 @needs_vllm
 @pytest.mark.gpu
+@pytest.mark.ray
 def test_collocated_on_one_gpu_the_engine_sleeps_while_the_actor_trains(tmp_path):
     """Rollout (a vLLM engine in sleep mode) and actor on GPU 0, two steps."""
     from rlinf_vla import cli

@@ -57,6 +57,7 @@ def test_fifo_per_key_across_actors(cluster):
     channel.close()
 
 
+@pytest.mark.ray
 def test_batched_get_and_driver_use():
     channel = Channel.create("batched")
     for i in range(7):

@@ -5,9 +5,12 @@ import io
 import re
 from pathlib import Path
 
+import pytest
+
 DOC = Path(__file__).parents[2] / "docs" / "runtime.md"
 
 
+@pytest.mark.ray
 def test_two_groups_through_a_channel_example():
     text = DOC.read_text()
     code = re.search(r"## Example.*?```python\n(.*?)```", text, re.S).group(1)
