@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.interop.serving import ROOT, ServeProcess
+
 OPENPI_PYTHON = ROOT / ".venv-openpi" / "bin" / "python"
 CHECK = Path(__file__).with_name("openpi_client_check.py")
 KEY = "interop-key-1234"
@@ -38,55 +35,19 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def serve_openpi():
     """``rlinf-vla serve server.protocol=openpi`` in a subprocess; yields its port."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlinf_vla.cli",
-        "serve",
+    server = ServeProcess(
         "policy=openvla_oft",
         "policy.preset=tiny",
         "policy.seed=0",
-        "server.port=0",
         "server.protocol=openpi",
         "server.openpi_layout=libero",
         f"server.token={KEY}",
         "server.auth_failure_delay_s=0",  # the check's wrong key must not lock out the rest
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
     )
-    lines: list[str] = []
-    port: list[int] = []
-    found = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"serving \S+ on ws://127\.0\.0\.1:(\d+)", line)
-            if m and not port:
-                port.append(int(m.group(1)))
-                found.set()
-        found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    found.wait(180)
     try:
-        if not port:
-            raise AssertionError("rlinf-vla serve did not start:\n" + "".join(lines))
-        yield port[0], lines
+        yield server.wait_port(), server.lines
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def test_stock_openpi_client_against_rlinf_vla_serve(serve_openpi, tmp_path):
