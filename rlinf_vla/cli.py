@@ -200,8 +200,9 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
     """Compose the primary config ``config_name`` (in ``config_dir``) with Hydra ``overrides``.
 
     Groups missing from ``config_dir`` are looked up in the shared ``configs/`` folder. A key
-    of the chosen policy's or env's config class that its group YAML does not list
-    (``policy.exact_logprob=false``) is added, as Hydra's ``+policy.exact_logprob=false`` would.
+    of the chosen policy's, env's or algo section's config class that its group YAML does not
+    list (``policy.exact_logprob=false``, ``algo.lr=1e-5``) is added, as Hydra's
+    ``++policy.exact_logprob=false`` would (the last of several settings wins).
 
     Raises:
         ConfigError: an unknown group choice (listing the known ones) or an unknown key
@@ -238,7 +239,7 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
         for o in sets
     }
     if family:  # again, with those added (and the other unknown keys, to name them)
-        again = ["+" + o.lstrip("+") if o in family else o for o in given]
+        again = ["++" + o.lstrip("+") if o in family else o for o in given]
         return compose(config_name, again, config_dir)
     errors = SectionErrors()
     for key in unknown:

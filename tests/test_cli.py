@@ -156,3 +156,11 @@ def test_every_config_group_choice_composes_and_validates(tmp_path):
                         validate(cfg)
                     continue
                 validate(cfg)
+
+
+def test_a_key_only_the_config_class_knows_may_be_set_twice_the_last_wins():
+    # algo.update_epochs is not in the algorithm's YAML (AlgoConfig defaults it)
+    cfg = cli.compose("train", ["algo.update_epochs=1", "env=toy", "algo.update_epochs=3"])
+    assert cfg.algo.update_epochs == 3
+    cfg = cli.compose("train", ["policy.exact_logprob=false", "policy.exact_logprob=true"])
+    assert cfg.policy.exact_logprob is True
