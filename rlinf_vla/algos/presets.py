@@ -196,9 +196,15 @@ FROM_PRESET: Any = _FromPreset()
 
 @dataclass
 class AlgorithmSection:
-    """The keys an ``algo`` config section shares in both trainers: ``name`` and the preset
-    keys, each defaulting to the named algorithm's YAML value (``AlgoConfig`` of ``train`` and
-    ``MathAlgoConfig`` of ``math-grpo`` extend it with their own settings)."""
+    """The keys an ``algo`` config section shares in both trainers (``AlgoConfig`` of ``train``
+    and ``MathAlgoConfig`` of ``math-grpo`` extend it with their own settings).
+
+    ``name`` picks the algorithm, ``rlinf_vla/configs/algo/<name>.yaml`` (docs/algorithms.md).
+    The preset keys (``advantage``, ``policy_loss``, ``clip_low``, ``clip_high``,
+    ``dual_clip``, ``agg``, ``use_critic``, ``normalize_std``, ``dynamic_sampling``,
+    ``overlong_buffer``, ``gamma``, ``lam``, ``kl_in_reward``: :class:`AlgorithmPreset`)
+    default to that file's values and can be overridden one by one.
+    """
 
     name: str = "ppo"
     advantage: str = FROM_PRESET

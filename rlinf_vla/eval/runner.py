@@ -41,6 +41,7 @@ from rlinf_vla.eval.report import (
     sort_trials,
     write_reports,
 )
+from rlinf_vla.pipelines.loop import stop_reason
 
 
 @dataclass
@@ -224,7 +225,7 @@ def run(job: EvalJob) -> dict[str, Any]:
         finalize(job, log)
         done = sum(t.key in log for t in job.trials)
         console.print(
-            f"[bold red]evaluation stopped:[/] {_reason(e)}; {done} of {len(job.trials)} "
+            f"[bold red]evaluation stopped:[/] {stop_reason(e)}; {done} of {len(job.trials)} "
             f"trials are recorded in {out} (results.json, summary.md); the same command "
             f"with eval.output_dir={out} runs the other {len(job.trials) - done}",
             highlight=False,
@@ -242,15 +243,6 @@ def run(job: EvalJob) -> dict[str, Any]:
     console.print(render_summary(results), markup=False, highlight=False, soft_wrap=True)
     console.print(f"results: {out / 'results.json'} ({timing})")
     return results
-
-
-def _reason(error: BaseException) -> str:
-    """Why the evaluation stopped, in a few words (the error itself is printed by the CLI)."""
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted"
-    if isinstance(error, SystemExit):
-        return f"exit requested ({error.code})"
-    return type(error).__name__
 
 
 def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> int:

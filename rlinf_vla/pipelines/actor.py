@@ -25,7 +25,7 @@ from rlinf_vla.algos.presets import (
 from rlinf_vla.config import ConfigError, check_at_least
 from rlinf_vla.runtime import Channel, Worker, offload_module, resident
 from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
-from rlinf_vla.training.learner import Learner, Schedule
+from rlinf_vla.training.learner import HasLearner, Learner, Schedule
 from rlinf_vla.training.objective import LossSettings
 from rlinf_vla.types import Observation
 
@@ -37,12 +37,8 @@ DEFAULT_GROUP_SIZE = 4
 class AlgoConfig(AlgorithmSection):
     """The ``algo`` section of ``rlinf-vla train``.
 
-    ``name`` picks the algorithm: ``ppo``, ``grpo``, ``dapo``, ``reinforce_pp`` or ``rloo``
-    (``rlinf_vla/configs/algo/<name>.yaml``, docs/algorithms.md). Its preset keys
-    (``advantage``, ``agg``, ``clip_low``, ``clip_high``, ``dual_clip``, ``use_critic``,
-    ``normalize_std``, ``dynamic_sampling``, ``overlong_buffer``, ``gamma``, ``lam``,
-    ``kl_in_reward``; see :class:`~rlinf_vla.algos.AlgorithmPreset`) default to that file's
-    values and can be overridden one by one. Per algorithm, on chunk-level rewards:
+    ``name`` (``ppo``, ``grpo``, ``dapo``, ``reinforce_pp`` or ``rloo``) and the preset keys: see
+    :class:`~rlinf_vla.algos.presets.AlgorithmSection`. Per algorithm, on chunk-level rewards:
 
     - ``gae`` (PPO): GAE over chunk steps, bootstrapping truncated episodes from the value of
       their final observation; value loss.
@@ -154,17 +150,6 @@ class AlgoConfig(AlgorithmSection):
         ]
         if bad or bad_preset:
             raise ConfigError("; ".join(([bad_preset] if bad_preset else []) + bad))
-
-    def loss_settings(self) -> LossSettings:
-        return LossSettings(
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip=self.dual_clip,
-            agg=self.agg,
-            value_coef=self.value_coef if self.use_critic else 0.0,
-            value_clip=self.value_clip,
-            entropy_coef=self.entropy_coef,
-        )
 
 
 def autocast(device: torch.device, mode: str) -> Any:
@@ -280,7 +265,7 @@ def build_batch(trajectories: list[Any], algo: AlgoConfig) -> Batch:
     )
 
 
-class ActorWorker(Worker):
+class ActorWorker(Worker, HasLearner):
     """Holds the trainable policy and its optimizer; one PPO update per call of :meth:`train`."""
 
     def __init__(
@@ -318,15 +303,6 @@ class ActorWorker(Worker):
         self.offload = offload and self.device.type == "cuda"
         if self.offload:
             offload_module(self.policy)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.learner.optimizer
-
-    @property
-    def nan_streak(self) -> int:
-        """Optimizer updates skipped in a row (non-finite loss or gradient)."""
-        return self.learner.nan_streak
 
     def shard(self) -> None:
         """Shard the policy and the optimizer state over the actor ranks with FSDP2.
@@ -552,7 +528,7 @@ class ActorWorker(Worker):
             batch.advantages = whiten(batch.advantages)
         lr = self.learner.set_lr(iteration, total_iterations)
         features = self._frozen_features(batch) if a.cache_frozen_features else None
-        settings = a.loss_settings()
+        settings = LossSettings.of(a)
         n = len(batch)
         sums: dict[str, float] = {}
         steps = measured = skipped = 0

@@ -101,8 +101,9 @@ def device_summary(devices: list[Any]) -> str:
     return " + ".join(parts) + where
 
 
-def _reason(error: BaseException) -> str:
-    """Why a run stopped, in a few words (the CLI prints the error itself afterwards)."""
+def stop_reason(error: BaseException) -> str:
+    """Why a run (training, evaluation) stopped, in a few words (the CLI prints the error
+    itself afterwards)."""
     if isinstance(error, KeyboardInterrupt):
         return "interrupted"
     if isinstance(error, SystemExit):
@@ -230,7 +231,7 @@ class RunLoop:
                         with self._disk_full_aborts(f"the checkpoint of {word} {i + 1}"):
                             self.last_checkpoint = save(i + 1)
         except BaseException as e:
-            console.print(f"[bold red]training stopped in {word} {i + 1}:[/] {_reason(e)}")
+            console.print(f"[bold red]training stopped in {word} {i + 1}:[/] {stop_reason(e)}")
             console.print(self.resume_hint(), soft_wrap=True, markup=False, highlight=False)
             raise
         finally:

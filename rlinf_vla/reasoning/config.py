@@ -29,7 +29,6 @@ from rlinf_vla.runtime.placement import (
     parse_devices,
     resolve_placement,
 )
-from rlinf_vla.training.objective import LossSettings
 
 COMPONENTS = ("rollout", "actor", "reward")
 
@@ -38,12 +37,8 @@ COMPONENTS = ("rollout", "actor", "reward")
 class MathAlgoConfig(AlgorithmSection):
     """The ``algo`` section of ``rlinf-vla math-grpo``.
 
-    ``name`` picks the algorithm: ``grpo``, ``dapo``, ``reinforce_pp``, ``rloo`` or ``ppo``
-    (``rlinf_vla/configs/algo/<name>.yaml``, docs/algorithms.md). Its preset keys
-    (``advantage``, ``agg``, ``clip_low``, ``clip_high``, ``dual_clip``, ``use_critic``,
-    ``normalize_std``, ``dynamic_sampling``, ``overlong_buffer``, ``gamma``, ``lam``,
-    ``kl_in_reward``; see :class:`~rlinf_vla.algos.AlgorithmPreset`) default to that file's
-    values and can be overridden one by one. Per advantage: ``grpo`` / ``rloo`` compare the
+    ``name`` (``grpo``, ``dapo``, ``reinforce_pp``, ``rloo`` or ``ppo``) and the preset keys: see
+    :class:`~rlinf_vla.algos.presets.AlgorithmSection`. Per advantage: ``grpo`` / ``rloo`` compare the
     responses to one prompt; ``reinforce_pp`` whitens the score on each response's last token
     over the batch; ``gae`` (PPO) trains a value head on the model's last hidden states and
     estimates per-token advantages (discount ``gamma``, ``lam`` per token).
@@ -157,18 +152,6 @@ class MathAlgoConfig(AlgorithmSection):
     def on_policy(self) -> bool:
         """One optimizer step per batch: the rollout-time log-probs equal the current ones."""
         return self.update_epochs == 1 and self.minibatch_size in (0, self.batch_size)
-
-    def loss_settings(self) -> LossSettings:
-        return LossSettings(
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip=self.dual_clip,
-            agg=self.agg,
-            value_coef=self.value_coef if self.use_critic else 0.0,
-            value_clip=self.value_clip,
-            kl_coef=0.0 if self.kl_in_reward else self.kl_coef,
-            kl_estimator=self.kl_estimator,
-        )
 
 
 @dataclass

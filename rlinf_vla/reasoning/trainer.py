@@ -62,7 +62,7 @@ from rlinf_vla.runtime import (
     wait_started,
 )
 from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
-from rlinf_vla.training.objective import OBJECTIVE_METRICS, Counts
+from rlinf_vla.training.objective import OBJECTIVE_METRICS, Counts, LossSettings
 
 WEIGHTS = "math-weights"
 #: metrics of the loss terms: each actor rank reports its share, they add up over the ranks
@@ -331,7 +331,7 @@ class MathGrpoRunner:
             )
             for mb in minibatches
         ]
-        settings = a.loss_settings()
+        settings = LossSettings.of(a)
         skip = a.skip_zero_advantage and not settings.kl_coef and not settings.value_coef
         active = [not skip or any(not s.zero_advantage for s in mb) for mb in minibatches]
         if not any(active):  # no gradient anywhere: no update, the weights stay as they are

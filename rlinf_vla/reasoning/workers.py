@@ -38,8 +38,8 @@ from rlinf_vla.runtime import (
     onload_optimizer,
     resident,
 )
-from rlinf_vla.training.learner import Learner, Schedule
-from rlinf_vla.training.objective import objective
+from rlinf_vla.training.learner import HasLearner, Learner, Schedule
+from rlinf_vla.training.objective import LossSettings, objective
 
 
 def _setup_threads(cfg: ModelConfig) -> None:
@@ -239,7 +239,7 @@ class Sequence:
         return not any(self.advantages)
 
 
-class ActorWorker(Worker):
+class ActorWorker(Worker, HasLearner):
     """Holds the trained model, its optimizer and (with a KL term) the frozen reference."""
 
     def __init__(
@@ -279,14 +279,6 @@ class ActorWorker(Worker):
         )
         self.offload_between_steps = offload and self.device.type == "cuda"
         self.synced_once = False
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.learner.optimizer
-
-    @property
-    def nan_streak(self) -> int:
-        return self.learner.nan_streak
 
     def _onload(self) -> None:
         """The model, the optimizer state and the reference back on the device (collocated on
@@ -405,7 +397,7 @@ class ActorWorker(Worker):
         a = self.algo
         self._onload()
         lr = self.learner.set_lr(step, step + 1)
-        settings = a.loss_settings()
+        settings = LossSettings.of(a)
         timings = {"logprob_s": 0.0, "train_s": 0.0}
         t0 = time.perf_counter()
         need_kl = settings.kl_coef > 0

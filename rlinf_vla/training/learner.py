@@ -218,3 +218,18 @@ def _all_reduce_gradients(dp: Any, params: list[nn.Parameter]) -> None:
     for p, has in zip(params, had_grad.tolist(), strict=True):
         p.grad = flat[offset : offset + p.numel()].view_as(p).clone() if has else None
         offset += p.numel()
+
+
+class HasLearner:
+    """For a worker that updates its model with a :class:`Learner` (``self.learner``)."""
+
+    learner: Learner
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.learner.optimizer
+
+    @property
+    def nan_streak(self) -> int:
+        """Optimizer steps skipped in a row (non-finite loss or gradient)."""
+        return self.learner.nan_streak

@@ -11,6 +11,7 @@ mask and count (and the entropy too). See :mod:`rlinf_vla.training.learner` for 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -47,6 +48,27 @@ class LossSettings:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+
+    @classmethod
+    def of(cls, algo: Any) -> LossSettings:
+        """The settings of an ``algo`` section (either trainer's): the preset's clip and
+        aggregation, the trainer's coefficients where it has them (a value term only with a
+        critic, a KL term only where the KL is not folded into the reward)."""
+
+        def setting(key: str, default: Any) -> Any:
+            return getattr(algo, key, default)
+
+        return cls(
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip,
+            agg=algo.agg,
+            value_coef=setting("value_coef", 0.0) if algo.use_critic else 0.0,
+            value_clip=setting("value_clip", None),
+            entropy_coef=setting("entropy_coef", 0.0),
+            kl_coef=0.0 if algo.kl_in_reward else setting("kl_coef", 0.0),
+            kl_estimator=setting("kl_estimator", "k3"),
+        )
 
 
 @dataclass(frozen=True)

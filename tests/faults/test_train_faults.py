@@ -19,21 +19,14 @@ from pathlib import Path
 import pytest
 
 from tests.faults.conftest import CliRun, checkpoint_done, process_gone, wait_until
+from tests.pipelines.test_checkpoints import SMALL
 
 #: Seconds a call may take at least before it counts as stalled, in these runs (the default
 #: is 120 s); every call of the toy run takes well under a second, 3 s under heavy load.
 STALL_MIN_S = 10
 TRAIN = [
     "train",
-    "env=toy",
-    "env.num_envs=4",
-    "env.max_episode_steps=8",
-    "runner.rollout_chunks=4",
-    "algo.update_epochs=1",
-    "cluster.devices_per_node=1",
-    "runner.save_interval=1",
-    "runner.eval_interval=0",
-    "runner.logging.tensorboard=false",
+    *SMALL,
     f"cluster.stall_min_s={STALL_MIN_S}",
     "cluster.stall_factor=5",
 ]
