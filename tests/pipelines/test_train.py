@@ -187,7 +187,10 @@ def test_evaluating_leaves_the_training_unchanged(tmp_path):
         (["env=toy", "env.nope=1"], "nope"),
         (["algo.micro_batch_size=5"], "must divide algo.minibatch_size"),
         (["runner.resume=/does/not/exist"], "is not a run folder"),
-        (["algo=grpo", "env.group_size=2"], "algo.group_size=4 must equal env.group_size=2"),
+        (
+            ["algo=grpo", "algo.group_size=4", "env.group_size=2"],
+            "algo.group_size=4 must equal env.group_size=2",
+        ),
         (["env=toy", "policy=pi0"], "asks for camera(s) ['wrist'] that env 'toy' does not"),
         (["env=maniskill", "policy=openvla_oft"], "env.robot=panda_wristcam"),
         (["runner.max_nan_updates=0"], "runner.max_nan_updates must be >= 1"),
