@@ -42,7 +42,6 @@ def _replay(rounds):
 
 @pytest.mark.sim
 @pytest.mark.slow
-@pytest.mark.ray
 def test_collected_maniskill_episodes_read_back_as_the_expert_played_them(tmp_path):
     pytest.importorskip("mani_skill")
     out = tmp_path / "push"
@@ -98,7 +97,6 @@ def test_collect_refuses_what_it_cannot_do_before_starting(tmp_path, capsys):
     assert not (tmp_path / "new").exists()
 
 
-@pytest.mark.ray
 def test_toy_collection_keeps_only_successes(tmp_path):
     # 6-step episodes on the toy env: the expert cannot reach far targets in time, so some
     # episodes fail; they are counted, not written.
