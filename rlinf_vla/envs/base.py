@@ -81,6 +81,16 @@ def register_env(name: str) -> Callable[[_E], _E]:
     return decorator
 
 
+@dataclass(frozen=True)
+class EnvSpec:
+    """What an env provides: its cameras, action size and state size (``None`` where only the
+    simulator knows)."""
+
+    cameras: tuple[str, ...]
+    action_dim: int | None
+    state_dim: int | None
+
+
 @dataclass
 class EnvConfig:
     """Settings every env shares; each simulator's config subclasses this.
@@ -148,6 +158,29 @@ class EnvConfig:
         """What the env runs, after its name in a run's header (``PickCube-v1``,
         ``libero_goal tasks [2, 5]``; empty: nothing more to say)."""
         return ""
+
+    def spec(self) -> EnvSpec:
+        """What the env will provide, known before it starts (a policy's fit is checked
+        against it)."""
+        return EnvSpec(self.cameras, getattr(self, "action_dim", None), None)
+
+    def eval_trials(
+        self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int
+    ) -> list[dict[str, Any]]:
+        """The episodes of an evaluation (``rlinf-vla eval``), task by task: ``suite``,
+        ``task``, ``task_index``, ``init_state``, ``reset_id`` and ``env_key`` (env config
+        overrides of the trial's env) of each. By default one task, the env itself, with
+        seeds ``seed .. seed + trials_per_task - 1`` as reset ids."""
+        return [
+            {
+                "suite": env_name,
+                "task": env_name,
+                "task_index": 0,
+                "init_state": seed + s,
+                "reset_id": seed + s,
+            }
+            for s in range(trials_per_task)
+        ]
 
     @classmethod
     def from_kwargs(cls, env_name: str = "", **kwargs: Any) -> EnvConfig:

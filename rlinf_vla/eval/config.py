@@ -13,30 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
+from rlinf_vla.envs.base import EnvSpec
+from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, SUITE_SIZES
 from rlinf_vla.eval import protocol as protocols
 from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
-
-#: Tasks per LIBERO suite (``libero_130`` = the five suites in order).
-LIBERO_SUITE_SIZES: dict[str, int] = {
-    "libero_spatial": 10,
-    "libero_object": 10,
-    "libero_goal": 10,
-    "libero_10": 10,
-    "libero_90": 90,
-    "libero_130": 130,
-}
-#: Official init states per LIBERO task.
-LIBERO_INIT_STATES = 50
-#: Action size of ManiSkill controllers for the Panda robots (arm + gripper).
-MANISKILL_PANDA_ACTION_DIMS: dict[str, int] = {
-    "pd_ee_delta_pose": 7,
-    "pd_ee_delta_pos": 4,
-    "pd_ee_pose": 7,
-    "pd_joint_delta_pos": 8,
-    "pd_joint_pos": 8,
-    "pd_joint_vel": 8,
-}
 
 
 @dataclass
@@ -155,22 +136,21 @@ def _plain(section: Any, path: str) -> dict[str, Any]:
 
 def _check_libero(env: dict[str, Any], ev: EvalConfig) -> None:
     suite = env.get("suite", "libero_spatial")
-    if suite not in LIBERO_SUITE_SIZES:
+    if suite not in SUITE_SIZES:
         raise ConfigError(
-            f"env.suite={suite!r} is not a LIBERO suite; known suites: "
-            f"{', '.join(LIBERO_SUITE_SIZES)}"
+            f"env.suite={suite!r} is not a LIBERO suite; known suites: {', '.join(SUITE_SIZES)}"
         )
-    size = LIBERO_SUITE_SIZES[suite]
+    size = SUITE_SIZES[suite]
     bad = [i for i in env.get("task_ids") or [] if not 0 <= int(i) < size]
     if bad:
         raise ConfigError(
             f"env.task_ids {bad} out of range for suite {suite!r} with {size} tasks "
             f"(valid: 0..{size - 1})"
         )
-    if ev.trials_per_task > LIBERO_INIT_STATES:
+    if ev.trials_per_task > INIT_STATES_PER_TASK:
         raise ConfigError(
             f"eval.trials_per_task={ev.trials_per_task}: a LIBERO task has "
-            f"{LIBERO_INIT_STATES} official init states and each is used once (use at most 50)"
+            f"{INIT_STATES_PER_TASK} official init states and each is used once (use at most 50)"
         )
     if ev.tasks is not None:
         raise ConfigError(
@@ -179,35 +159,10 @@ def _check_libero(env: dict[str, Any], ev: EvalConfig) -> None:
         )
 
 
-def env_spec(env_name: str, env_cfg: Any) -> dict[str, Any]:
-    """What the env will provide, known before it starts: ``cameras``, ``action_dim`` and
-    ``state_dim`` (``None`` where it depends on the simulator)."""
-    cameras = tuple(getattr(env_cfg, "cameras", ()) or ())
-    if env_name == "libero":
-        return {"cameras": cameras or ("main", "wrist"), "action_dim": 7, "state_dim": 8}
-    if env_name == "maniskill":
-        panda = env_cfg.robot is None or str(env_cfg.robot).startswith("panda")
-        action_dim = MANISKILL_PANDA_ACTION_DIMS.get(env_cfg.control_mode) if panda else None
-        # Panda: 9 joint positions + TCP pose (xyz + quaternion).
-        return {
-            "cameras": cameras or ("main",),
-            "action_dim": action_dim,
-            "state_dim": 16 if panda else None,
-        }
-    state_dim = None
-    if env_name == "toy":
-        state_dim = 4 if env_cfg.state_mode == "privileged" else 2
-    return {
-        "cameras": cameras or ("main",),
-        "action_dim": getattr(env_cfg, "action_dim", None),
-        "state_dim": state_dim,
-    }
-
-
-def check_fit(env_name: str, spec: dict[str, Any], pol: Any) -> None:
+def check_fit(env_name: str, spec: EnvSpec, pol: Any) -> None:
     """The policy's cameras, action size and proprio size must fit the env."""
     keys = tuple(getattr(pol, "image_keys", ()) or ())
-    missing = [k for k in keys if k not in spec["cameras"]]
+    missing = [k for k in keys if k not in spec.cameras]
     if missing:
         hint = (
             " (ManiSkill: env.wrist=true env.robot=panda_wristcam adds a hand camera)"
@@ -216,15 +171,15 @@ def check_fit(env_name: str, spec: dict[str, Any], pol: Any) -> None:
         )
         raise ConfigError(
             f"policy.image_keys={list(keys)} asks for camera(s) {missing} that env "
-            f"{env_name!r} does not provide (its cameras: {list(spec['cameras'])}){hint}"
+            f"{env_name!r} does not provide (its cameras: {list(spec.cameras)}){hint}"
         )
-    if spec["action_dim"] is not None and pol.action_dim != spec["action_dim"]:
+    if spec.action_dim is not None and pol.action_dim != spec.action_dim:
         raise ConfigError(
             f"policy.action_dim={pol.action_dim} (from "
             f"{'the checkpoint' if pol.checkpoint else 'the policy config'}) does not match the "
-            f"action size of env {env_name!r}: {spec['action_dim']}"
+            f"action size of env {env_name!r}: {spec.action_dim}"
         )
-    state_dim = spec["state_dim"]
+    state_dim = spec.state_dim
     if state_dim is None:
         return
     if getattr(pol, "use_proprio", False) and pol.proprio_dim != state_dim:
@@ -303,7 +258,7 @@ def validate(cfg: Any) -> EvalJob:
         tasks = ev.tasks or [env_cfg.task]
         for task in tasks:
             try:
-                spec = env_spec(env_name, dataclasses.replace(env_cfg, task=task))
+                spec = dataclasses.replace(env_cfg, task=task).spec()
             except ValueError as e:  # an unknown task or robot
                 raise ConfigError(f"eval.tasks / env.task: {e}") from None
             try:
@@ -312,7 +267,7 @@ def validate(cfg: Any) -> EvalJob:
                 raise ConfigError(f"task {task}: {e}") from None
         _check_maniskill_tasks(tasks)
     else:
-        check_fit(env_name, env_spec(env_name, env_cfg), pol)
+        check_fit(env_name, env_cfg.spec(), pol)
     job = EvalJob(
         cluster=cluster,
         env_name=env_name,
@@ -343,34 +298,11 @@ def _check_maniskill_tasks(tasks: list[str]) -> None:
 
 # ------------------------------------------------------------------------------- trial plan
 def plan_trials(env_name: str, env_cfg: Any, ev: EvalConfig) -> list[Trial]:
-    """Every trial of the evaluation, task by task.
-
-    LIBERO: the selected tasks of ``env.suite`` x init states ``0 .. trials_per_task - 1``;
-    the reset id of task position ``p`` and init state ``s`` is ``50 p + s``, which the LIBERO
-    env maps back to exactly that (task, init state); with ``env.scene_seed`` set (the
-    default) the scene depends on the task and the init state only, not on ``p``. Other envs: ``eval.tasks`` (or the env's
-    own task) x seeds ``seed .. seed + trials_per_task - 1``, the seed being the reset id.
-    """
-    n = ev.trials_per_task
-    if env_name == "libero":
-        from rlinf_vla.envs.libero.env import suite_tasks
-
-        all_tasks = suite_tasks(env_cfg.suite)
-        ids = env_cfg.task_ids if env_cfg.task_ids is not None else range(len(all_tasks))
-        return [
-            Trial(t.suite, t.name, t.index, s, LIBERO_INIT_STATES * pos + s)
-            for pos, i in enumerate(ids)
-            for t in [all_tasks[i]]
-            for s in range(n)
-        ]
-    if env_name == "maniskill":
-        tasks = ev.tasks or [env_cfg.task]
-        return [
-            Trial(env_name, task, j, ev.seed + s, ev.seed + s, (("task", task),))
-            for j, task in enumerate(tasks)
-            for s in range(n)
-        ]
-    return [Trial(env_name, env_name, 0, ev.seed + s, ev.seed + s) for s in range(n)]
+    """Every trial of the evaluation, task by task, as the env plans them
+    (:meth:`~rlinf_vla.envs.base.EnvConfig.eval_trials`: LIBERO's official init states,
+    seeds elsewhere)."""
+    trials = env_cfg.eval_trials(env_name, ev.tasks, ev.trials_per_task, ev.seed)
+    return [Trial(**t) for t in trials]
 
 
 def identity(job: EvalJob) -> dict[str, Any]:

@@ -207,7 +207,7 @@ def validate(cfg: Any) -> TrainJob:
     if job.policy.get("dtype", "auto") == "auto":
         job.policy["dtype"] = "float32"
     # Checks across sections: every one that fails is named.
-    env_action_dim = getattr(env_cfg, "action_dim", None)
+    env_action_dim = env_cfg.spec().action_dim
     if env_action_dim is not None and pol_cfg.action_dim != env_action_dim:
         errors.add(
             f"policy.action_dim={pol_cfg.action_dim} does not match the env's action size "

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlinf_vla.config import EXPECTS
-from rlinf_vla.envs.base import EnvConfig, check_field
+from rlinf_vla.envs.base import EnvConfig, EnvSpec, check_field
 
 #: The five LIBERO suites, in the order ``libero_130`` concatenates them.
 SUITES: tuple[str, ...] = (
@@ -102,6 +103,35 @@ class LiberoEnvConfig(EnvConfig):
         """``libero_goal``, or ``libero_goal tasks [2, 5]``."""
         tasks = f" tasks {list(self.task_ids)}" if self.task_ids is not None else ""
         return f"{self.suite}{tasks}"
+
+    def spec(self) -> EnvSpec:
+        """7-D end-effector delta actions; state: eef position, axis-angle, 2 gripper joints."""
+        return EnvSpec(self.cameras, 7, 8)
+
+    def eval_trials(
+        self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int
+    ) -> list[dict[str, Any]]:
+        """The selected tasks of ``suite`` x init states ``0 .. trials_per_task - 1`` (the seed
+        plays no part: the official init states are the scenes). The reset id of task position
+        ``p`` and init state ``s`` is ``50 p + s``, which the env maps back to exactly that (task,
+        init state); with ``scene_seed`` set (the default) the scene depends on the task and the
+        init state only, not on ``p``."""
+        from rlinf_vla.envs.libero.env import suite_tasks
+
+        every = suite_tasks(self.suite)
+        ids = self.task_ids if self.task_ids is not None else range(len(every))
+        return [
+            {
+                "suite": t.suite,
+                "task": t.name,
+                "task_index": t.index,
+                "init_state": s,
+                "reset_id": INIT_STATES_PER_TASK * pos + s,
+            }
+            for pos, i in enumerate(ids)
+            for t in [every[i]]
+            for s in range(trials_per_task)
+        ]
 
     def __post_init__(self) -> None:
         super().__post_init__()

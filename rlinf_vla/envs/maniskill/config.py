@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from rlinf_vla.envs.base import EnvConfig, check_field
+from rlinf_vla.envs.base import EnvConfig, EnvSpec, check_field
 
 #: Natural-language instruction per ManiSkill task (colours as the task renders them).
 INSTRUCTIONS: dict[str, str] = {
@@ -69,6 +70,17 @@ _PANDA_ACTION_DIMS = {
     "pd_ee_target_delta_pos": 4,
     "pd_joint_delta_pos": 8,
     "pd_joint_target_delta_pos": 8,
+    "pd_joint_pos": 8,
+    "pd_joint_vel": 8,
+}
+
+
+#: Action size of ManiSkill's controllers for the Panda robots (arm + gripper).
+PANDA_ACTION_DIMS: dict[str, int] = {
+    "pd_ee_delta_pose": 7,
+    "pd_ee_delta_pos": 4,
+    "pd_ee_pose": 7,
+    "pd_joint_delta_pos": 8,
     "pd_joint_pos": 8,
     "pd_joint_vel": 8,
 }
@@ -139,6 +151,31 @@ class ManiSkillEnvConfig(EnvConfig):
 
     def describe(self) -> str:
         return self.task
+
+    def spec(self) -> EnvSpec:
+        """A Panda (the default robots): its controller's action size; state: 9 joint positions
+        and the TCP pose (xyz + quaternion). Other robots: known to the simulator only."""
+        panda = self.robot is None or str(self.robot).startswith("panda")
+        action_dim = PANDA_ACTION_DIMS.get(self.control_mode) if panda else None
+        return EnvSpec(self.cameras, action_dim, 16 if panda else None)
+
+    def eval_trials(
+        self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int
+    ) -> list[dict[str, Any]]:
+        """``tasks`` (default: ``task``) x seeds ``seed .. seed + trials_per_task - 1``, the
+        seed being the reset id; each task runs in its own env (``env_key``)."""
+        return [
+            {
+                "suite": env_name,
+                "task": task,
+                "task_index": j,
+                "init_state": seed + s,
+                "reset_id": seed + s,
+                "env_key": (("task", task),),
+            }
+            for j, task in enumerate(tasks or [self.task])
+            for s in range(trials_per_task)
+        ]
 
     @property
     def cameras(self) -> tuple[str, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlinf_vla.envs.base import EnvConfig, check_field
+from rlinf_vla.envs.base import EnvConfig, EnvSpec, check_field
 
 #: Colour names and RGB values the toy env paints objects with.
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -68,6 +68,10 @@ class ToyEnvConfig(EnvConfig):
     device: str = "cpu"
     step_time_s: float = 0.0
     step_time_per_env_s: float = 0.0
+
+    def spec(self) -> EnvSpec:
+        """State: the agent position (``proprio``), or with the target's (``privileged``)."""
+        return EnvSpec(self.cameras, self.action_dim, 4 if self.state_mode == "privileged" else 2)
 
     def __post_init__(self) -> None:
         super().__post_init__()
