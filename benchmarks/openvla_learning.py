@@ -99,8 +99,9 @@ def run_case(args: argparse.Namespace, work: Path) -> dict:
         "clip_low": args.clip,
         "clip_high": args.clip,
         "gamma": 0.8,
-        "lam": 0.9,
     }
+    if args.algo == "ppo":
+        algo["lam"] = 0.9  # GAE's; GRPO's preset refuses it
     if args.algo == "grpo":
         algo["group_size"] = args.group_size
     runner = {
