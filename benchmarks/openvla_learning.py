@@ -22,7 +22,7 @@ Prints a table and writes JSON (default ``benchmarks/results/openvla_learning.js
     # the PPO learning test's case: the warm start, then PPO of a LoRA on lm_head
     python benchmarks/openvla_learning.py
     # the GRPO learning test's case
-    python benchmarks/openvla_learning.py --algo grpo --envs 128 --iterations 24 \
+    python benchmarks/openvla_learning.py --algo grpo --envs 128 --iterations 32 \
         --minibatch 768 --set ++algo.normalize_std=false --set ++algo.gamma=0.8 \
         --set ++algo.lr_schedule=linear
     # the whole model instead of the read-out, smaller steps
