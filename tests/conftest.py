@@ -68,18 +68,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Fixtures that hand a test a ``Cluster``: a test that takes one is marked ``ray`` here.
 _CLUSTER_FIXTURES = {"cluster", "ray_cluster"}
-# Tests that start Ray workers in modules without a ``ray`` mark of their own.
-_RAY_TESTS = {
-    "tests/reasoning/test_math_grpo.py::test_two_steps_end_to_end_then_resume",
-    "tests/reasoning/test_math_grpo.py::test_collocated_on_one_gpu_offloads_the_idle_model",
-    "tests/reasoning/test_algorithms.py::test_each_algorithm_trains_two_steps",
-}
 
 
 def _mark_ray_tests(items: list[pytest.Item]) -> None:
     for item in items:
-        name = item.nodeid.split("[")[0]
-        if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())) or name in _RAY_TESTS:
+        if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
 
 

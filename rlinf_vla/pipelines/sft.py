@@ -537,8 +537,11 @@ class SFTRunner:
         self.actor.load(str(path)).wait()
         return int(path.name.split("_")[1])
 
-    def shutdown(self) -> None:
-        if getattr(self, "rollout", None) is not None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every worker. ``graceful``: first let the rollout workers close their
+        evaluation envs; a run that stopped on an error or a signal skips that (a stalled or
+        blocked worker would not answer)."""
+        if graceful and getattr(self, "rollout", None) is not None:
             with contextlib.suppress(Exception):
                 self.rollout.close().wait(timeout=60)
         for name in ("actor", "rollout"):
@@ -577,7 +580,9 @@ def run(job: SFTJob) -> Path:
         runner = SFTRunner(job, cluster, checkpoint)
         try:
             out = runner.run()
-        finally:
-            runner.shutdown()
+        except BaseException:
+            runner.shutdown(graceful=False)
+            raise
+        runner.shutdown()
     print(f"run folder: {out}  (metrics.jsonl, config.yaml, checkpoints/step_<N>/policy)")
     return out

@@ -288,6 +288,7 @@ def test_a_batch_without_signal_makes_no_optimizer_step(tiny_model_dir: Path) ->
 
 # --------------------------------------------------------------------------- end to end
 @pytest.mark.slow
+@pytest.mark.ray
 def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
     from rlinf_vla import cli
     from rlinf_vla.pipelines.tracking import read_metrics
@@ -320,6 +321,7 @@ def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) 
 
 
 @pytest.mark.gpu
+@pytest.mark.ray
 def test_collocated_on_one_gpu_offloads_the_idle_model(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
