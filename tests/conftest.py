@@ -162,8 +162,9 @@ def _no_ray_without_the_mark(request: pytest.FixtureRequest, monkeypatch: pytest
         return init(*args, **kwargs)
 
     def spy_cluster_init(self, *args, **kwargs):
-        started.append("Cluster")
-        return cluster_init(self, *args, **kwargs)
+        out = cluster_init(self, *args, **kwargs)
+        started.append("Cluster")  # made: a Cluster refused before Ray starts is no start
+        return out
 
     monkeypatch.setattr(ray, "init", spy_init)
     monkeypatch.setattr(Cluster, "__init__", spy_cluster_init)
