@@ -489,9 +489,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rlinf-vla {command.name}: invalid config: {e}", file=sys.stderr)
         return 2
     if args.cfg == "job":
+        import dataclasses
+
         from omegaconf import OmegaConf
 
-        print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+        from rlinf_vla.config import to_dict
+
+        shown = OmegaConf.to_container(cfg, resolve=True)
+        algo = getattr(job, "algo", None)
+        if dataclasses.is_dataclass(algo):  # the trainer's own settings default there
+            shown["algo"] = to_dict(algo)
+        print(OmegaConf.to_yaml(shown), end="")
         return 0
     from rlinf_vla.runtime import WorkerError
 

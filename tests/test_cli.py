@@ -164,3 +164,11 @@ def test_a_key_only_the_config_class_knows_may_be_set_twice_the_last_wins():
     assert cfg.algo.update_epochs == 3
     cfg = cli.compose("train", ["policy.exact_logprob=false", "policy.exact_logprob=true"])
     assert cfg.policy.exact_logprob is True
+
+
+def test_cfg_job_shows_every_algo_setting_as_resolved(capsys):
+    assert cli.main(["train", "env=toy", "algo=rloo", "algo.lr=3e-5", "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    # the preset's keys, the trainer's defaults and the override, in the algo section
+    for line in ("advantage: rloo", "minibatch_size: 32", "lr: 3.0e-05", "group_size: 4"):
+        assert f"\n  {line}\n" in out, line
