@@ -531,7 +531,7 @@ class ActorWorker(Worker, HasLearner):
         settings = LossSettings.of(a)
         n = len(batch)
         sums: dict[str, float] = {}
-        steps = measured = skipped = 0
+        steps = skipped = 0  # optimizer steps: minibatches with a sample in the loss
         grad_norm_sum = 0.0
         for _ in range(a.update_epochs):
             order = torch.randperm(n, generator=self.generator)
@@ -541,7 +541,8 @@ class ActorWorker(Worker, HasLearner):
                 # the micro-batches' (and ranks') gradients add up to the minibatch's,
                 # whatever algo.micro_batch_size is (rlinf_vla.training.learner).
                 valid = self.learner.global_sum(float(batch.mask[mb_idx].sum()))
-                measured += valid > 0
+                if not valid:  # no rank has a sample in the loss (DAPO's dropped groups):
+                    continue  # no update, on every rank alike (valid is the global count)
                 self.learner.zero_grad()
                 for m_start in range(0, len(mb_idx), a.micro_batch_size):
                     idx = mb_idx[m_start : m_start + a.micro_batch_size]
@@ -558,8 +559,8 @@ class ActorWorker(Worker, HasLearner):
                 steps += 1
         self.version += 1
         # the losses' metrics: a mean over the minibatches that held a valid sample
-        result = {f"train/{k}": v / max(measured, 1) for k, v in sums.items()}
-        result["train/grad_norm"] = grad_norm_sum / steps
+        result = {f"train/{k}": v / max(steps, 1) for k, v in sums.items()}
+        result["train/grad_norm"] = grad_norm_sum / max(steps, 1)
         result["train/skipped_updates"] = float(skipped)
         result["train/nan_streak"] = float(self.nan_streak)
         result["train/lr"] = lr

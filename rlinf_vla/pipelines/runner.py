@@ -46,6 +46,7 @@ from rlinf_vla.runtime import (
     wait_started,
 )
 from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
+from rlinf_vla.training.objective import merge_ranks
 
 WEIGHTS = "weights"
 DATA_PARALLEL = "actor-dp"
@@ -54,20 +55,6 @@ DATA_PARALLEL = "actor-dp"
 def _mean(xs: list[float]) -> float | None:
     """Mean, or ``None`` (JSON null) when no episode ended in the iteration."""
     return sum(xs) / len(xs) if xs else None
-
-
-def _average(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Train metrics averaged over the actor ranks; counts and streaks are summed / maxed."""
-    out: dict[str, float] = {}
-    for key in per_rank[0]:
-        values = [m[key] for m in per_rank]
-        if key in ("train/skipped_updates", "train/samples"):
-            out[key] = sum(values)
-        elif key == "train/nan_streak":
-            out[key] = max(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
 
 
 class EmbodiedRunner:
@@ -260,7 +247,12 @@ class EmbodiedRunner:
         groups = {"env": self.env, "rollout": self.rollout, "actor": self.actor}
         memory = wait_all([g.memory() for g in groups.values()])
         self._memory = dict(zip(groups, memory, strict=True))
-        train_metrics = _average([result[0] for result in train])
+        # every rank takes the same optimizer steps (and skips): their counts are one rank's
+        train_metrics = merge_ranks(
+            [result[0] for result in train],
+            summed=("train/samples",),
+            maxed=("train/skipped_updates", "train/nan_streak"),
+        )
         stats = {k: [x for s in env_stats for x in s[k]] for k in ("return", "success", "invalid")}
         num_envs = self.job.env["num_envs"]
         env_steps = num_envs * r.rollout_chunks * self.job.policy.get("chunk_size", 1)

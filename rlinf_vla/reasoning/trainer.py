@@ -62,11 +62,10 @@ from rlinf_vla.runtime import (
     wait_started,
 )
 from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
-from rlinf_vla.training.objective import OBJECTIVE_METRICS, Counts, LossSettings
+from rlinf_vla.training.objective import Counts, LossSettings, merge_ranks
 
 WEIGHTS = "math-weights"
-#: metrics of the loss terms: each actor rank reports its share, they add up over the ranks
-LOSS_METRICS = {f"train/{k}" for k in OBJECTIVE_METRICS}
+
 DATA_PARALLEL = "math-data-parallel"
 
 
@@ -351,12 +350,7 @@ class MathGrpoRunner:
             for r in range(world)
         ]
         per_rank = [c.wait()[0] for c in calls]
-        out = {}
-        for k in per_rank[0]:
-            vals = [m[k] for m in per_rank if k in m]
-            # the loss terms' shares add up over the ranks; the rest is per rank, averaged
-            summed = k in LOSS_METRICS or k == "train/skipped_zero_advantage"
-            out[k] = sum(vals) if summed else sum(vals) / len(vals)
+        out = merge_ranks(per_rank, summed=("train/skipped_zero_advantage",))
         out["train/skipped_zero_advantage"] /= max(1, len(seqs) * a.update_epochs)
         return out
 

@@ -396,7 +396,7 @@ class ActorWorker(Worker, HasLearner):
         """
         a = self.algo
         self._onload()
-        lr = self.learner.set_lr(step, step + 1)
+        lr = self.learner.set_lr(step)  # warm-up only: no decay
         settings = LossSettings.of(a)
         timings = {"logprob_s": 0.0, "train_s": 0.0}
         t0 = time.perf_counter()

@@ -126,8 +126,9 @@ class Learner:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     # ----------------------------------------------------------------- schedule
-    def set_lr(self, step: int, total: int) -> float:
-        """Set each group's rate for ``step`` of ``total``; returns the main group's."""
+    def set_lr(self, step: int, total: int = 0) -> float:
+        """Set each group's rate for ``step`` of ``total`` (read by the linear decay only);
+        returns the main group's."""
         scale = self.schedule.scale(step, total)
         main = 0.0 if step < self.schedule.critic_warmup else scale
         for i, group in enumerate(self.optimizer.param_groups):

@@ -149,7 +149,9 @@ def objective(
         if s.entropy_coef:
             loss = loss + s.entropy_coef * el
         # its own mask: one entropy per sample or per action, as many for every sample
-        eshare = share if entropy_mask is None else aggregation_count(emask, s.agg) / ecount
+        eshare = (
+            share if entropy_mask is None else aggregation_count(emask, s.agg) / max(ecount, 1e-12)
+        )
         metrics["entropy"] = float(em["entropy"]) * eshare
     if s.kl_coef and ref_logprob is not None:
         kl, km = kl_loss(
@@ -163,3 +165,24 @@ def objective(
         loss = loss + s.kl_coef * kl
         metrics["kl"] = float(km["kl"]) * share
     return loss, metrics
+
+
+def merge_ranks(
+    per_rank: list[dict[str, float]],
+    summed: tuple[str, ...] = (),
+    maxed: tuple[str, ...] = (),
+) -> dict[str, float]:
+    """The actor ranks' ``train/`` metrics as one: the :func:`objective` metrics (each rank
+    reports its share of the minibatch values) and the ``summed`` keys add up, a rank without
+    the key adding 0; the ``maxed`` keys take the largest; the rest are averaged over the
+    ranks that report them."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in per_rank for k in m):
+        values = [m[key] for m in per_rank if key in m]
+        if key in summed or key.removeprefix("train/") in OBJECTIVE_METRICS:
+            out[key] = sum(values)
+        elif key in maxed:
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out

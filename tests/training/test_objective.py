@@ -178,3 +178,19 @@ def test_all_terms_add_up():
     kl = (0.5 * math.log(1.5) ** 2 + 0.5 * math.log(0.5) ** 2) / 2
     expected = policy + 0.5 * value - 0.01 * entropy + 0.1 * kl
     assert float(loss.detach()) == pytest.approx(expected, rel=1e-12)
+
+
+def test_merge_ranks_adds_the_shares_and_averages_the_rest():
+    from rlinf_vla.training.objective import merge_ranks
+
+    per_rank = [
+        {"train/policy_loss": 0.25, "train/lr": 1e-3, "train/nan_streak": 0.0, "train/n": 3.0},
+        {"train/lr": 1e-3, "train/nan_streak": 2.0, "train/n": 5.0},  # no sample in the loss
+    ]
+    out = merge_ranks(per_rank, summed=("train/n",), maxed=("train/nan_streak",))
+    assert out == {
+        "train/policy_loss": 0.25,  # a share of the minibatch's loss: 0.25 + nothing
+        "train/lr": 1e-3,
+        "train/nan_streak": 2.0,
+        "train/n": 8.0,
+    }
