@@ -259,7 +259,12 @@ class SimFranka(Robot):
             qd_ref = v0 + 2.0 * c2 * t + 3.0 * c3 * t**2
             qdd_ref = 2.0 * c2 + 6.0 * c3 * t
             q, qd = d.qpos[self._qadr], d.qvel[self._vadr]
-            mj.mj_fullM(m, d, mass)
+            # mujoco 3.3 (the pinned one) expands the sparse inertia ``d.qM``; from 3.12 on
+            # ``mj_fullM`` takes ``d`` (and ``MjData`` has no ``qM``)
+            if hasattr(d, "qM"):
+                mj.mj_fullM(m, mass, d.qM)
+            else:
+                mj.mj_fullM(m, d, mass)
             acc = qdd_ref + self.KP * (q_ref - q) + self.KD * (qd_ref - qd)
             tau = mass[idx] @ acc + d.qfrc_bias[self._vadr] - d.qfrc_passive[self._vadr]
             d.ctrl[self._arm_act] = np.clip(tau, -self._torque_limit, self._torque_limit)
