@@ -8,6 +8,8 @@ from typing import Any
 
 from rlinf_vla.config import EXPECTS
 from rlinf_vla.envs.base import EnvConfig, EnvSpec, check_field
+from rlinf_vla.envs.libero.perturb import KINDS as PERTURBATION_KINDS
+from rlinf_vla.envs.libero.perturb import SUITES as PERTURBED_SUITES
 
 #: The five LIBERO suites, in the order ``libero_130`` concatenates them.
 SUITES: tuple[str, ...] = (
@@ -48,6 +50,8 @@ OFFICIAL_SCENE_SEEDS: dict[int, str] = {
     7: "openpi examples/libero/main.py (env.seed(args.seed), seed 7)",
 }
 RENDER_BACKENDS = ("egl", "osmesa")
+#: ``perturbation`` values: LIBERO-PRO's kinds (:data:`rlinf_vla.envs.libero.perturb.KINDS`).
+PERTURBATIONS: tuple[str, ...] = tuple(PERTURBATION_KINDS)
 
 
 @dataclass
@@ -78,6 +82,16 @@ class LiberoEnvConfig(EnvConfig):
             state) then changes with the position of the task in ``task_ids``).
         worker_timeout_s: seconds a worker may take for one command (a task switch rebuilds
             its simulator) before it is considered hung and restarted.
+        perturbation: ``None`` (the tasks as LIBERO defines them) or a LIBERO-PRO
+            out-of-distribution kind (:data:`PERTURBATIONS`: ``ood_object``,
+            ``ood_spatial_relation``, ``ood_language``, ``ood_task``, ``ood_environment``;
+            libero_spatial, libero_object, libero_goal and libero_10 only). Every task is
+            replaced by its variant under ``perturbation_seed``; kinds that change the objects
+            or their layout start from scenes LIBERO's samplers place from the perturbed task
+            (seeded per init state) instead of the official init states. See
+            :mod:`rlinf_vla.envs.libero.perturb`; ``rlinf-vla eval`` sets it per trial from
+            ``eval.perturbation``.
+        perturbation_seed: the seed the variant of every task (and its scenes) is drawn with.
     """
 
     suite: str = "libero_spatial"
@@ -89,6 +103,8 @@ class LiberoEnvConfig(EnvConfig):
     render_backend: str = "egl"
     worker_timeout_s: float = 600.0
     scene_seed: int | None = 0
+    perturbation: str | None = None
+    perturbation_seed: int = 0
 
     @property
     def action_dim(self) -> int:
@@ -178,4 +194,22 @@ class LiberoEnvConfig(EnvConfig):
                 "scene_seed",
                 0 <= self.scene_seed < 2**32,
                 "must lie in [0, 2**32) or be null (seed each reset with its reset id)",
+            )
+        self._check_perturbation()
+
+    def _check_perturbation(self) -> None:
+        check_field(
+            self,
+            "perturbation",
+            self.perturbation is None or self.perturbation in PERTURBATIONS,
+            f"is not a known perturbation; known: {', '.join(PERTURBATIONS)} (or null)",
+        )
+        check_field(self, "perturbation_seed", self.perturbation_seed >= 0, "must be >= 0")
+        if self.perturbation is not None:
+            check_field(
+                self,
+                "suite",
+                self.suite in PERTURBED_SUITES,
+                f"has no {self.perturbation} variants; LIBERO-PRO covers "
+                f"{', '.join(PERTURBED_SUITES)}",
             )

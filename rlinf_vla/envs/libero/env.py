@@ -7,6 +7,7 @@ import functools
 import io
 import logging
 import math
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from rlinf_vla.envs.base import StepOutput, VectorEnv, register_env
+from rlinf_vla.envs.libero import perturb
 from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, SUITES, LiberoEnvConfig
 from rlinf_vla.envs.vector import SubprocBatch, SubprocEnvs
 from rlinf_vla.types import Observation
@@ -94,6 +96,31 @@ def reset_id_to_task_state(reset_id: int, num_tasks: int) -> tuple[int, int]:
     return (reset_id // INIT_STATES_PER_TASK) % num_tasks, reset_id % INIT_STATES_PER_TASK
 
 
+def perturbed_tasks(
+    cfg: LiberoEnvConfig, tasks: tuple[LiberoTask, ...]
+) -> tuple[perturb.PerturbedTask, ...] | None:
+    """The variants of ``tasks`` under ``cfg.perturbation`` (``None`` without one).
+
+    Raises:
+        ValueError: naming every task without a variant under this kind and seed.
+    """
+    if cfg.perturbation is None:
+        return None
+    out, errors = [], []
+    for task in tasks:
+        try:
+            out.append(perturb.perturb_task(cfg.perturbation, cfg.perturbation_seed, task))
+        except ValueError as e:
+            errors.append(str(e))
+    if errors:
+        raise ValueError(
+            f"LiberoEnvConfig.perturbation={cfg.perturbation!r}: "
+            + "; ".join(errors)
+            + " (select other tasks with task_ids, or another perturbation_seed)"
+        )
+    return tuple(out)
+
+
 def task_limits(cfg: LiberoEnvConfig, tasks: tuple[LiberoTask, ...]) -> torch.Tensor:
     """Time limit of each task: ``max_episode_steps`` if set, else its suite's ``max_steps``."""
     return torch.tensor([cfg.max_episode_steps or cfg.max_steps[t.suite] for t in tasks])
@@ -156,12 +183,21 @@ class LiberoCore:
     rendering and keep the previous image.
     """
 
-    def __init__(self, cfg: LiberoEnvConfig, tasks: tuple[LiberoTask, ...]) -> None:
+    def __init__(
+        self,
+        cfg: LiberoEnvConfig,
+        tasks: tuple[LiberoTask, ...],
+        perturbed: tuple[perturb.PerturbedTask, ...] | None = None,
+    ) -> None:
         _import_benchmark()
         from libero.libero.envs import OffScreenRenderEnv
 
         self.cfg = cfg
         self.tasks = tasks
+        # perturbation: the perturbed BDDL of each task, written to a folder of this process.
+        self.perturbed = perturbed
+        self._bddl_dir: tempfile.TemporaryDirectory | None = None
+        self.episode: dict[str, Any] | None = None
         self._make = OffScreenRenderEnv
         self.env: Any = None
         self.task_pos = -1
@@ -180,7 +216,7 @@ class LiberoCore:
         fast = _fast_render_context() if self.cfg.fast_render else contextlib.nullcontext()
         with contextlib.redirect_stdout(io.StringIO()), fast:
             env = self._make(
-                bddl_file_name=task.bddl_file,
+                bddl_file_name=self._bddl_file(pos),
                 camera_heights=s,
                 camera_widths=s,
                 hard_reset=False,
@@ -192,6 +228,20 @@ class LiberoCore:
         self.env = env
         self.task_pos = pos
         self.init_states = load_init_states(task)
+
+    def _bddl_file(self, pos: int) -> str:
+        """The BDDL file of task ``pos``: LIBERO's, or its perturbed variant written out."""
+        if self.perturbed is None:
+            return self.tasks[pos].bddl_file
+        if self._bddl_dir is None:
+            self._bddl_dir = tempfile.TemporaryDirectory(prefix="libero-perturbed-")
+        path = f"{self._bddl_dir.name}/{pos}.bddl"
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.perturbed[pos].bddl)
+        return path
+
+    def _new_layout(self) -> bool:
+        return self.perturbed is not None and perturb.kind(self.cfg.perturbation).new_layout
 
     def _wrap_cameras(self, env: Any) -> None:
         observables = env.env._observables
@@ -219,11 +269,9 @@ class LiberoCore:
                 raw["robot0_gripper_qpos"],
             )
         ).astype(np.float32)
-        return {
-            "images": images,
-            "state": state,
-            "instruction": self.tasks[self.task_pos].instruction,
-        }
+        pos = self.task_pos
+        task = self.tasks[pos] if self.perturbed is None else self.perturbed[pos]
+        return {"images": images, "state": state, "instruction": task.instruction}
 
     def reset(self, reset_id: int) -> dict[str, Any]:
         pos, state = reset_id_to_task_state(int(reset_id), len(self.tasks))
@@ -233,18 +281,91 @@ class LiberoCore:
         state %= len(self.init_states)
         self.render = False
         with contextlib.redirect_stdout(io.StringIO()):
-            self._seed_scene(pos, state, int(reset_id))
-            self._reset_robosuite()
-            if self.cfg.scene_seed is not None and len(self._scene_rng[pos]) == state + 1:
-                self._scene_rng[pos].append(np.random.get_state())
-            self.render = self.cfg.settle_steps == 0
-            raw = self.env.set_init_state(self.init_states[state])
+            if self._new_layout():
+                raw = self._place_perturbed(pos, state)
+            else:
+                self._seed_scene(pos, state, int(reset_id))
+                self._reset_robosuite()
+                if self.cfg.scene_seed is not None and len(self._scene_rng[pos]) == state + 1:
+                    self._scene_rng[pos].append(np.random.get_state())
+                self.render = self.cfg.settle_steps == 0
+                raw = self.env.set_init_state(self.init_states[state])
             self._clear_episode_memory()
             for k in range(self.cfg.settle_steps):
                 self.render = k == self.cfg.settle_steps - 1
                 raw, *_ = self.env.step(SETTLE_ACTION)
         self.render = True
+        self._note_episode(pos, state)
         return self._obs(raw)
+
+    def _place_perturbed(self, pos: int, state: int) -> dict:
+        """Reset into a scene of a perturbed task whose objects or layout changed: LIBERO's
+        samplers place fixtures and objects from the perturbed BDDL's regions, numpy seeded
+        with :func:`~rlinf_vla.envs.libero.perturb.placement_seed` of (kind, seed, task, init
+        state index), so the scene is a function of those only."""
+        task = self.tasks[pos]
+        np.random.seed(
+            perturb.placement_seed(
+                self.cfg.perturbation, self.cfg.perturbation_seed, task.suite, task.name, state
+            )
+        )
+        self._reset_robosuite()
+        self.render = self.cfg.settle_steps == 0
+        return self.env.env._get_observations(force_update=True)
+
+    def _note_episode(self, pos: int, state: int) -> None:
+        """What the perturbation changed in this episode (``None`` without one): the kind, seed,
+        the task's BDDL changes, and for a new layout the placement seed and where each object
+        stands after the settle steps (x, y, z in metres, world frame)."""
+        if self.perturbed is None:
+            self.episode = None
+            return
+        variant = self.perturbed[pos]
+        info: dict[str, Any] = {
+            "kind": variant.kind,
+            "seed": variant.seed,
+            "instruction": variant.instruction,
+            "changes": variant.changes,
+        }
+        if self._new_layout():
+            task = self.tasks[pos]
+            info["placement_seed"] = perturb.placement_seed(
+                variant.kind, variant.seed, task.suite, task.name, state
+            )
+            info["placements"] = {
+                name: [round(float(v), 4) for v in pose[:3]]
+                for name, pose in self._object_poses().items()
+            }
+        self.episode = info
+
+    def _object_poses(self) -> dict[str, np.ndarray]:
+        """Position (3) and quaternion (4) of every movable object's root body."""
+        model, data = self.env.sim.model, self.env.sim.data
+        out = {}
+        for name, obj in self.env.env.objects_dict.items():
+            body = model.body_name2id(obj.root_body)
+            out[name] = np.concatenate((data.body_xpos[body], data.body_xquat[body]))
+        return out
+
+    def episode_details(self) -> dict[str, Any] | None:
+        """:meth:`_note_episode`'s record of the current episode."""
+        return self.episode
+
+    def scene_contents(self) -> dict[str, Any]:
+        """What the simulator holds, read from MuJoCo's model and LIBERO's parsed problem (for
+        checks): ``bodies`` and ``meshes`` (names in the model), ``objects`` (movable object
+        name -> position (3) and quaternion (4)), ``language`` and ``goal`` (as LIBERO parsed
+        them from the BDDL it was built from), ``problem`` (the scene class)."""
+        model = self.env.sim.model
+        parsed = self.env.env.parsed_problem
+        return {
+            "bodies": [model.body_id2name(i) for i in range(model.nbody)],
+            "meshes": [model.mesh_id2name(i) for i in range(model.nmesh)],
+            "objects": self._object_poses(),
+            "language": " ".join(parsed["language_instruction"]),
+            "goal": parsed["goal_state"],
+            "problem": parsed["problem_name"],
+        }
 
     def _seed_scene(self, pos: int, state: int, reset_id: int) -> None:
         """Put numpy's global RNG where the reset to init state ``state`` of task ``pos``
@@ -324,6 +445,9 @@ class LiberoCore:
         if self.env is not None:
             self.env.close()
             self.env = None
+        if self._bddl_dir is not None:
+            self._bddl_dir.cleanup()
+            self._bddl_dir = None
 
 
 @register_env("libero")
@@ -361,6 +485,10 @@ class LiberoEnv(VectorEnv):
       reported invalid. ``fast_render`` turns reflections, shadows and multisampling off (about
       4x faster CPU rendering);
       steps whose images are not used skip rendering. Nothing is downloaded and nothing prompts.
+    - **Perturbations.** ``perturbation`` replaces every task by its LIBERO-PRO variant
+      (:mod:`rlinf_vla.envs.libero.perturb`: other objects, swapped regions, a paraphrased
+      instruction, a new goal, another table), drawn from ``perturbation_seed``;
+      :meth:`episode_details` says what changed in an episode.
     """
 
     config_cls = LiberoEnvConfig
@@ -379,12 +507,13 @@ class LiberoEnv(VectorEnv):
                 )
             tasks = tuple(all_tasks[i] for i in config.task_ids)
         self.tasks = tasks
+        self.perturbed = perturbed_tasks(config, tasks)
         self._task_limits = task_limits(config, tasks)
         env_vars = {
             "MUJOCO_GL": config.render_backend,
             "PYOPENGL_PLATFORM": config.render_backend,
         }
-        factory = functools.partial(LiberoCore, config, tasks)
+        factory = functools.partial(LiberoCore, config, tasks, self.perturbed)
         self._batch = SubprocBatch(
             SubprocEnvs(
                 [factory] * config.num_envs,
@@ -412,6 +541,16 @@ class LiberoEnv(VectorEnv):
         """The scene of env ``env_id`` (:meth:`LiberoCore.scene_state`): fixture poses and the
         simulator state."""
         return self.workers.call("scene_state", {env_id: ()})[env_id]
+
+    def episode_details(self, env_id: int = 0) -> dict[str, Any] | None:
+        """What the perturbation changed in the current episode of env ``env_id``
+        (:meth:`LiberoCore._note_episode`; ``None`` without ``perturbation``)."""
+        return self.workers.call("episode_details", {env_id: ()})[env_id]
+
+    def scene_contents(self, env_id: int = 0) -> dict[str, Any]:
+        """Model bodies and meshes, object poses, parsed instruction and goal of env
+        ``env_id`` (:meth:`LiberoCore.scene_contents`)."""
+        return self.workers.call("scene_contents", {env_id: ()})[env_id]
 
     def task_of(self, reset_ids: torch.Tensor) -> list[LiberoTask]:
         """The task each reset id selects."""
