@@ -1,4 +1,5 @@
-"""Vectorised envs behind one contract: ``toy``, ``maniskill`` (ManiSkill3) and ``libero``.
+"""Vectorised envs behind one contract: ``toy``, ``maniskill`` (ManiSkill3), ``libero`` and
+``metaworld``.
 
 ``make_env(name, **config)`` builds a registered env from keyword arguments checked against the
 env's typed config; simulators are imported only when an env that needs them is built, so
@@ -17,6 +18,7 @@ from typing import Any
 # simulators lazily.
 import rlinf_vla.envs.libero.env
 import rlinf_vla.envs.maniskill.env
+import rlinf_vla.envs.metaworld.env
 import rlinf_vla.envs.toy.env  # noqa: F401
 from rlinf_vla.envs.base import (
     ENVS,
@@ -76,7 +78,8 @@ def make_env(name: str, config: EnvConfig | None = None, **overrides: Any) -> Ve
     """Build the registered env ``name``.
 
     Args:
-        name: a key of :data:`ENVS` (``"toy"``, ``"maniskill"``, ``"libero"``).
+        name: a key of :data:`ENVS` (``"toy"``, ``"maniskill"``, ``"libero"``,
+            ``"metaworld"``).
         config: an instance of the env's config class; keyword ``overrides`` replace its fields.
             Without it the config is built from the keywords (unknown keys fail, naming them).
     """

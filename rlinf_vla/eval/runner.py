@@ -41,6 +41,7 @@ from rlinf_vla.eval.report import (
     sort_trials,
     write_reports,
 )
+from rlinf_vla.eval.stats import condition
 from rlinf_vla.pipelines.loop import stop_reason
 
 
@@ -50,9 +51,10 @@ class _SlotState:
     index: int
     trial: Trial | None = None
     obs: Any = None
-    last_task: tuple[str, str] | None = None
+    last_task: tuple[str, str, str | None] | None = None
     env_key: tuple | None = None
     instruction: str | None = None
+    changes: dict[str, Any] | None = None
 
 
 class _Queue:
@@ -67,13 +69,13 @@ class _Queue:
     def push_front(self, trial: Trial) -> None:
         self.items.appendleft(trial)
 
-    def take(self, slot: _SlotState, running: set[tuple[str, str]]) -> Trial:
+    def take(self, slot: _SlotState, running: set[tuple[str, str, str | None]]) -> Trial:
         """The trial for ``slot``: more of its last task; else the first trial of a task no
         other slot is running (spreading tasks over slots), preferring the slot's env; else
         the first trial."""
         same_env = fresh = first_fresh = None
         for j, t in enumerate(self.items):
-            task = (t.suite, t.task)
+            task = t.task_key
             if task == slot.last_task:
                 return self._pop(j)
             if task not in running:
@@ -116,7 +118,7 @@ class _Progress:
         }
 
     def add(self, record: dict[str, Any]) -> None:
-        c = self.counts[record["suite"]]
+        c = self.counts[condition(record)]
         c[0] += 1
         c[1] += bool(record["success"]) and not record["error"]
         c[2] += bool(record["error"])
@@ -126,7 +128,7 @@ class _Progress:
                 valid = c[0] - c[2]
                 excl = f"{100 * c[1] / valid:.1f}%" if valid else "n/a"
                 rate += f" errors {c[2]} (excl. errors {excl})"
-            self._bar.update(self._ids[record["suite"]], advance=1, rate=rate)
+            self._bar.update(self._ids[condition(record)], advance=1, rate=rate)
 
     def __enter__(self) -> _Progress:
         if self._bar is not None:
@@ -150,6 +152,8 @@ def _record(trial: Trial, result: dict[str, Any], error: str | None = None) -> d
         "error": error,
         "instruction": result.get("instruction"),
         "video": result.get("video"),
+        "perturbation": trial.perturbation,
+        "changes": None if error else result.get("changes"),
     }
 
 
@@ -186,13 +190,14 @@ def header(job: EvalJob) -> dict[str, Any]:
         "greedy": job.eval.greedy,
         "max_episode_steps": env.get("max_episode_steps"),
         "planned": len(job.trials),
+        **({"perturbation": job.perturbation} if job.perturbation else {}),
     }
 
 
 def finalize(job: EvalJob, log: TrialLog) -> dict[str, Any]:
     """Rewrite the reports of ``job.output_dir`` from the trial log (planned trials only)."""
     planned = {t.key for t in job.trials}
-    order = {t.suite: i for i, t in reversed(list(enumerate(job.trials)))}
+    order = {t.condition: i for i, t in reversed(list(enumerate(job.trials)))}
     order = {s: i for i, s in enumerate(sorted(order, key=order.get))}
     records = sort_trials([r for k, r in log.records.items() if k in planned], order)
     results = build_results(records, header(job))
@@ -278,10 +283,10 @@ def _evaluate_in(
     sizes.append(total_slots - sum(sizes))
     planned: dict[str, int] = {}
     for t in job.trials:
-        planned[t.suite] = planned.get(t.suite, 0) + 1
+        planned[t.condition] = planned.get(t.condition, 0) + 1
     progress = _Progress(ev.progress, planned)
     for record in log.records.values():
-        if record["suite"] in planned:
+        if condition(record) in planned:
             progress.add(record)
     console.print(
         f"{total_slots} env(s) in {num_workers} worker(s); policy {job.policy_name} on "
@@ -360,12 +365,9 @@ class _EvalLoop:
         starts: dict[int, dict[int, Trial]] = {}
         for slot in self.slots.values():
             if slot.trial is None and len(self.queue):
-                running = {(s.trial.suite, s.trial.task) for s in self._busy()}
+                running = {s.trial.task_key for s in self._busy()}
                 slot.trial = self.queue.take(slot, running)
-                slot.last_task, slot.env_key = (
-                    (slot.trial.suite, slot.trial.task),
-                    slot.trial.env_key,
-                )
+                slot.last_task, slot.env_key = slot.trial.task_key, slot.trial.env_key
                 starts.setdefault(slot.worker, {})[slot.index] = slot.trial
         if not starts:
             return
@@ -382,6 +384,7 @@ class _EvalLoop:
                     self._crashed(trial, {"error": r["error"]})
                 else:
                     slot.obs, slot.instruction = r["obs"], r["obs"].instruction[0]
+                    slot.changes = r.get("changes")
 
     def _act(self, busy: list[_SlotState]) -> Any:
         """Action chunks ``float32 [N, K, A]`` for the busy slots, from one policy call."""
@@ -412,7 +415,11 @@ class _EvalLoop:
                 if r["invalid"]:
                     self._crashed(trial, r)
                 else:
-                    self._save(_record(trial, {**r, "instruction": slot.instruction}))
+                    self._save(
+                        _record(
+                            trial, {**r, "instruction": slot.instruction, "changes": slot.changes}
+                        )
+                    )
 
     def _crashed(self, trial: Trial, result: dict[str, Any]) -> None:
         """Requeue a crashed trial, or record it as an error once its retries are spent."""

@@ -71,27 +71,86 @@ def summarize(trials: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def condition(trial: Mapping[str, Any]) -> str:
+    """The row a trial counts in: its suite, or ``<suite>/<perturbation>`` for a trial of a
+    perturbed (out-of-distribution) variant of the suite."""
+    kind = trial.get("perturbation")
+    return f"{trial['suite']}/{kind}" if kind else trial["suite"]
+
+
 def aggregate(trials: list[Mapping[str, Any]]) -> dict[str, Any]:
     """Per-task and per-suite summaries (:func:`summarize`), in the trials' order.
 
-    Returns ``{"tasks": [{suite, task, task_index, ...summary}], "suites": {suite: summary},
-    "overall": summary}``. A suite's rate pools its trials (with equal trials per task this is
-    the mean of the task rates, the number papers report).
+    Returns ``{"tasks": [{suite, perturbation, task, task_index, ...summary}], "suites":
+    {suite: summary}, "overall": summary}``. A suite's rate pools its trials (with equal trials
+    per task this is the mean of the task rates, the number papers report). Perturbed trials
+    count under their own row, ``<suite>/<perturbation>`` (:func:`condition`), never pooled
+    with the suite's unperturbed ones; ``overall`` pools every trial.
     """
     by_task: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     by_suite: dict[str, list[Mapping[str, Any]]] = {}
     index: dict[tuple[str, str], int] = {}
     for t in trials:
-        key = (t["suite"], t["task"])
+        key = (condition(t), t["task"])
         by_task.setdefault(key, []).append(t)
-        by_suite.setdefault(t["suite"], []).append(t)
+        by_suite.setdefault(condition(t), []).append(t)
         index.setdefault(key, int(t.get("task_index", 0)))
     tasks = [
-        {"suite": s, "task": name, "task_index": index[(s, name)], **summarize(ts)}
-        for (s, name), ts in by_task.items()
+        {
+            "suite": ts[0]["suite"],
+            "perturbation": ts[0].get("perturbation"),
+            "task": name,
+            "task_index": index[(c, name)],
+            **summarize(ts),
+        }
+        for (c, name), ts in by_task.items()
     ]
     return {
         "tasks": tasks,
         "suites": {s: summarize(ts) for s, ts in by_suite.items()},
         "overall": summarize(trials),
     }
+
+
+def compare_ood(trials: list[Mapping[str, Any]], kinds: list[str]) -> list[dict[str, Any]]:
+    """In-distribution vs out-of-distribution rows, per suite, in the order of ``kinds``
+    (``"none"``: the unperturbed tasks).
+
+    Each row is ``{suite, perturbation, tasks, ...summary}``; a perturbed row also has
+    ``in_distribution`` (:func:`summarize` of the unperturbed trials of the same tasks and
+    init states, so that both rates cover the same episodes) and ``delta`` (its
+    ``success_rate`` minus the in-distribution one), both ``None`` without unperturbed trials.
+    """
+    rows = []
+    suites = list(dict.fromkeys(t["suite"] for t in trials))
+    for suite in suites:
+        plain = {
+            (t["task"], t["init_state"]): t
+            for t in trials
+            if t["suite"] == suite and not t.get("perturbation")
+        }
+        for kind in kinds:
+            own = [
+                t
+                for t in trials
+                if t["suite"] == suite and (t.get("perturbation") or "none") == kind
+            ]
+            if not own:
+                continue
+            row: dict[str, Any] = {
+                "suite": suite,
+                "perturbation": kind,
+                "tasks": len({t["task"] for t in own}),
+                **summarize(own),
+            }
+            if kind != "none":
+                same = [plain[k] for t in own if (k := (t["task"], t["init_state"])) in plain]
+                base = summarize(same) if same else None
+                row["in_distribution"] = base
+                row["delta"] = (
+                    row["success_rate"] - base["success_rate"]
+                    if base is not None and row["success_rate"] is not None
+                    else None
+                )
+            rows.append(row)
+    return rows

@@ -35,10 +35,12 @@ def slug(text: str) -> str:
 
 
 def video_path(trial: dict[str, Any], outcome: str) -> str:
-    """Where the video of ``trial`` goes, relative to the results folder."""
+    """Where the video of ``trial`` goes, relative to the results folder (a perturbed trial's
+    under ``<suite>-<perturbation>``)."""
+    kind = trial.get("perturbation")
     return os.path.join(
         "videos",
-        slug(trial["suite"]),
+        slug(f"{trial['suite']}-{kind}" if kind else trial["suite"]),
         f"{trial['task_index']:03d}_{slug(trial['task'])}",
         f"init{trial['init_state']:04d}_{outcome}.mp4",
     )
@@ -104,7 +106,8 @@ class EvalEnvWorker(Worker):
     # ------------------------------------------------------------------------------ calls
     def start(self, assignments: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """Reset slot ``i`` to trial ``assignments[i]`` (a :class:`~rlinf_vla.eval.config.Trial`
-        as a dict). Returns per slot ``{"obs": Observation [1]}`` or ``{"error": text}``."""
+        as a dict). Returns per slot ``{"obs": Observation [1]}`` (plus ``changes``, what the
+        perturbation changed in this episode, for a perturbed trial) or ``{"error": text}``."""
         return self._map(self._start, assignments)
 
     def step(self, actions: dict[int, torch.Tensor]) -> dict[int, dict[str, Any]]:
@@ -156,13 +159,18 @@ class EvalEnvWorker(Worker):
         try:
             env = self._env_for(slot, tuple(tuple(kv) for kv in trial["env_key"]))
             obs = env.reset(torch.tensor([trial["reset_id"]]))
+            details = env.episode_details(0) if trial.get("perturbation") else None
         except Exception as e:
             self._drop_env(slot)
             slot.trial = None
             return {"error": _error_text(e)}
         slot.instruction = obs.instruction[0]
         self._record(slot, obs)
-        return {"obs": obs}
+        if details is None:
+            return {"obs": obs}
+        # The variant's BDDL changes, and for a new layout where the objects stand.
+        extra = {k: details[k] for k in ("placement_seed", "placements") if k in details}
+        return {"obs": obs, "changes": {**details["changes"], **extra}}
 
     def _step(self, i: int, actions: torch.Tensor) -> dict[str, Any]:
         slot = self.slots[i]

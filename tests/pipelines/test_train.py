@@ -214,19 +214,19 @@ def test_eval_videos_without_ffmpeg_fail_before_start(capsys, nothing_starts, no
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_run_naming_its_checkpoint_and_auto_resume_continues_it(tmp_path):
+@pytest.mark.ray
+def test_sigterm_stops_the_run_naming_its_checkpoint_and_auto_resume_continues_it(tmp_path, capsys):
     # A scheduler preempting the job sends SIGTERM: the run stops like on Ctrl-C (exit 143,
     # the last checkpoint and the resume command on the console), and the same command line
-    # with runner.resume=auto continues it.
+    # with runner.resume=auto continues it. The signalled run is a process of its own; the
+    # resumed one runs in this process, on the suite's Ray instance (a second process would
+    # start Ray and import everything again, for the same check).
     import signal
     import subprocess
     import sys
 
     run = tmp_path / "run"
     args = [
-        sys.executable,
-        "-m",
-        "rlinf_vla.cli",
         "train",
         *SMALL,
         "cluster.devices_per_node=1",
@@ -236,7 +236,8 @@ def test_sigterm_stops_the_run_naming_its_checkpoint_and_auto_resume_continues_i
         f"runner.output_dir={run}",
         "runner.resume=auto",
     ]
-    job = subprocess.Popen([*args, "runner.max_iterations=1000"], stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "rlinf_vla.cli", *args, "runner.max_iterations=1000"]
+    job = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
         while not (run / "checkpoints" / "iter_2" / "COMPLETE").exists():
@@ -253,11 +254,9 @@ def test_sigterm_stops_the_run_naming_its_checkpoint_and_auto_resume_continues_i
 
     done = int(last_checkpoint(run).name.split("_")[1])
     final = done + 1
-    resumed = subprocess.run(
-        [*args, f"runner.max_iterations={final}"], capture_output=True, text=True, timeout=300
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming after iteration {done} of {final}" in resumed.stderr
+    capsys.readouterr()
+    assert cli.main([*args, f"runner.max_iterations={final}"]) == 0
+    assert f"resuming after iteration {done} of {final}" in capsys.readouterr().err
     assert [r["iteration"] for r in _metrics(run)] == list(range(1, final + 1))
 
 

@@ -1,0 +1,173 @@
+"""MetaWorld: task sets and instructions, reset-id mapping, determinism, images, the shipped
+expert, crash recovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from rlinf_vla.envs import make_env
+from rlinf_vla.envs.metaworld.config import (
+    INSTRUCTIONS,
+    MT10,
+    MT50,
+    VARIATIONS_PER_TASK,
+    MetaWorldEnvConfig,
+)
+from rlinf_vla.envs.metaworld.env import reset_id_to_task_variation
+
+FAST = {"image_size": 64, "fast_render": True}
+NEEDS_METAWORLD = "MetaWorld is not installed: pip install 'rlinf-vla[metaworld]'"
+
+
+def _require_metaworld() -> None:
+    pytest.importorskip("metaworld", reason=NEEDS_METAWORLD)
+
+
+def test_task_sets_and_instructions() -> None:
+    assert len(MT50) == 50 and len(set(MT50)) == 50
+    assert set(MT10) <= set(MT50)
+    assert all(s and s == s.strip() and s[0].islower() for s in INSTRUCTIONS.values())
+    assert MetaWorldEnvConfig().tasks == ("pick-place-v3",)
+    assert MetaWorldEnvConfig(task_set="MT10").tasks == MT10
+    assert MetaWorldEnvConfig(task_set="MT50").describe() == "MT50"
+    assert MetaWorldEnvConfig(task="reach-v3").describe() == "MT1 reach-v3"
+    assert MetaWorldEnvConfig(state_mode="full").spec().state_dim == 39
+    assert MetaWorldEnvConfig().spec().action_dim == 4
+
+
+def test_unknown_names_list_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="pick-place-v3"):
+        MetaWorldEnvConfig(task="pick-place-v9")
+    with pytest.raises(ValueError, match="MT10"):
+        MetaWorldEnvConfig(task_set="MT45")
+    with pytest.raises(ValueError, match="corner2"):
+        MetaWorldEnvConfig(camera="front")
+
+
+def test_reset_id_mapping_and_eval_trials() -> None:
+    pairs = {reset_id_to_task_variation(r, 10) for r in range(VARIATIONS_PER_TASK * 10)}
+    assert len(pairs) == 500
+    assert reset_id_to_task_variation(3 * 50 + 7, 10) == (3, 7)
+    assert reset_id_to_task_variation(10 * 50 + 7, 10) == (0, 7)  # wraps around
+    trials = MetaWorldEnvConfig(task_set="MT10").eval_trials("metaworld", None, 3, seed=0)
+    assert [t["task"] for t in trials[::3]] == list(MT10)
+    assert [t["reset_id"] for t in trials[3:6]] == [50, 51, 52]
+    with pytest.raises(ValueError, match="trials_per_task"):
+        MetaWorldEnvConfig().eval_trials("metaworld", None, 51, seed=0)
+
+
+@pytest.mark.sim
+def test_task_lists_match_metaworld() -> None:
+    _require_metaworld()
+    from metaworld import env_dict
+    from metaworld.policies import ENV_POLICY_MAP
+
+    assert tuple(env_dict.MT10_V3) == MT10
+    assert tuple(env_dict.MT50_V3) == MT50
+    assert set(ENV_POLICY_MAP) == set(MT50)
+
+
+@pytest.fixture(scope="module")
+def mt10():
+    _require_metaworld()
+    env = make_env("metaworld", task_set="MT10", num_envs=2, auto_reset=False, **FAST)
+    yield env
+    env.close()
+
+
+@pytest.mark.sim
+def test_same_reset_id_gives_the_same_scene(mt10) -> None:
+    pick = 2 * VARIATIONS_PER_TASK  # pick-place-v3, configuration 0
+    first = mt10.reset(torch.tensor([pick + 4, pick + 4]))  # two processes, one id
+    assert torch.equal(first.images["main"][0], first.images["main"][1])
+    assert torch.equal(first.state[0], first.state[1])
+    state = mt10.sim_state(0)
+    other = mt10.reset(torch.tensor([3, pick + 5]))  # another task, another configuration
+    assert not torch.equal(other.images["main"][1], first.images["main"][1])
+    mt10.chunk_step(torch.rand(2, 3, 4) * 2 - 1)
+    again = mt10.reset(torch.tensor([pick + 4, pick + 4]))  # after other episodes: the same
+    assert torch.equal(again.images["main"], first.images["main"])
+    assert torch.equal(again.state, first.state)
+    for key, value in mt10.sim_state(0).items():
+        np.testing.assert_array_equal(value, state[key], err_msg=key)
+
+
+@pytest.mark.sim
+def test_mt10_tasks_and_instructions(mt10) -> None:
+    ids = torch.tensor([3 * VARIATIONS_PER_TASK + 1, 9 * VARIATIONS_PER_TASK])
+    obs = mt10.reset(ids)
+    assert mt10.task_of(ids) == ["door-open-v3", "window-close-v3"]
+    assert obs.instruction == [INSTRUCTIONS["door-open-v3"], INSTRUCTIONS["window-close-v3"]]
+    assert mt10.num_reset_ids == 500
+    assert mt10.max_episode_steps == 500
+
+
+@pytest.mark.sim
+def test_images_change_when_the_arm_moves(mt10) -> None:
+    obs = mt10.reset(torch.tensor([100, 100]))
+    assert obs.images["main"].shape == (2, 64, 64, 3)
+    assert obs.state.shape == (2, 4)
+    actions = torch.zeros(2, 12, 4)
+    actions[:, :, 3] = -1.0  # the gripper stays open, as the reset leaves it
+    actions[0, :, 2] = 1.0  # env 0 lifts its hand, env 1 holds still
+    res = mt10.chunk_step(actions)
+    moved = (res.obs.images["main"][0].int() - obs.images["main"][0].int()).abs()
+    still = (res.obs.images["main"][1].int() - obs.images["main"][1].int()).abs()
+    assert moved.float().mean() > 2 * still.float().mean() and moved.max() > 50
+    assert res.obs.state[0, 2] - obs.state[0, 2] > 0.05  # about 1 cm per step
+    assert abs(res.obs.state[1, 2] - obs.state[1, 2]) < 0.005
+
+
+@pytest.mark.sim
+def test_shipped_expert_solves_pick_place(mt10) -> None:
+    mt10.reset(torch.tensor([100, 101]))  # pick-place-v3, configurations 0 and 1
+    success = torch.zeros(2, dtype=torch.bool)
+    for _ in range(150):
+        res = mt10.chunk_step(mt10.expert_actions()[:, None])
+        success |= res.success
+        if res.info["done"].all():
+            break
+    assert success.all()
+    assert res.terminated.any(1).all()  # success ends the episode
+    assert (res.info["elapsed_steps"] < 150).all()
+
+
+@pytest.mark.sim
+def test_killed_worker_is_restarted_and_episode_invalid(mt10) -> None:
+    mt10.reset(torch.tensor([100, 101]))
+    proc = mt10.workers.process(1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout=30)
+    res = mt10.chunk_step(torch.zeros(2, 2, 4))
+    assert res.info["invalid"].tolist() == [False, True]
+    assert res.truncated[1, 0] and not res.success[1]
+    assert mt10.workers.restarts == [0, 1]
+    obs = mt10.reset(torch.tensor([100, 100]))  # the restarted worker serves the same scene
+    assert torch.equal(obs.images["main"][0], obs.images["main"][1])
+
+
+@pytest.mark.sim
+def test_full_state_dense_reward_and_another_camera() -> None:
+    _require_metaworld()
+    env = make_env(
+        "metaworld",
+        num_envs=1,
+        task="reach-v3",
+        state_mode="full",
+        reward_mode="dense",
+        camera="corner",
+        **FAST,
+    )
+    try:
+        obs = env.reset(torch.tensor([0]))
+        assert obs.state.shape == (1, 39)
+        assert torch.count_nonzero(obs.state[0, 36:]) > 0  # the goal is observed
+        res = env.chunk_step(torch.zeros(1, 2, 4))
+        assert 0.0 < res.reward[0, 0] < 10.0  # MetaWorld's shaped reward
+    finally:
+        env.close()
