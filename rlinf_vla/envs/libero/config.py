@@ -209,7 +209,7 @@ class LiberoEnvConfig(EnvConfig):
             check_field(
                 self,
                 "suite",
-                self.suite in PERTURBED_SUITES,
+                self.suite in (*PERTURBED_SUITES, "libero_130"),
                 f"has no {self.perturbation} variants; LIBERO-PRO covers "
-                f"{', '.join(PERTURBED_SUITES)}",
+                f"{', '.join(PERTURBED_SUITES)} (and their tasks in libero_130)",
             )
