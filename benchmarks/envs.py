@@ -3,6 +3,7 @@
 Prints a table and writes JSON (default ``benchmarks/results/envs.json``)::
 
     python benchmarks/envs.py                      # toy, maniskill, libero
+    python benchmarks/envs.py --envs metaworld     # MetaWorld (not in the default set)
     python benchmarks/envs.py --envs toy --seconds 3
     python benchmarks/envs.py --images docs/img    # also save one observation each
 
@@ -76,6 +77,15 @@ def cases(envs: list[str], quick: bool) -> list[Case]:
         out.append(Case("libero", 1, 128, 1, {**base, "fast_render": False}))
         if not quick:
             out.append(Case("libero", 1, 224, 1, {**base, "fast_render": True}))
+    if "metaworld" in envs:
+        base = {"task": "pick-place-v3"}
+        for n in (1,) if quick else (1, 2):
+            for k in (1, 8):
+                out.append(Case("metaworld", n, 128, k, {**base, "fast_render": True}))
+        for k in (1, 8):
+            out.append(Case("metaworld", 1, 128, k, {**base, "fast_render": False}))
+        if not quick:
+            out.append(Case("metaworld", 1, 224, 1, {**base, "fast_render": True}))
     return out
 
 

@@ -29,8 +29,17 @@ SETTINGS: dict[str, dict] = {
         "settle_steps": 2,
         "max_episode_steps": 6,
     },
+    "metaworld": {
+        "task": "pick-place-v3",
+        "num_envs": 2,
+        "image_size": 64,
+        "fast_render": True,
+        "max_episode_steps": 6,
+    },
 }
-SIM_MODULES = {"maniskill": "mani_skill", "libero": "libero.libero"}
+SIM_MODULES = {"maniskill": "mani_skill", "libero": "libero.libero", "metaworld": "metaworld"}
+#: Envs whose action is not the 7-D end-effector delta + gripper.
+ACTION_DIMS = {"metaworld": 4}
 
 
 def _params() -> list:
@@ -87,7 +96,7 @@ def _check_result(env: VectorEnv, res: ChunkResult, k: int) -> None:
 
 def test_properties(env: VectorEnv) -> None:
     assert env.num_envs == SETTINGS[env.name]["num_envs"]
-    assert env.action_dim == 7
+    assert env.action_dim == ACTION_DIMS.get(env.name, 7)
     assert env.max_episode_steps == 6
 
 
@@ -174,7 +183,7 @@ def test_import_needs_no_simulator() -> None:
 
     code = (
         "import sys; import rlinf_vla.envs as e; "
-        "bad = [m for m in ('mani_skill', 'sapien', 'libero', 'mujoco', 'robosuite') "
+        "bad = [m for m in ('mani_skill', 'sapien', 'libero', 'mujoco', 'robosuite', 'metaworld') "
         "if m in sys.modules]; assert not bad, bad; print(sorted(e.ENVS))"
     )
     out = subprocess.run(

@@ -148,6 +148,11 @@ class MetaWorldEnvConfig(EnvConfig):
         return 4
 
     @property
+    def robot(self) -> str:
+        """The arm of every MetaWorld task (a dataset's ``robot_type``)."""
+        return "sawyer"
+
+    @property
     def state_dim(self) -> int:
         return 4 if self.state_mode == "proprio" else 39
 
