@@ -12,6 +12,13 @@
 # numpy < 2), then the tests of math-grpo's vLLM rollout backend (tests/reasoning/test_vllm.py)
 # in .venv-vllm, the env scripts/install_vllm.sh makes (vLLM's CPU build pins its own torch and
 # transformers).
+#
+# Order of a full run: lint (seconds), then the main test suite; the two extra envs install in the
+# background meanwhile (about 1 and 7 minutes, mostly downloading, on a 2-core machine; their
+# output is printed when their stage starts), and their stages run after it.
+# RLINF_TEST_WORKERS=2 runs the main suite in 2 pytest-xdist processes (`-n 2 --dist loadfile`:
+# the tests of a file stay in one process, with its module fixtures; the longest files first, see
+# tests/conftest.py); 0 (the default) runs it in one process. With PYTEST_ARGS pytest runs as given.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,14 +50,68 @@ else
     echo "[test] lint: ok"
 fi
 
-# ---- tests ------------------------------------------------------------------------------------
+# ---- the extra envs, installed in the background during the main tests -----------------------
 full_run=0
 if [[ $# -eq 0 ]]; then
     full_run=1
+fi
+extra_installs=()
+if [[ $full_run -eq 1 && "${RLINF_TEST_OPENPI:-1}" != 0 ]]; then
+    extra_installs+=(install_openpi_client.sh)
+fi
+if [[ $full_run -eq 1 && "${RLINF_TEST_VLLM:-1}" != 0 ]]; then
+    extra_installs+=(install_vllm.sh)
+fi
+installs_pid=""
+if [[ ${#extra_installs[@]} -gt 0 ]]; then
+    installs_dir="$(mktemp -d)"
+    # One after the other (two pips at once would only compete), in a session of their own so
+    # that an early exit of this script stops them: see stop_installs.
+    setsid bash -c '
+        dir="$1"
+        shift
+        for script in "$@"; do
+            log="$dir/${script%.sh}.out"
+            start=$(date +%s)
+            rc=0
+            bash "$0/scripts/$script" >"$log" 2>&1 || rc=$?
+            echo "$rc $(($(date +%s) - start))" >"$log.rc"
+        done' "$ROOT" "$installs_dir" "${extra_installs[@]}" &
+    installs_pid=$!
+    echo "[test] installing in the background: ${extra_installs[*]}"
+fi
+stop_installs() {
+    if [[ -n "$installs_pid" ]] && kill -0 "$installs_pid" 2>/dev/null; then
+        kill -- "-$installs_pid" 2>/dev/null || true
+    fi
+    [[ -z "$installs_pid" ]] || rm -rf "$installs_dir"
+}
+trap stop_installs EXIT
+# wait_install <script>: wait for the background install of <script>; print its log; its rc.
+wait_install() {
+    local out="$installs_dir/${1%.sh}.out" rc seconds
+    while [[ ! -f "$out.rc" ]]; do
+        if ! kill -0 "$installs_pid" 2>/dev/null && [[ ! -f "$out.rc" ]]; then
+            echo "[test] the background install of $1 stopped without a result" >&2
+            return 1
+        fi
+        sleep 2
+    done
+    cat "$out"
+    read -r rc seconds <"$out.rc"
+    echo "[test] $1: exit $rc after $seconds s (in the background)"
+    return "$rc"
+}
+
+# ---- tests ------------------------------------------------------------------------------------
+if [[ $full_run -eq 1 ]]; then
     set -- -q
+    if [[ "${RLINF_TEST_WORKERS:-0}" != 0 ]]; then
+        set -- "$@" -n "${RLINF_TEST_WORKERS}" --dist loadfile --no-loadscope-reorder
+    fi
     # tests/interop runs in its own stage below, once .venv-openpi exists.
     if [[ "${RLINF_TEST_OPENPI:-1}" != 0 ]]; then
-        set -- -q --ignore=tests/interop
+        set -- "$@" --ignore=tests/interop
     fi
 fi
 echo "[test] pytest $*"
@@ -73,7 +134,7 @@ fi
 # ---- openpi-client stage ---------------------------------------------------------------------
 if [[ $full_run -eq 1 && "${RLINF_TEST_OPENPI:-1}" != 0 ]]; then
     openpi_t0=$(date +%s)
-    bash "$ROOT/scripts/install_openpi_client.sh" || {
+    wait_install install_openpi_client.sh || {
         echo "[test] FAILED: installing .venv-openpi (skip this stage with RLINF_TEST_OPENPI=0)" >&2
         exit 1
     }
@@ -91,7 +152,8 @@ fi
 
 # ---- vLLM stage -------------------------------------------------------------------------------
 if [[ $full_run -eq 1 && "${RLINF_TEST_VLLM:-1}" != 0 ]]; then
-    bash "$ROOT/scripts/install_vllm.sh" || {
+    vllm_t0=$(date +%s)
+    wait_install install_vllm.sh || {
         echo "[test] FAILED: installing .venv-vllm (skip this stage with RLINF_TEST_VLLM=0)" >&2
         exit 1
     }
@@ -102,6 +164,7 @@ if [[ $full_run -eq 1 && "${RLINF_TEST_VLLM:-1}" != 0 ]]; then
         echo "[test] FAILED: the vLLM tests, pytest exit code $rc" >&2
         exit "$rc"
     fi
+    echo "[test] vLLM stage: ok ($(($(date +%s) - vllm_t0)) s)"
 elif [[ $full_run -eq 1 ]]; then
     echo "[test] vLLM stage: skipped (RLINF_TEST_VLLM=0)"
 fi
