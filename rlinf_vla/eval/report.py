@@ -256,8 +256,13 @@ def render_summary(results: dict[str, Any]) -> str:
 def _ood_table(results: dict[str, Any]) -> list[str]:
     """The in-distribution vs OOD section of ``summary.md``."""
     pert = results["perturbation"]
-    lines = [
-        f"## In-distribution vs OOD (perturbation seed {pert['seed']})",
+    lines = [f"## In-distribution vs OOD (perturbation seed {pert['seed']})", ""]
+    for name, what in (pert.get("what") or {}).items():
+        lines.append(
+            f"- {name}: {what['changes']}. Scenes: {what['scenes']}. Instruction: "
+            f"{what['instruction']}."
+        )
+    lines += [
         "",
         "Success rate (%) with its Wilson 95% interval (errors as failures). For a perturbation,",
         "the in-distribution rate over the same tasks and init states and the difference",
