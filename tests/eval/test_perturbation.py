@@ -141,6 +141,12 @@ def test_ood_object_puts_other_assets_in_the_model(base_scene) -> None:
         again = core.scene_contents()["objects"]
     finally:
         core.close()
+    other_seed = _core("ood_object", seed=1)
+    try:
+        other_seed.reset(0)
+        reseeded = other_seed.scene_contents()
+    finally:
+        other_seed.close()
     assert obs["instruction"] == base_scene["instruction"]  # only the objects change
     for old in ("akita_black_bowl", "plate"):
         old_bodies = [b for b in base_scene["bodies"] if b.startswith(f"{old}_1")]
@@ -157,6 +163,14 @@ def test_ood_object_puts_other_assets_in_the_model(base_scene) -> None:
     for name in again:
         assert np.allclose(again[name], scene["objects"][name])
     assert not all(np.allclose(other[n][:3], again[n][:3], atol=1e-3) for n in again)
+    # Another seed draws the other bowl of LIBERO-PRO's list, placed elsewhere.
+    bowls = {c for c in candidates["akita_black_bowl"] for b in scene["bodies"] if b.startswith(c)}
+    bowls2 = {
+        c for c in candidates["akita_black_bowl"] for b in reseeded["bodies"] if b.startswith(c)
+    }
+    assert bowls and bowls2 and bowls != bowls2
+    plate = next(n for n in scene["objects"] if n.startswith("yellow_plate"))
+    assert not np.allclose(reseeded["objects"][plate][:3], scene["objects"][plate][:3], atol=1e-3)
 
 
 @pytest.mark.sim
