@@ -74,24 +74,24 @@ def test_plan_runs_each_kind_on_the_tasks_it_has_variants_for(tmp_path) -> None:
     pytest.importorskip("libero.libero")
     job = eval_job(
         "env=libero",
-        "env.suite=libero_goal",
-        "env.task_ids=[0,1]",
+        "env.suite=libero_10",
+        "env.task_ids=[0,2]",
         "eval.trials_per_task=2",
-        "eval.perturbation=[none,ood_spatial_relation,ood_language]",
+        "eval.perturbation=[none,ood_environment,ood_language]",
         "eval.perturbation_seed=3",
         f"eval.output_dir={tmp_path}",
     )
     by_kind: dict = {}
     for t in job.trials:
         by_kind.setdefault(t.perturbation, []).append((t.task_index, t.init_state, t.reset_id))
-    assert by_kind[None] == [(0, 0, 0), (0, 1, 1), (1, 0, 50), (1, 1, 51)]
+    assert by_kind[None] == [(0, 0, 0), (0, 1, 1), (2, 0, 50), (2, 1, 51)]
     assert by_kind["ood_language"] == by_kind[None]
-    # LIBERO-PRO has no region swap for libero_goal task 0: skipped, and task 1 is the env's
-    # only task (reset ids 0, 1).
-    assert by_kind["ood_spatial_relation"] == [(1, 0, 0), (1, 1, 1)]
-    assert [s["task_index"] for s in job.perturbation["skipped"]["ood_spatial_relation"]] == [0]
+    # libero_10 task 0 is already on the living-room table, LIBERO-PRO's only target: skipped,
+    # and task 2 is the env's only task (reset ids 0, 1).
+    assert by_kind["ood_environment"] == [(2, 0, 0), (2, 1, 1)]
+    assert [s["task_index"] for s in job.perturbation["skipped"]["ood_environment"]] == [0]
     keys = {t.perturbation: dict(t.env_key) for t in job.trials}
-    assert keys["ood_spatial_relation"]["task_ids"] == (1,)
+    assert keys["ood_environment"]["task_ids"] == (2,)
     assert keys["ood_language"]["perturbation_seed"] == 3 and keys[None] == {}
     assert job.identity["perturbation_seed"] == 3 and job.perturbation["seed"] == 3
 

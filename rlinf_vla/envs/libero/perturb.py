@@ -226,9 +226,11 @@ def bddl_changes(before: str, after: str) -> dict[str, Any]:
     """What ``after`` changes in ``before`` (only the parts that differ):
 
     ``objects``: old name -> new name (``"akita_black_bowl_1": "black_bowl_1"``) with
-    ``categories`` old -> new; ``regions``: object -> ``[old region, new region]``;
-    ``instruction`` and ``goal``: ``[old, new]``; ``scene``: ``[old problem, new problem]``
-    with ``fixtures`` old -> new category."""
+    ``categories`` old -> new; ``scene``: ``[old problem class, new]`` with ``fixtures``
+    (fixture -> ``[old category, new]``); ``instruction``: ``[old, new]``. When objects and
+    scene keep their names (a renaming rewrites region names and the goal with them), also
+    ``regions`` (object or fixture -> ``[old region, new region]``) and ``goal``
+    (``[old, new]``)."""
     a, b = bddl_summary(before), bddl_summary(after)
     out: dict[str, Any] = {}
     if a["problem"] != b["problem"]:
@@ -249,17 +251,17 @@ def bddl_changes(before: str, after: str) -> dict[str, Any]:
         }
     elif old_objects != new_objects:
         out["objects"] = {"removed": old_objects, "added": new_objects}
-    renamed_back = {n: o for o, n in out.get("objects", {}).items() if isinstance(n, str)}
-    regions = {}
-    for obj, region in b["placement"].items():
-        old = a["placement"].get(renamed_back.get(obj, obj))
-        if old is not None and old != region and obj in b["objects"]:
-            regions[obj] = [old, region]
-    if regions and "objects" not in out and "scene" not in out:
+    renamed = "objects" in out or "scene" in out
+    regions = {
+        obj: [a["placement"][obj], region]
+        for obj, region in b["placement"].items()
+        if a["placement"].get(obj, region) != region
+    }
+    if regions and not renamed:
         out["regions"] = regions
     if a["language"] != b["language"]:
         out["instruction"] = [a["language"], b["language"]]
-    if a["goal"] != b["goal"] and "objects" not in out and "scene" not in out:
+    if a["goal"] != b["goal"] and not renamed:
         out["goal"] = [a["goal"], b["goal"]]
     return out
 
