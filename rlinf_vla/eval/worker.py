@@ -169,7 +169,8 @@ class EvalEnvWorker(Worker):
         if details is None:
             return {"obs": obs}
         # The variant's BDDL changes, and for a new layout where the objects stand.
-        extra = {k: details[k] for k in ("placement_seed", "placements") if k in details}
+        layout = ("placement_seed", "placements", "fixture_placements")
+        extra = {k: details[k] for k in layout if k in details}
         return {"obs": obs, "changes": {**details["changes"], **extra}}
 
     def _step(self, i: int, actions: torch.Tensor) -> dict[str, Any]:

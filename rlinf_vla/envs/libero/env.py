@@ -315,8 +315,9 @@ class LiberoCore:
 
     def _note_episode(self, pos: int, state: int) -> None:
         """What the perturbation changed in this episode (``None`` without one): the kind, seed,
-        the task's BDDL changes, and for a new layout the placement seed and where each object
-        stands after the settle steps (x, y, z in metres, world frame)."""
+        the task's BDDL changes, and for a new layout the placement seed, where each object
+        stands after the settle steps (``placements``: x, y, z in metres, world frame) and where
+        each fixture was placed (``fixture_placements``)."""
         if self.perturbed is None:
             self.episode = None
             return
@@ -335,6 +336,10 @@ class LiberoCore:
             info["placements"] = {
                 name: [round(float(v), 4) for v in pose[:3]]
                 for name, pose in self._object_poses().items()
+            }
+            info["fixture_placements"] = {
+                name: [round(float(v), 4) for v in pose[:3]]
+                for name, pose in self.scene_state()["fixtures"].items()
             }
         self.episode = info
 
