@@ -496,6 +496,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rlinf_vla.config import to_dict
 
         shown = OmegaConf.to_container(cfg, resolve=True)
+        # Sections whose defaults live in their config classes, shown as the job builds them.
+        for section in ("env", "policy"):
+            built = getattr(job, f"{section}_config", None)
+            if dataclasses.is_dataclass(built) and section in shown:
+                shown[section] = {"name": shown[section]["name"], **to_dict(built)}
         algo = getattr(job, "algo", None)
         if dataclasses.is_dataclass(algo):  # the trainer's own settings default there
             shown["algo"] = to_dict(algo)

@@ -164,6 +164,12 @@ class EnvConfig:
         against it)."""
         return EnvSpec(self.cameras, getattr(self, "action_dim", None), None)
 
+    def episode_steps(self) -> int | None:
+        """The longest time limit of the env's episodes in control steps, known before it
+        starts: ``max_episode_steps``, else the env's own default (``None``: only the
+        simulator knows it)."""
+        return self.max_episode_steps
+
     def eval_trials(
         self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int
     ) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from rlinf_vla.envs.base import EnvSpec
 from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, PERTURBATIONS, SUITE_SIZES
 from rlinf_vla.eval import protocol as protocols
 from rlinf_vla.eval.stats import condition
-from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
+from rlinf_vla.policies.resolve import policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 
 
@@ -164,6 +164,7 @@ class EvalJob:
     policy_name: str
     policy: dict[str, Any]
     eval: EvalConfig
+    env_config: Any = None  # the env section resolved (num_envs: the envs run in parallel)
     trials: list[Trial] = field(default_factory=list)
     output_dir: str = ""
     identity: dict[str, Any] = field(default_factory=dict)
@@ -243,10 +244,10 @@ def check_fit(env_name: str, spec: EnvSpec, pol: Any) -> None:
         )
 
 
-def _default_output_dir(env_name: str, env: dict[str, Any]) -> str:
+def _default_output_dir(env_name: str, env_cfg: Any) -> str:
     import time
 
-    what = env.get("suite") if env_name == "libero" else env.get("task", env_name)
+    what = getattr(env_cfg, "suite", None) or getattr(env_cfg, "task", None) or env_name
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return os.path.join("runs", f"eval-{env_name}-{str(what).lower()}-{stamp}")
 
@@ -293,12 +294,11 @@ def validate(cfg: Any) -> EvalJob:
     # The eval drives every env itself: one env per slot, resets chosen per trial.
     env["group_size"] = 1
     try:
-        env_cfg = env_config(env_name, **{**env, "num_envs": 1})
+        slots_cfg = env_config(env_name, **env)  # num_envs: the envs run in parallel
+        env_cfg = env_config(env_name, slots_cfg, num_envs=1)  # each env's own config
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
-    if policy.get("checkpoint"):
-        policy = checkpoint_settings(policy_name, policy)
-    elif policy.get("seed") is None:
+    if not policy.get("checkpoint") and policy.get("seed") is None:
         policy["seed"] = ev.seed  # random (preset) weights: the same ones on every run
     protocols.check(env_name, protocol, env_cfg)
     pol = policy_config_for(policy_name, policy)
@@ -324,7 +324,8 @@ def validate(cfg: Any) -> EvalJob:
         policy_name=policy_name,
         policy=policy,
         eval=ev,
-        output_dir=ev.output_dir or _default_output_dir(env_name, env),
+        env_config=slots_cfg,
+        output_dir=ev.output_dir or _default_output_dir(env_name, env_cfg),
         protocol=protocols.describe(env_name, protocol, env_cfg),
     )
     job.trials = plan_trials(env_name, env_cfg, ev)

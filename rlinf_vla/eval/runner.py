@@ -178,17 +178,17 @@ def build_policy(job: EvalJob) -> Any:
 
 def header(job: EvalJob) -> dict[str, Any]:
     """The settings part of ``results.json``."""
-    env = job.env
+    env = job.env_config
     return {
         "env_name": job.env_name,
         "protocol": job.protocol,
-        "suite": env.get("suite") if job.env_name == "libero" else None,
+        "suite": getattr(env, "suite", None),
         "tasks": sorted({t.task for t in job.trials}) if job.env_name != "libero" else None,
         "policy_name": job.policy_name,
         "checkpoint": job.policy.get("checkpoint"),
         "trials_per_task": job.eval.trials_per_task,
         "greedy": job.eval.greedy,
-        "max_episode_steps": env.get("max_episode_steps"),
+        "max_episode_steps": env.max_episode_steps,
         "planned": len(job.trials),
         **({"perturbation": job.perturbation} if job.perturbation else {}),
     }
@@ -257,7 +257,7 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
     from rlinf_vla.runtime import torch_threads
 
     ev = job.eval
-    total_slots = max(1, min(int(job.env.get("num_envs", 1)), len(todo)))
+    total_slots = max(1, min(job.env_config.num_envs, len(todo)))
     threads = ev.policy_threads or max(1, (os.cpu_count() or 1) - total_slots)
     # The thread count and the seed hold for this evaluation only: the caller's process (a
     # training run's evaluation, a test suite) gets its own back afterwards. Only the policy's

@@ -348,10 +348,9 @@ def plan_table(plans: list[Plan], chosen: Plan, env_steps: int) -> str:
 def resolve_auto(job: Any, cluster: Any, log: Any = print) -> Any:
     """A copy of ``job`` whose ``placement`` is the plan chosen by profiling on the first
     device of ``cluster`` (a :class:`~rlinf_vla.runtime.Cluster`; module docstring)."""
-    from rlinf_vla.envs import env_config
     from rlinf_vla.runtime.worker import WorkerGroup
 
-    env_cfg = env_config(job.env_name, **job.env)
+    env_cfg = job.env_config
     num_devices = cluster.num_devices
     log(
         f"placement=auto: profiling {job.placement.profile_chunks} chunk steps and one update "
@@ -373,7 +372,7 @@ def resolve_auto(job: Any, cluster: Any, log: Any = print) -> Any:
         job.placement.max_stages,
     )
     chosen = choose(plans)
-    env_steps = env_cfg.num_envs * job.runner.rollout_chunks * job.policy.get("chunk_size", 1)
+    env_steps = env_cfg.num_envs * job.runner.rollout_chunks * job.policy_config.chunk_size
     log(
         f"measured on one device: env chunk step {costs.env_chunk_s * 1e3:.1f} ms, "
         f"inference {costs.infer_chunk_s * 1e3:.1f} ms ({env_cfg.num_envs} envs, of which "

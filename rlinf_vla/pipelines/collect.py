@@ -82,9 +82,13 @@ class CollectFailed(RunAborted):
 
 @dataclass
 class CollectJob:
+    """A validated ``rlinf-vla collect`` job: ``env`` holds the keys the command line set,
+    ``env_config`` the env's config as the workers build it (every default resolved)."""
+
     env_name: str
     env: dict[str, Any]
     collect: CollectConfig
+    env_config: Any = None
     raw: dict[str, Any] = field(default_factory=dict)
 
 
@@ -102,7 +106,7 @@ def validate(cfg: Any) -> CollectJob:
     errors = SectionErrors()
     collect = errors.build(lambda: from_section(CollectConfig, cfg["collect"], "collect"))
 
-    def check_env() -> None:
+    def check_env() -> Any:
         try:
             cfg = env_config(env_name, **{**env, "auto_reset": False})
         except (KeyError, TypeError, ValueError) as e:
@@ -124,11 +128,12 @@ def validate(cfg: Any) -> CollectJob:
                 check_expert(cfg.task, cfg.control_mode)
             except ValueError as e:
                 raise ConfigError(f"env: {e}") from None
+        return cfg
 
-    errors.build(check_env)
+    built = errors.build(check_env)
     errors.raise_any()
     raw = OmegaConf.to_container(cfg, resolve=True)
-    return CollectJob(env_name, env, collect, raw)
+    return CollectJob(env_name, env, collect, built, raw)
 
 
 @dataclass
@@ -142,7 +147,7 @@ class _Episode:
 def _robot_type(job: CollectJob) -> str:
     if job.collect.robot_type:
         return job.collect.robot_type
-    robot = job.env.get("robot")
+    robot = getattr(job.env_config, "robot", None)
     if robot:
         return str(robot).removesuffix("_wristcam")
     return {"maniskill": "panda", "libero": "panda"}.get(job.env_name, job.env_name)
@@ -212,12 +217,12 @@ def collect(job: CollectJob, progress: Any = None) -> dict[str, Any]:
     if writer is None:
         raise CollectFailed(
             f"the expert succeeded in none of {attempts} episodes of {job.env_name} "
-            f"({job.env.get('task', '')}): no dataset was written"
+            f"({getattr(job.env_config, 'task', '')}): no dataset was written"
         )
     path = Path(writer.close())
     summary = {
         "env": job.env_name,
-        "task": job.env.get("task"),
+        "task": getattr(job.env_config, "task", None),
         "attempted": attempts,
         "kept": kept,
         "success_rate": kept / attempts if attempts else 0.0,
@@ -254,10 +259,11 @@ def run(job: CollectJob) -> Path:
 
     c = job.collect
     console = Console(stderr=True)
-    task_text = f" {job.env['task']}" if job.env.get("task") else ""
+    task = getattr(job.env_config, "task", None)
+    task_text = f" {task}" if task else ""
     console.print(
         f"rlinf-vla collect: {c.episodes} successful expert episodes of {job.env_name}{task_text} "
-        f"in {job.env.get('num_envs', 1)} envs -> {c.output_dir}",
+        f"in {job.env_config.num_envs} envs -> {c.output_dir}",
         markup=False,
         highlight=False,
     )

@@ -10,15 +10,19 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlinf_vla.algos.presets import ineffective_keys
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
 from rlinf_vla.pipelines.actor import AlgoConfig
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
-from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
+from rlinf_vla.policies.resolve import policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, resolve_placement
+
+if TYPE_CHECKING:
+    from rlinf_vla.envs.base import EnvConfig
+    from rlinf_vla.policies.base import PolicyConfig
 
 
 @dataclass
@@ -97,7 +101,12 @@ class RunnerConfig:
 
 @dataclass
 class TrainJob:
-    """A validated ``rlinf-vla train`` job: every section typed, the placement resolved."""
+    """A validated ``rlinf-vla train`` job: every section typed, the placement resolved.
+
+    ``env`` and ``policy`` hold the keys the command line set (the workers build their configs
+    from them, a checkpoint filling in the rest); ``env_config`` and ``policy_config`` are those
+    configs as every worker will build them, with every default resolved.
+    """
 
     cluster: ClusterConfig
     env_name: str
@@ -107,6 +116,8 @@ class TrainJob:
     algo: AlgoConfig
     placement: TrainPlacementConfig
     runner: RunnerConfig
+    env_config: EnvConfig
+    policy_config: PolicyConfig
     resolved: Placement | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -165,9 +176,8 @@ def validate(cfg: Any) -> TrainJob:
             ) from None
 
     def resolve_policy() -> tuple[dict[str, Any], Any]:
-        # A checkpoint's own config decides what the YAML left at defaults.
-        settings = checkpoint_settings(policy_name, policy) if policy.get("checkpoint") else policy
-        return settings, policy_config_for(policy_name, settings)
+        # The section holds what the command line set; a checkpoint's config decides the rest.
+        return policy, policy_config_for(policy_name, policy)
 
     # Every section is checked before any error is raised, so that one run names them all.
     errors = SectionErrors()
@@ -197,6 +207,8 @@ def validate(cfg: Any) -> TrainJob:
         policy=policy,
         algo=algo,
         **built,
+        env_config=env_cfg,
+        policy_config=pol_cfg,
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
     # The chunk size as built (a checkpoint's own when the command line leaves it), for the
@@ -205,7 +217,7 @@ def validate(cfg: Any) -> TrainJob:
     # Training keeps float32 weights, so AdamW's state and the checkpoints are float32 too, and
     # algo.autocast sets the compute precision; policy.dtype=bfloat16 still holds bf16 weights.
     if job.policy.get("dtype", "auto") == "auto":
-        job.policy["dtype"] = "float32"
+        job.policy["dtype"] = job.policy_config.dtype = "float32"
     # Checks across sections: every one that fails is named.
     env_action_dim = env_cfg.spec().action_dim
     if env_action_dim is not None and pol_cfg.action_dim != env_action_dim:
@@ -236,10 +248,11 @@ def validate(cfg: Any) -> TrainJob:
                 f"{job.algo.name} compares the episodes of envs that share a reset id"
             )
         steps = job.runner.rollout_chunks * pol_cfg.chunk_size
-        if env_cfg.max_episode_steps is not None and steps < env_cfg.max_episode_steps:
+        limit = env_cfg.episode_steps()
+        if limit is not None and steps < limit:
             errors.add(
                 f"{job.algo.name} scores whole episodes: runner.rollout_chunks x policy.chunk_size = {steps} env steps "
-                f"is shorter than env.max_episode_steps={env_cfg.max_episode_steps}"
+                f"is shorter than the env's time limit of {limit} steps (env.max_episode_steps)"
             )
     if job.runner.eval_interval > 0 and job.runner.eval_videos:
         from rlinf_vla.envs.video import require_ffmpeg

@@ -245,8 +245,10 @@ def evaluate_on_worker(
     ``rollout`` runs :func:`greedy_eval` with the weights it holds, on an env of its own made
     from ``env`` (at most ``episodes`` envs); the driver writes the videos it returns into
     ``video_dir`` and hands them to ``logger``. Returns the ``eval/*`` metrics."""
+    from rlinf_vla.envs import env_config
+
     env_cfg = dict(env, seed=seed, group_size=1)
-    env_cfg["num_envs"] = min(env_cfg.get("num_envs", 1), episodes)
+    env_cfg["num_envs"] = min(env_config(env_name, **env_cfg).num_envs, episodes)
     [(metrics, blobs)] = rollout.evaluate(env_name, env_cfg, episodes, videos, ranks=[0]).wait()
     for name, blob in blobs.items():
         video_dir.mkdir(parents=True, exist_ok=True)

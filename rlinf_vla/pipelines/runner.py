@@ -192,11 +192,11 @@ class EmbodiedRunner:
         """What this run trains, on what, where: printed before the first iteration."""
         job, r = self.job, self.job.runner
         counts = self.actor.parameter_counts(ranks=[0]).wait()[0]
-        chunk = job.policy.get("chunk_size", 1)
+        chunk = job.policy_config.chunk_size
         source = (
             f"from {job.policy['checkpoint']}"
             if job.policy.get("checkpoint")
-            else f"preset {job.policy.get('preset', 'full')}, random weights"
+            else f"preset {job.policy_config.preset}, random weights"
         )
         mode = self.placement.mode
         stages = f", {job.placement.stages} stages" if job.placement.stages > 1 else ""
@@ -206,7 +206,7 @@ class EmbodiedRunner:
         fsdp = " (FSDP)" if self.fsdp else ""
         offload = " (idle policies offloaded to host memory)" if self.offloads else ""
         return [
-            f"rlinf-vla train: {job.algo.name} on {_env_text(job)}, {job.env['num_envs']} envs, "
+            f"rlinf-vla train: {job.algo.name} on {_env_text(job)}, {job.env_config.num_envs} envs, "
             f"{r.rollout_chunks} chunks of {chunk} steps per iteration, "
             f"{r.max_iterations} iterations",
             f"policy {job.policy_name} ({source}): {count_text(counts['total'])} parameters, "
@@ -254,8 +254,8 @@ class EmbodiedRunner:
             maxed=("train/skipped_updates", "train/nan_streak"),
         )
         stats = {k: [x for s in env_stats for x in s[k]] for k in ("return", "success", "invalid")}
-        num_envs = self.job.env["num_envs"]
-        env_steps = num_envs * r.rollout_chunks * self.job.policy.get("chunk_size", 1)
+        num_envs = self.job.env_config.num_envs
+        env_steps = num_envs * r.rollout_chunks * self.job.policy_config.chunk_size
         return {
             "iteration": it + 1,
             "env_steps": env_steps * (it + 1),
@@ -380,9 +380,7 @@ def _status(metrics: dict[str, Any]) -> str:
 def _env_text(job: TrainJob) -> str:
     """``maniskill PickCube-v1``, ``libero libero_goal tasks [2, 5]``, ``toy``: the env's name
     and what its config says it runs."""
-    from rlinf_vla.envs import env_config
-
-    return f"{job.env_name} {env_config(job.env_name, **job.env).describe()}".strip()
+    return f"{job.env_name} {job.env_config.describe()}".strip()
 
 
 def _placement_dict(job: TrainJob) -> dict[str, Any]:

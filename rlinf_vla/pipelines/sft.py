@@ -154,6 +154,8 @@ class SFTJob:
     runner: SFTRunnerConfig
     features: list[FeatureMap]
     counts: dict[str, int]
+    env_config: Any  # the env's config as the evaluation builds it (every default resolved)
+    policy_config: Any  # the policy's config as the actor builds it
     raw: dict[str, Any] = field(default_factory=dict)
 
     def algo(self, ranks: int) -> dict[str, Any]:
@@ -215,7 +217,7 @@ def validate(cfg: Any) -> SFTJob:
     from rlinf_vla.envs import env_config
     from rlinf_vla.pipelines.config import _named
     from rlinf_vla.policies import POLICIES
-    from rlinf_vla.policies.resolve import checkpoint_settings, policy_config_for
+    from rlinf_vla.policies.resolve import policy_config_for
 
     known = {"cluster", "env", "policy", "data", "sft", "runner"}
     unknown = sorted(set(cfg) - known)
@@ -247,9 +249,7 @@ def validate(cfg: Any) -> SFTJob:
 
     # The policy: the dataset decides its action (and proprio) size unless a checkpoint or the
     # command line does; statistics come from the datasets.
-    settings = (
-        checkpoint_settings(policy_name, policy) if policy.get("checkpoint") else dict(policy)
-    )
+    settings = dict(policy)  # what the command line set
     first = datasets[0]
     if data.action not in first.features:
         raise ConfigError(
@@ -264,8 +264,8 @@ def validate(cfg: Any) -> SFTJob:
     )
     cls = POLICIES[policy_name].cls if policy_name in POLICIES else None
     if not policy.get("checkpoint"):
-        # keys the command line left at the policy group's defaults follow the data
-        explicit = checkpoint_settings(policy_name, policy)
+        # keys the command line did not set follow the data
+        explicit = policy
         from_data = {"action_dim": action_dim}
         if cls is not None and "proprio_dim" in cls.config_cls.__dataclass_fields__:
             from_data |= {"proprio_dim": state_dim or 1, "use_proprio": state_dim is not None}
@@ -359,6 +359,8 @@ def validate(cfg: Any) -> SFTJob:
         runner=built["runner"],
         features=features,
         counts=counts,
+        env_config=env_cfg,
+        policy_config=pol_cfg,
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
 
@@ -418,7 +420,7 @@ class SFTRunner:
             elif ranks > 1:
                 create_collective(DATA_PARALLEL, [(self.actor, None)])
                 self.actor.join_data_parallel(DATA_PARALLEL).wait()
-            chunk = int(job.policy.get("chunk_size", 1))
+            chunk = job.policy_config.chunk_size
             features = [to_dict(f) for f in job.features]
             t0 = time.perf_counter()
             self.loaded = self.actor.load_demonstrations(job.data.paths, features, chunk).wait()[0]
@@ -439,7 +441,7 @@ class SFTRunner:
         source = (
             f"from {job.policy['checkpoint']}"
             if job.policy.get("checkpoint")
-            else f"preset {job.policy.get('preset', 'full')}, random weights"
+            else f"preset {job.policy_config.preset}, random weights"
         )
         fsdp = " (FSDP)" if self.sharded else ""
         return [

@@ -66,8 +66,10 @@ class PolicyConfig:
     (``PRESETS[preset]``), explicit keyword arguments override the preset.
 
     Attributes:
-        preset: ``"tiny"`` (random weights, a few hundred thousand parameters, the same module
-            and key structure as the real model; for tests) or ``"full"`` (published sizes).
+        preset: ``"tiny"`` (the default: random weights, a few hundred thousand parameters, the
+            same module and key structure as the real model; for tests and CPU runs) or
+            ``"full"`` (published sizes). Ignored with a ``checkpoint``, whose own config gives
+            the architecture.
         checkpoint: a checkpoint directory to load weights (and architecture) from.
         action_dim: ``A``, the env's action size.
         chunk_size: ``K``, the number of actions returned by one ``act``.
@@ -93,7 +95,7 @@ class PolicyConfig:
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": {}, "full": {}}
 
-    preset: str = "full"
+    preset: str = "tiny"
     checkpoint: str | None = None
     action_dim: int = 7
     chunk_size: int = 1

@@ -7,12 +7,9 @@ architecture; these functions read them (no weights).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from rlinf_vla.config import ConfigError
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def policy_config_for(policy_name: str, policy: dict[str, Any]) -> Any:
@@ -50,22 +47,3 @@ def policy_config_for(policy_name: str, policy: dict[str, Any]) -> Any:
             f"policy.checkpoint={checkpoint!r} cannot be read as a {policy_name} checkpoint: "
             f"{e.args[0] if e.args else e}"
         ) from None
-
-
-def checkpoint_settings(policy_name: str, policy: dict[str, Any]) -> dict[str, Any]:
-    """With a checkpoint, its own config decides the architecture (action size, chunk size,
-    cameras...): keys still at the ``policy`` group's shipped defaults are dropped, so only the
-    values set on the command line override the checkpoint's."""
-    import yaml
-
-    file = CONFIG_DIR / "policy" / f"{policy_name}.yaml"
-    shipped = yaml.safe_load(file.read_text()) if file.exists() else {}
-    return {
-        k: v
-        for k, v in policy.items()
-        if k == "checkpoint" or k not in shipped or _norm(shipped[k]) != _norm(v)
-    }
-
-
-def _norm(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple | list) else value

@@ -74,13 +74,17 @@ def test_plan_covers_each_init_state_once() -> None:
 
 
 def test_training_renders_fast_and_evaluation_renders_the_full_scene() -> None:
-    """Rollouts on the CPU may draw cheaper renders; the evaluation protocols never do."""
+    """ManiSkill rollouts on the CPU draw decimated meshes; the evaluation never does. LIBERO
+    renders the official scene in both unless a run asks for fast renders."""
     from rlinf_vla.cli import compose
+    from rlinf_vla.pipelines.config import validate
 
-    for env in ("maniskill", "libero"):
-        assert compose("train", [f"env={env}"]).env.fast_render is True
-        job = eval_job(f"env={env}", "policy=openvla")
-        assert job.env["fast_render"] is False, env
+    train = validate(compose("train", ["env=maniskill"]))
+    assert train.env_config.fast_render is True
+    assert eval_job("env=maniskill", "policy=openvla").env_config.fast_render is False
+    train = validate(compose("train", ["env=libero", "policy=openvla_oft"]))
+    assert (train.env_config.fast_render, train.env_config.image_size) == (False, 256)
+    assert eval_job("env=libero", "policy=openvla").env_config.fast_render is False
 
 
 def test_libero_defaults_to_the_official_protocol() -> None:
@@ -91,7 +95,8 @@ def test_libero_defaults_to_the_official_protocol() -> None:
     assert (
         job.protocol["scene_seed"] == 0 and "run_libero_eval.py" in job.protocol["reference_loop"]
     )
-    assert (job.env["image_size"], job.env["fast_render"], job.env["settle_steps"]) == (
+    env = job.env_config
+    assert (env.image_size, env.fast_render, env.settle_steps) == (
         256,
         False,
         10,

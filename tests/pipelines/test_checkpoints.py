@@ -21,6 +21,7 @@ from rlinf_vla.pipelines.tracking import LoggingConfig, read_metrics
 
 SMALL = [
     "env=toy",
+    "policy.chunk_size=2",
     "env.num_envs=4",
     "env.max_episode_steps=8",
     "runner.rollout_chunks=4",

@@ -23,6 +23,7 @@ REQUIRED = {
 }
 SMALL = [
     "env=toy",
+    "policy.chunk_size=2",
     "env.num_envs=4",
     "env.max_episode_steps=8",
     "runner.rollout_chunks=4",
@@ -197,7 +198,7 @@ def test_evaluating_leaves_the_training_unchanged(tmp_path):
         (["runner.logging.wandb_mode=sometimes"], "wandb_mode must be auto, online or offline"),
         (
             ["env=toy", "algo=grpo", "env.group_size=4", "runner.rollout_chunks=2"],
-            "is shorter than env.max_episode_steps=16",
+            "is shorter than the env's time limit of 16 steps",
         ),
     ],
 )
@@ -358,7 +359,13 @@ MODES = {
     ("env", "module"),
     [
         (["env=maniskill", "env.num_envs=1"], "mani_skill"),
-        (["env=libero", "env.num_envs=1", "env.task_ids=[0]"], "libero"),
+        (
+            [
+                *("env=libero", "env.num_envs=1", "env.task_ids=[0]"),
+                *("env.image_size=128", "env.fast_render=true"),
+            ],
+            "libero",
+        ),
     ],
     ids=["maniskill", "libero"],
 )
@@ -366,6 +373,7 @@ MODES = {
 def test_two_iterations_on_a_simulator(tmp_path, env, module, mode):
     pytest.importorskip(module)
     args = [*env, *MODES[mode], "runner.rollout_chunks=2", "algo.update_epochs=1"]
+    args += ["policy.chunk_size=2"]
     if mode == "collocated":  # and a greedy evaluation by the rollout worker, with its video
         limit = "env.max_episode_steps=6" if module == "mani_skill" else "+env.max_episode_steps=6"
         args += ["runner.eval_interval=2", "runner.eval_episodes=1", limit]
@@ -384,7 +392,8 @@ def test_two_iterations_on_a_simulator(tmp_path, env, module, mode):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_pi0_with_flow_sde_trains(tmp_path):
-    args = ["policy=pi0", "policy.image_keys=[main]", "cluster.devices_per_node=1", *SMALL]
+    small = [a for a in SMALL if not a.startswith("policy.chunk_size")]  # tiny π0's own 4
+    args = ["policy=pi0", "policy.image_keys=[main]", "cluster.devices_per_node=1", *small]
     assert (
         cli.main(["train", *args, "runner.max_iterations=1", f"runner.output_dir={tmp_path}"]) == 0
     )

@@ -35,6 +35,7 @@ def test_cli_style_keys():
     cfg = policy_config("openvla", **{"preset": "tiny", "chunk_size": 2})
     assert cfg.preset == "tiny" and cfg.chunk_size == 2
     assert cfg.text_config["hidden_size"] == 64  # the tiny architecture
-    full = policy_config("openvla")
+    assert policy_config("openvla").preset == "tiny"  # the default: random weights for CPU runs
+    full = policy_config("openvla", preset="full")
     assert full.text_config == {"vocab_size": 32064, "pad_token_id": 32000}
     assert full.image_sizes == (224, 224)

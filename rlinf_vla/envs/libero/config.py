@@ -62,7 +62,9 @@ class LiberoEnvConfig(EnvConfig):
         suite: ``libero_spatial``, ``libero_object``, ``libero_goal``, ``libero_10``,
             ``libero_90`` or ``libero_130`` (all five, concatenated in that order).
         task_ids: indices of the tasks to use within the suite; ``None`` = all of them.
-        image_size: side of the agentview and wrist images (128 or 224 are common).
+        image_size: side of the agentview and wrist images; default 256, the renders of the
+            official OpenVLA / OpenVLA-OFT / openpi evaluations (the policy resizes to its input).
+            128 with ``fast_render`` for quick CPU runs.
         settle_steps: zero actions (gripper open) stepped after setting an init state so objects
             settle; not counted in the episode.
         max_steps: time limit per suite, merged over :data:`DEFAULT_MAX_STEPS`; the shared
@@ -94,9 +96,10 @@ class LiberoEnvConfig(EnvConfig):
         perturbation_seed: the seed the variant of every task (and its scenes) is drawn with.
     """
 
+    num_envs: int = 2
     suite: str = "libero_spatial"
     task_ids: tuple[int, ...] | None = None
-    image_size: int = 224
+    image_size: int = 256
     settle_steps: int = 10
     max_steps: dict[str, int] = field(default_factory=dict, metadata={EXPECTS: _MAX_STEPS_EXPECTS})
     fast_render: bool = False
@@ -119,6 +122,21 @@ class LiberoEnvConfig(EnvConfig):
         """``libero_goal``, or ``libero_goal tasks [2, 5]``."""
         tasks = f" tasks {list(self.task_ids)}" if self.task_ids is not None else ""
         return f"{self.suite}{tasks}"
+
+    def episode_steps(self) -> int:
+        """``max_episode_steps``, else the longest limit (``max_steps``) of the suites whose
+        tasks are selected."""
+        if self.max_episode_steps is not None:
+            return self.max_episode_steps
+        if self.suite != "libero_130":
+            return self.max_steps[self.suite]
+        starts, first = {}, 0
+        for suite in SUITES:  # libero_130 concatenates the suites in this order
+            starts[suite] = first
+            first += SUITE_SIZES[suite]
+        ids = range(SUITE_SIZES["libero_130"]) if self.task_ids is None else self.task_ids
+        covered = {s for s in SUITES for i in ids if 0 <= i - starts[s] < SUITE_SIZES[s]}
+        return max(self.max_steps[s] for s in covered)
 
     def spec(self) -> EnvSpec:
         """7-D end-effector delta actions; state: eef position, axis-angle, 2 gripper joints."""

@@ -92,7 +92,8 @@ class ManiSkillEnvConfig(EnvConfig):
 
     Attributes:
         task: ManiSkill env id, e.g. ``"PickCube-v1"``.
-        image_size: side of every camera image (224 for VLAs; 128 keeps tests fast).
+        image_size: side of every camera image (default 128, the size of ManiSkill's own sensor
+            cameras; a policy resizes to its input, 224 for the OpenVLA family).
         main_camera: sensor uid used as ``images["main"]``; ``None`` = the task's first camera.
         wrist: add the robot's own camera (``images["wrist"]``) when it has one (use
             ``robot="panda_wristcam"`` for a Panda with a hand camera).
@@ -114,8 +115,8 @@ class ManiSkillEnvConfig(EnvConfig):
         fast_render: draw decimated copies of the dense visual meshes (the Panda's links: about
             2,000 triangles each instead of up to 21,000) when rendering on the CPU, about 2x faster
             per image and within 1/255 of the full picture on average
-            (:mod:`rlinf_vla.envs.maniskill.meshes`). GPU rendering is fast and always draws the
-            full meshes.
+            (:mod:`rlinf_vla.envs.maniskill.meshes`; on by default, off in ``rlinf-vla eval``).
+            GPU rendering is fast and always draws the full meshes.
         worker_timeout_s: seconds a CPU worker may take for one command before it is
             considered hung and restarted.
         state_mode: ``"proprio"``: ``state`` is the robot's joint positions and TCP pose;
@@ -124,8 +125,9 @@ class ManiSkillEnvConfig(EnvConfig):
             PickCube), for policies that learn without reading the scene from the images.
     """
 
+    num_envs: int = 2
     task: str = "PickCube-v1"
-    image_size: int = 224
+    image_size: int = 128
     main_camera: str | None = None
     wrist: bool = True
     robot: str | None = None
@@ -137,7 +139,7 @@ class ManiSkillEnvConfig(EnvConfig):
     instruction: str | None = None
     show_goal: bool = True
     shader: str = "minimal"
-    fast_render: bool = False
+    fast_render: bool = True
     worker_timeout_s: float = 600.0
     state_mode: str = "proprio"
 
@@ -151,6 +153,22 @@ class ManiSkillEnvConfig(EnvConfig):
 
     def describe(self) -> str:
         return self.task
+
+    def episode_steps(self) -> int | None:
+        """``max_episode_steps``, else the task's registered time limit (as the env uses it;
+        ``None`` without ManiSkill installed)."""
+        if self.max_episode_steps is not None:
+            return self.max_episode_steps
+        try:
+            from rlinf_vla.envs.maniskill.env import import_maniskill
+
+            import_maniskill()
+        except ImportError:
+            return None
+        from mani_skill.utils.registration import REGISTERED_ENVS
+
+        spec = REGISTERED_ENVS.get(self.task)
+        return None if spec is None else int(spec.max_episode_steps or 100)
 
     def spec(self) -> EnvSpec:
         """A Panda (the default robots): its controller's action size; state: 9 joint positions

@@ -19,6 +19,8 @@ COLORS: dict[str, tuple[int, int, int]] = {
 SHAPES: tuple[str, ...] = ("square", "circle", "triangle")
 #: The arena is split into GRID x GRID cells; each object and the agent start in their own cell.
 GRID = 3
+#: Time limit without ``max_episode_steps``: the oracle needs at most 12 steps to any target.
+DEFAULT_MAX_EPISODE_STEPS = 16
 
 
 @dataclass
@@ -56,6 +58,7 @@ class ToyEnvConfig(EnvConfig):
         step_time_per_env_s: extra seconds per stepped env each batched step sleeps.
     """
 
+    num_envs: int = 8
     image_size: int = 64
     num_objects: int = 3
     action_dim: int = 7
@@ -68,6 +71,9 @@ class ToyEnvConfig(EnvConfig):
     device: str = "cpu"
     step_time_s: float = 0.0
     step_time_per_env_s: float = 0.0
+
+    def episode_steps(self) -> int:
+        return self.max_episode_steps or DEFAULT_MAX_EPISODE_STEPS
 
     def spec(self) -> EnvSpec:
         """State: the agent position (``proprio``), or with the target's (``privileged``)."""

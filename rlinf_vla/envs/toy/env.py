@@ -8,7 +8,7 @@ import time
 import torch
 
 from rlinf_vla.envs.base import StepOutput, VectorEnv, hash_ints, register_env
-from rlinf_vla.envs.toy.config import COLORS, GRID, SHAPES, ToyEnvConfig
+from rlinf_vla.envs.toy.config import COLORS, DEFAULT_MAX_EPISODE_STEPS, GRID, SHAPES, ToyEnvConfig
 from rlinf_vla.types import Observation
 
 _BACKGROUND = (40, 40, 48)
@@ -16,7 +16,6 @@ _AGENT_COLOR = (255, 255, 255)
 _OBJECT_HALF_SIZE = 0.07
 _AGENT_RADIUS = 0.03
 _JITTER = 0.06
-_DEFAULT_MAX_EPISODE_STEPS = 30
 
 
 @register_env("toy")
@@ -54,7 +53,7 @@ class ToyEnv(VectorEnv):
     config_cls = ToyEnvConfig
 
     def __init__(self, config: ToyEnvConfig) -> None:
-        super().__init__(config, _DEFAULT_MAX_EPISODE_STEPS)
+        super().__init__(config, DEFAULT_MAX_EPISODE_STEPS)
         self.cfg = config
         self.device = torch.device(config.device)
         n, m, s = config.num_envs, config.num_objects, config.image_size

@@ -72,6 +72,7 @@ TINY_PI0: dict[str, Any] = {
         "head_dim": 16,
     },
     "action_horizon": 4,
+    "chunk_size": 4,  # the whole (tiny) horizon; the full model executes 5 of its 50
     "max_action_dim": 8,
     "max_state_dim": 8,
     "max_token_len": 128,
