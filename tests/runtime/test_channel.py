@@ -89,7 +89,12 @@ def test_back_pressure_blocks_the_producer(cluster):
     producer = WorkerGroup(cluster, Producer, "bp-producer", devices=[0])
     try:
         made = producer.produce_one_by_one(channel, 8)
-        time.sleep(3)
+        # Wait for the first two items (a loaded machine may take seconds to run the call),
+        # then give the producer time to put a third one, were it not blocked.
+        deadline = time.monotonic() + 60
+        while channel.qsize("bp") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2)
         assert not made.done(), "the producer should block on the full channel"
         assert channel.qsize("bp") == 2
         items = [channel.get("bp") for _ in range(8)]
