@@ -5,6 +5,7 @@
 #   RLINF_SKIP_LINT=1 bash scripts/test.sh   # skip `ruff check` / `ruff format --check`
 #   RLINF_TEST_VLLM=0 bash scripts/test.sh   # skip the vLLM stage (see below)
 #   RLINF_TEST_OPENPI=0 bash scripts/test.sh # skip the openpi-client stage (see below)
+#   RLINF_TEST_WORKERS=0 bash scripts/test.sh # the main suite in one process (see below)
 #
 # Without PYTEST_ARGS (the full run, as CI does) two more stages follow: the interop tests with
 # PyPI's openpi-client (tests/interop/, run from the main env against `rlinf-vla serve`; the
@@ -14,11 +15,13 @@
 # transformers).
 #
 # Order of a full run: lint (seconds), then the main test suite; the two extra envs install in the
-# background meanwhile (about 1 and 7 minutes, mostly downloading, on a 2-core machine; their
-# output is printed when their stage starts), and their stages run after it.
-# RLINF_TEST_WORKERS=2 runs the main suite in 2 pytest-xdist processes (`-n 2 --dist loadfile`:
-# the tests of a file stay in one process, with its module fixtures; the longest files first, see
-# tests/conftest.py); 0 (the default) runs it in one process. With PYTEST_ARGS pytest runs as given.
+# background meanwhile (about 1 and 7 minutes on a 2-core machine, half of it waiting on
+# downloads; their output is printed when their stage starts), and their stages run after it.
+# The main suite runs in RLINF_TEST_WORKERS (default 2) pytest-xdist processes (`-n 2 --dist
+# loadfile`: the tests of a file stay in one process, with its module fixtures; the longest files
+# first, see tests/conftest.py): while one process waits (worker and simulator start-up, deadlines,
+# sleeps), the other computes. RLINF_TEST_WORKERS=0 runs it in one process. With PYTEST_ARGS,
+# pytest runs as given.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -106,8 +109,8 @@ wait_install() {
 # ---- tests ------------------------------------------------------------------------------------
 if [[ $full_run -eq 1 ]]; then
     set -- -q
-    if [[ "${RLINF_TEST_WORKERS:-0}" != 0 ]]; then
-        set -- "$@" -n "${RLINF_TEST_WORKERS}" --dist loadfile --no-loadscope-reorder
+    if [[ "${RLINF_TEST_WORKERS:-2}" != 0 ]]; then
+        set -- "$@" -n "${RLINF_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder
     fi
     # tests/interop runs in its own stage below, once .venv-openpi exists.
     if [[ "${RLINF_TEST_OPENPI:-1}" != 0 ]]; then
