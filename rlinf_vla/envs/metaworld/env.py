@@ -54,16 +54,20 @@ def reset_id_to_task_variation(reset_id: int, num_tasks: int) -> tuple[int, int]
 class MetaWorldCore:
     """One MetaWorld simulator in a subprocess (see ``rlinf_vla.envs.vector``).
 
-    Builds the task's env the first time a reset id selects it (and again when a later reset
-    switches task), with the task's 50 configurations from ``metaworld.MT1(task,
-    seed=scene_seed)``. Renders with its own ``mujoco.Renderer`` only when an image is needed,
-    and keeps MetaWorld's full observation for the scripted expert.
+    Builds the task's env when a reset id selects a task other than the current one (about
+    0.5 s, plus 0.5 s for the renderer). The task's 50 configurations come from
+    ``metaworld.MT1(task, seed=scene_seed)``, whose generation (50 resets of its own env) costs
+    most: they are kept per task, so a switch back to a task only rebuilds its env. One env at a
+    time (about 30 MB, and about 130 MB of render context). Renders with its own
+    ``mujoco.Renderer`` only when an image is needed, and keeps MetaWorld's full observation for
+    the scripted expert.
     """
 
     def __init__(self, cfg: MetaWorldEnvConfig, tasks: tuple[str, ...]) -> None:
         self.cfg = cfg
         self.tasks = tasks
         self.metaworld = _import_metaworld()
+        self.configurations: dict[int, list[Any]] = {}  # task position -> its 50 tasks
         self.env: Any = None
         self.renderer: Any = None
         self.variations: list[Any] = []
@@ -78,8 +82,10 @@ class MetaWorldCore:
         name = self.tasks[pos]
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            bench = self.metaworld.MT1(name, seed=self.cfg.scene_seed)
-            env = bench.train_classes[name]()
+            if pos not in self.configurations:
+                bench = self.metaworld.MT1(name, seed=self.cfg.scene_seed)
+                self.configurations[pos] = list(bench.train_tasks)
+            env = self.metaworld.env_dict.ALL_V3_ENVIRONMENTS[name]()
         env.max_path_length = 10**9  # the VectorEnv keeps the time limit
         model = env.model
         if self.cfg.fast_render:  # read when the render context is made: set them before
@@ -94,7 +100,7 @@ class MetaWorldCore:
             for flag in ("mjRND_REFLECTION", "mjRND_SHADOW"):
                 renderer.scene.flags[getattr(mujoco.mjtRndFlag, flag)] = 0
         self.env, self.renderer = env, renderer
-        self.variations = list(bench.train_tasks)
+        self.variations = self.configurations[pos]
         self.task_pos = pos
         self.policy = None
 
@@ -196,9 +202,9 @@ class MetaWorldEnv(VectorEnv):
     - **Expert.** :meth:`expert_actions`: MetaWorld's scripted policy of each task
       (``metaworld.policies``), run in the worker on the full observation.
     - **Processes.** One subprocess per env; a task switch builds the task's simulator (about
-      2 s). A crashed subprocess is restarted and its episode reported invalid. Images are
-      rendered only at steps whose observation is used; ``fast_render`` turns shadows,
-      reflections, skybox and multisampling off.
+      1 s; the first time a worker meets a task, a few seconds more to generate its
+      configurations). A crashed subprocess is restarted and its episode reported invalid. Images are rendered only at steps whose observation is used;
+      ``fast_render`` turns shadows, reflections and multisampling off.
     """
 
     config_cls = MetaWorldEnvConfig
