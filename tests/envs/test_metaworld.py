@@ -38,6 +38,8 @@ def test_task_sets_and_instructions() -> None:
     assert MetaWorldEnvConfig(task="reach-v3").describe() == "MT1 reach-v3"
     assert MetaWorldEnvConfig(state_mode="full").spec().state_dim == 39
     assert MetaWorldEnvConfig().spec().action_dim == 4
+    assert MetaWorldEnvConfig().episode_steps() == 500
+    assert MetaWorldEnvConfig(max_episode_steps=100).episode_steps() == 100
 
 
 def test_unknown_names_list_the_known_ones() -> None:

@@ -163,6 +163,10 @@ class MetaWorldEnvConfig(EnvConfig):
             return (self.task,)
         return MT10 if self.task_set == "MT10" else MT50
 
+    def episode_steps(self) -> int:
+        """``max_episode_steps``, else MetaWorld's ``max_path_length`` (500) for every task."""
+        return self.max_episode_steps or DEFAULT_MAX_STEPS
+
     def describe(self) -> str:
         """``MT1 pick-place-v3``, ``MT10`` or ``MT50``."""
         return f"MT1 {self.task}" if self.task_set == "MT1" else self.task_set
