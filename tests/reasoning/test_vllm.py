@@ -186,10 +186,15 @@ def test_vllm_sampling_follows_the_generator_and_ends_at_stop_strings(tmp_path):
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.ray
-def test_math_grpo_steps_with_vllm_rollouts_then_resume(tmp_path, capsys):
-    """LoRA: the first sync carries every weight, the later ones the adapters, which the
-    rollout merges into the engine's weights; resuming starts a new engine from the
-    checkpoint."""
+def test_math_grpo_steps_with_vllm_rollouts(tmp_path, capsys):
+    """LoRA: the first sync carries every weight (the engine starts from them), the later
+    ones the adapters, which the rollout merges into the engine's weights.
+
+    A resumed run starts its engine the same way, at its first sync, from the weights the
+    actor loaded: resuming is tests/reasoning/test_math_grpo.py's
+    test_two_steps_end_to_end_then_resume, merging adapters that are not zero
+    test_merged_lora_weights_equal_peft_merge_and_leave_the_model_unchanged (a second run
+    here cost a second vLLM engine start, the longest part of this stage)."""
     from rlinf_vla import cli
     from rlinf_vla.pipelines.tracking import read_metrics
 
@@ -213,8 +218,6 @@ def test_math_grpo_steps_with_vllm_rollouts_then_resume(tmp_path, capsys):
         assert step["response/tokens"] > 0 and step["response/length_max"] <= 6
         assert step["time/generation_s"] > 0
     assert "eval/accuracy" in rows[2]
-    assert cli.main(["math-grpo", *args, "runner.max_steps=3", f"runner.resume={run}"]) == 0
-    assert [r["iteration"] for r in read_metrics(run)] == [0, 1, 2, 3]
 
 
 @needs_vllm
