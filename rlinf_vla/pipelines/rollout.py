@@ -148,10 +148,12 @@ class EnvWorker(Worker):
     """
 
     def __init__(self, env_name: str, env_config: dict[str, Any], num_stages: int) -> None:
+        from rlinf_vla.envs import env_config as resolve
         from rlinf_vla.envs import for_device, make_stage_envs
 
         cfg = for_device(env_config, self.device)
-        total = cfg.pop("num_envs")
+        total = resolve(env_name, **cfg).num_envs  # set, or the env's default
+        cfg.pop("num_envs", None)
         per_worker = total // self.world_size
         self.envs = make_stage_envs(
             env_name,

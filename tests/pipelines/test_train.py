@@ -89,6 +89,17 @@ def test_two_iterations_in_each_mode(tmp_path, placement):
     assert (tmp_path / "config.yaml").exists()
 
 
+@pytest.mark.ray
+def test_a_run_gets_the_env_and_policy_class_defaults(tmp_path):
+    """Nothing set on the command line: the workers build the toy env's 8 envs and OpenVLA's
+    one action per call, as ``--cfg job`` shows them."""
+    args = ["env=toy", "cluster.devices_per_node=1", "runner.rollout_chunks=2"]
+    args += ["algo.update_epochs=1", "runner.eval_interval=0", "runner.max_iterations=1"]
+    assert cli.main(["train", *args, f"runner.output_dir={tmp_path}"]) == 0
+    [row] = _metrics(tmp_path)
+    assert row["env_steps"] == 8 * 2 * 1  # 8 envs x 2 chunks x 1 step
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_grpo_two_iterations(tmp_path, capsys):
@@ -494,7 +505,7 @@ def test_training_holds_float32_weights_unless_told_otherwise():
     assert job.policy["dtype"] == "bfloat16"
 
 
-def test_a_checkpoints_own_settings_win_over_the_yaml_defaults(tmp_path):
+def test_a_checkpoints_own_settings_win_over_the_class_defaults(tmp_path):
     from rlinf_vla.pipelines import validate
     from rlinf_vla.policies import make_policy
     from rlinf_vla.policies.resolve import policy_config_for
@@ -502,10 +513,11 @@ def test_a_checkpoints_own_settings_win_over_the_yaml_defaults(tmp_path):
     make_policy("openvla", preset="tiny", chunk_size=4).save_pretrained(tmp_path / "ckpt")
     base = ["env=toy", f"policy.checkpoint={tmp_path / 'ckpt'}", "cluster.devices_per_node=1"]
     job = validate(cli.compose("train", base))
-    # the group YAML says chunk_size: 2; the checkpoint was trained with 4
+    # OpenVLA's default is one action per call; the checkpoint was trained with 4
     assert policy_config_for(job.policy_name, job.policy).chunk_size == 4
-    job = validate(cli.compose("train", [*base, "policy.chunk_size=3"]))  # set by hand: wins
-    assert policy_config_for(job.policy_name, job.policy).chunk_size == 3
+    assert job.policy_config.chunk_size == 4
+    job = validate(cli.compose("train", [*base, "policy.chunk_size=1"]))  # set by hand: wins,
+    assert job.policy_config.chunk_size == 1  # also when it equals the default
 
 
 @pytest.mark.slow
