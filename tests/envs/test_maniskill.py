@@ -23,6 +23,7 @@ WRIST = {
     "robot": "panda_wristcam",
     "reward_mode": "dense",
     "sim_backend": "cpu",
+    "fast_render": False,  # the full meshes (the reference of the fast-render test)
 }
 
 
@@ -61,7 +62,7 @@ def test_fast_render_draws_nearly_the_same_picture(wrist_env) -> None:
     """Decimated meshes: the same scene within a small fraction of a grey level on average
     (the arm's silhouette moves by a pixel here and there), but not the identical picture."""
     full = wrist_env.reset(torch.tensor([2]))
-    fast_env = make_env("maniskill", **WRIST, fast_render=True)
+    fast_env = make_env("maniskill", **{**WRIST, "fast_render": True})
     try:
         fast = fast_env.reset(torch.tensor([2]))
         torch.testing.assert_close(fast.state, full.state)  # rendering only: same physics
@@ -150,11 +151,12 @@ def test_time_limit_is_the_task_registered_one(maniskill) -> None:
     from rlinf_vla.pipelines import validate
 
     job = validate(cli.compose("train", ["env=maniskill", "env.task=PegInsertionSide-v1"]))
-    assert job.env["max_episode_steps"] is None
+    assert job.env_config.max_episode_steps is None
+    registered = REGISTERED_ENVS["PegInsertionSide-v1"].max_episode_steps
+    assert registered == 100
+    assert job.env_config.episode_steps() == registered  # what the config checks use
     env = make_env("maniskill", **{**job.env, "num_envs": 1, "sim_backend": "cpu"})
     try:
-        registered = REGISTERED_ENVS["PegInsertionSide-v1"].max_episode_steps
-        assert registered == 100
         assert env.max_episode_steps == registered
     finally:
         env.close()
