@@ -144,8 +144,13 @@ def test_every_config_group_choice_composes_and_validates(tmp_path):
                     overrides += ["robot.cameras.main=1", "robot.cameras.wrist=2"]
                 if group == "policy" and "env" in groups and choice != "openvla":
                     overrides.append("env=libero")  # these read a wrist camera too
+                metaworld = group == "env" and choice == "metaworld"
+                if metaworld and "policy" in groups and command.name != "sft":
+                    overrides.append("policy.action_dim=4")  # MetaWorld's 4-D actions
                 if group == "algo" and choice in ("grpo", "dapo", "rloo") and "env" in groups:
                     overrides.append("env.num_envs=8")  # whole groups of algo.group_size=4
+                    # whole episodes (PickCube's 50 steps at OpenVLA's one action per call)
+                    overrides.append("runner.rollout_chunks=50")
                 if group == "data" and choice == "file":  # a dataset file is required
                     overrides.append(
                         f"data.path={Path(__file__).parent / 'reasoning' / 'data' / 'tiny.jsonl'}"
@@ -153,6 +158,10 @@ def test_every_config_group_choice_composes_and_validates(tmp_path):
                 cfg = cli.compose(command.config_name, overrides, command.config_dir)
                 if command.name == "collect" and choice == "libero":  # LIBERO has no expert
                     with pytest.raises(ConfigError, match="no scripted expert"):
+                        validate(cfg)
+                    continue
+                if command.name == "sft" and metaworld:  # the 7-D demos cannot act there
+                    with pytest.raises(ConfigError, match="takes 4-dim actions"):
                         validate(cfg)
                     continue
                 validate(cfg)

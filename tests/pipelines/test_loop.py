@@ -144,7 +144,8 @@ def test_the_header_and_the_run_folder_come_before_the_first_iteration(tmp_path,
     loop.run(0, iteration, _save(loop), lambda m: "")
     first = seen[0]
     assert first.index("rlinf-vla train: ppo on toy") < first.index("policy openvla")
-    assert f"run folder: {tmp_path / 'run'}" in first
+    # (the console may wrap a long path onto its own line)
+    assert f"run folder: {tmp_path / 'run'}" in " ".join(first.split())
     loop.total = 3
     loop.run(2, iteration, _save(loop), lambda m: "")  # resumed after iteration 2
     assert "resuming after iteration 2 of 3" in seen[-1]

@@ -78,7 +78,7 @@ def test_get_timeout_loses_nothing(cluster):
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="nothing under key 'k'"):
         channel.get_batch("k", 2, timeout=0.5)
-    assert 0.4 < time.monotonic() - start < 10
+    assert 0.4 < time.monotonic() - start < 30  # a 0.5 s timeout, not a hang (slack for load)
     channel.put("k", 2)
     assert channel.get_batch("k", 2) == [1, 2]
     channel.close()
