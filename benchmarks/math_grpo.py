@@ -14,6 +14,12 @@ TRL is installed only for this benchmark::
     python benchmarks/math_grpo.py                      # 8 x 4, 64 tokens, 6 steps
     python benchmarks/math_grpo.py --steps 4 --only ours
 
+``--random-init qwen2.5-0.5b`` (or ``qwen2.5-1.5b``) trains a model of that published size
+with random weights and a character-level tokenizer padded to its vocabulary (for speed and
+memory at size on a machine without the weights; its answers are noise)::
+
+    python benchmarks/math_grpo.py --only ours --random-init qwen2.5-0.5b --max-new-tokens 256
+
 ``--rollout-backend vllm`` samples our side with vLLM (``model.rollout_backend=vllm``; run it
 with an env that has vllm, e.g. ``.venv-vllm/bin/python``); ``--rollout-backend hf,vllm``
 runs our trainer with each backend, one after the other.
@@ -40,12 +46,77 @@ def hf_folder(args: argparse.Namespace) -> str:
     """The model as a Hugging Face folder (the default GGUF is de-quantised and saved once)."""
     if args.model_path:
         return args.model_path
+    if args.random_init:
+        return random_init_folder(args.random_init)
     from rlinf_vla.reasoning.model import ModelConfig, load_model, load_tokenizer
 
     folder = Path(tempfile.gettempdir()) / "rlinf-vla-smollm2-135m-hf"
     if not (folder / "model.safetensors").exists():
         load_model(ModelConfig()).save_pretrained(folder)
         load_tokenizer(ModelConfig()).save_pretrained(folder)
+    return str(folder)
+
+
+#: Published Qwen2.5 dims (``config.json`` of the Hugging Face releases).
+QWEN25 = {
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+}
+QWEN25_VOCAB = 151936
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def random_init_folder(name: str) -> str:
+    """A Qwen2.5 model of published size ``name`` with random weights (seed 0), saved with a
+    character-level tokenizer whose vocabulary is padded to Qwen2.5's 151936 entries (the
+    padding tokens decode as ``<tN>``): the embedding and read-out have the real size."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    folder = Path(tempfile.gettempdir()) / f"rlinf-vla-random-{name}"
+    if (folder / "config.json").exists():
+        return str(folder)
+    tokens = ["<pad>", "<eos>", *sorted(set(string.printable) - set("\x0b\x0c\r"))]
+    tokens += [f"<t{i}>" for i in range(QWEN25_VOCAB - len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=QWEN25_VOCAB,
+        max_position_embeddings=32768,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        torch_dtype="bfloat16",
+        **QWEN25[name],
+    )
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
     return str(folder)
 
 
@@ -78,6 +149,7 @@ def run_ours(args: argparse.Namespace, model: str, out_dir: Path, backend: str =
         "runner.logging.tensorboard=false",
         f"data.train_size={args.prompts * (args.steps + 1)}",
         "data.eval_size=8",
+        *args.set,
     ]
     start = time.monotonic()
     run(validate(cli.compose("math_grpo", overrides, cli.CONFIG_DIR / "math_grpo")))
@@ -101,6 +173,10 @@ def run_ours(args: argparse.Namespace, model: str, out_dir: Path, backend: str =
         "skipped_zero_advantage": sum(r.get("train/skipped_zero_advantage", 0) for r in rows)
         / len(rows),
         "wall_s_with_startup": total,
+        # the most any worker group allocated on its GPU in a step (absent on CPU)
+        "gpu_peak_gib": max(
+            (v for r in rows for k, v in r.items() if k.endswith("_gpu_peak_gib")), default=None
+        ),
     }
 
 
@@ -212,6 +288,12 @@ def main() -> None:
     p.add_argument(
         "--model-path", default=None, help="a Hugging Face folder (default: SmolLM2-135M)"
     )
+    p.add_argument(
+        "--random-init",
+        choices=sorted(QWEN25),
+        default=None,
+        help="a model of this published size with random weights (instead of --model-path)",
+    )
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -222,6 +304,9 @@ def main() -> None:
         "--rollout-backend",
         default="hf",
         help="our rollout backend(s), comma-separated: hf, vllm (default hf)",
+    )
+    p.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="more math-grpo overrides (ours)"
     )
     p.add_argument("--out", default="benchmarks/results/math_grpo.json")
     args = p.parse_args()

@@ -6,6 +6,8 @@ Prints a table and writes JSON (default ``benchmarks/results/pipeline.json``)::
     python benchmarks/pipeline.py --workloads toy --iterations 3
     python benchmarks/pipeline.py --workloads libero --devices 1 --policy openvla_oft \
         --policy-preset full --libero-envs 16 --set policy.lora_rank=32 policy.dtype=bfloat16
+    python benchmarks/pipeline.py --workloads metaworld --devices 1 --metaworld-envs 16 \
+        --modes "collocated,collocated S=2,collocated S=4" --policy openvla_oft --policy-preset full
 
 For each workload, in one run on the same hardware:
 
@@ -24,7 +26,9 @@ For each workload, in one run on the same hardware:
 The toy workload adds a sleep per env step (``step_time_per_env_s``) chosen from the measured
 inference time so that ``e == i`` (balanced; the sleep stands for a simulator running on its
 own hardware). ManiSkill PickCube runs its CPU simulator in one subprocess per env, LIBERO
-(``libero_spatial`` task 0, agentview + wrist cameras) likewise. ``--policy`` picks OpenVLA or
+(``libero_spatial`` task 0, agentview + wrist cameras) and MetaWorld (MT1 ``pick-place-v3``,
+the ``corner2`` camera) likewise. ``--modes`` picks some of the modes (each ``rlinf-vla train``
+run ends with a checkpoint: at full size that is the policy's whole weights). ``--policy`` picks OpenVLA or
 OpenVLA-OFT; ``--set`` adds ``rlinf-vla train`` overrides to every run (e.g. LoRA and bf16
 weights for the full-size policy on one GPU).
 
@@ -46,7 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +74,8 @@ class Workload:
     env_config: dict
     num_envs: int
     chunks: int
+    #: Policy overrides the env needs (MetaWorld's 4-D actions).
+    policy: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -101,7 +107,7 @@ def policy_overrides(policy: str, preset: str, chunk_size: int, extra: list[str]
 def sync_loop(w: Workload, policy_args: list[str], chunks: int) -> tuple[float, float, float]:
     """The synchronous loop in this process: returns (env steps/s, e, i), e and i per chunk."""
     # Env and policy exactly as `rlinf-vla train` builds them: the groups' defaults, then ours.
-    job = validate(cli.compose("train", [*env_overrides(w), *policy_args]))
+    job = validate(cli.compose("train", [*env_overrides(w), *policy_args, *w.policy]))
     device = torch.device(DEVICE)
     policy = make_policy(job.policy_name, **{**job.policy, "seed": 0, "device": DEVICE})
     policy.eval()
@@ -141,6 +147,7 @@ def mode_rate(
         "train",
         *env_overrides(w),
         *policy_args,
+        *w.policy,
         *mode,
         f"cluster.devices_per_node={devices}",
         f"runner.rollout_chunks={w.chunks}",
@@ -166,6 +173,10 @@ def main() -> int:
     parser.add_argument("--toy-envs", type=int, default=64, help="envs of the toy workload")
     parser.add_argument("--maniskill-envs", type=int, default=4, help="envs of ManiSkill")
     parser.add_argument("--libero-envs", type=int, default=4, help="envs of LIBERO")
+    parser.add_argument("--metaworld-envs", type=int, default=4, help="envs of MetaWorld")
+    parser.add_argument(
+        "--modes", default=None, help="comma-separated modes to run (default: all that fit)"
+    )
     parser.add_argument("--policy", choices=("openvla", "openvla_oft"), default="openvla")
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="more train overrides"
@@ -193,6 +204,18 @@ def main() -> int:
     if "libero" in args.workloads:
         libero = {"suite": "libero_spatial", "task_ids": "[0]"}
         workloads.append(Workload("libero spatial", "libero", libero, args.libero_envs, 8))
+    if "metaworld" in args.workloads:
+        metaworld = {"task_set": "MT1", "task": "pick-place-v3"}
+        workloads.append(
+            Workload(
+                "metaworld pick-place",
+                "metaworld",
+                metaworld,
+                args.metaworld_envs,
+                8,
+                ["policy.action_dim=4", "policy.proprio_dim=4", "policy.image_keys=[main]"],
+            )
+        )
     policy_args = policy_overrides(args.policy, args.policy_preset, args.chunk_size, args.set)
     gpus = torch.cuda.device_count() if DEVICE == "cuda" else None
     d = args.devices
@@ -207,10 +230,45 @@ def main() -> int:
         "collocated S=2": ["placement=collocated", "placement.stages=2"],
         "collocated S=4": ["placement=collocated", "placement.stages=4"],
     }
+    if args.modes:
+        chosen = [m.strip() for m in args.modes.split(",")]
+        unknown = [m for m in chosen if m not in modes]
+        if unknown:
+            parser.error(f"unknown modes {unknown}; known: {', '.join(modes)}")
+        modes = {m: modes[m] for m in chosen}
     torch.set_num_threads(1)  # the sync loop gets one device, like each Ray component
     results: list[Row] = []
     meta = {}
     skipped: dict[str, str] = {}
+
+    def write() -> None:
+        """The JSON of what has been measured so far (a run cut short keeps its rows)."""
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(
+            json.dumps(
+                {
+                    "machine": {
+                        "platform": platform.platform(),
+                        "cpus": os.cpu_count(),
+                        "python": sys.version.split()[0],
+                        "torch": torch.__version__,
+                        "load_avg": os.getloadavg(),
+                        "gpus": [torch.cuda.get_device_name(k) for k in range(gpus or 0)],
+                    },
+                    "devices": d,
+                    "policy": args.policy,
+                    "policy_preset": args.policy_preset,
+                    "set": args.set,
+                    "chunk_size": args.chunk_size,
+                    "skipped": skipped,
+                    "iterations": args.iterations,
+                    "workloads": meta,
+                    "rows": [asdict(r) for r in results],
+                },
+                indent=2,
+            )
+        )
+
     for w in workloads:
         if w.env == "toy":
             # Balance: pick the per-env sleep so that a chunk of env steps costs what inference does.
@@ -223,6 +281,7 @@ def main() -> int:
         meta[w.name] = {"env_chunk_s": e, "infer_chunk_s": i, "config": w.env_config}
         results.append(Row(w.name, "sync loop", round(sync, 1), 1.0, round(sync / bound, 3)))
         print(f"{w.name}: sync loop {sync:.1f} env steps/s, overlap bound {bound:.1f}", flush=True)
+        write()
         for mode, overrides in modes.items():
             devices = d + 1 if mode == "disaggregated" else d
             if not mode.startswith("collocated") and d < 2:
@@ -238,6 +297,7 @@ def main() -> int:
                 Row(w.name, mode, round(rate, 1), round(rate / sync, 2), round(rate / bound, 3))
             )
             print(f"{w.name}: {mode} {rate:.1f} env steps/s", flush=True)
+            write()
         results.append(Row(w.name, "overlap bound", round(bound, 1), round(bound / sync, 2), 1.0))
 
     print(f"\n{'workload':<20} {'mode':<15} {'env steps/s':>11} {'x sync':>7} {'of bound':>9}")
@@ -253,31 +313,7 @@ def main() -> int:
         )
     for mode, why in skipped.items():
         print(f"{mode}: skipped ({why})")
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(
-        json.dumps(
-            {
-                "machine": {
-                    "platform": platform.platform(),
-                    "cpus": os.cpu_count(),
-                    "python": sys.version.split()[0],
-                    "torch": torch.__version__,
-                    "load_avg": os.getloadavg(),
-                    "gpus": [torch.cuda.get_device_name(k) for k in range(gpus or 0)],
-                },
-                "devices": d,
-                "policy": args.policy,
-                "policy_preset": args.policy_preset,
-                "set": args.set,
-                "chunk_size": args.chunk_size,
-                "skipped": skipped,
-                "iterations": args.iterations,
-                "workloads": meta,
-                "rows": [asdict(r) for r in results],
-            },
-            indent=2,
-        )
-    )
+    write()
     print(f"wrote {args.output}")
     return 0
 
