@@ -16,7 +16,8 @@ TRL is installed only for this benchmark::
 
 ``--random-init qwen2.5-0.5b`` (or ``qwen2.5-1.5b``) trains a model of that published size
 with random weights and a character-level tokenizer padded to its vocabulary (for speed and
-memory at size on a machine without the weights; its answers are noise)::
+memory at size on a machine without the weights; its answers are noise, so every reward is 0
+and the update runs with ``algo.skip_zero_advantage=false`` to be timed)::
 
     python benchmarks/math_grpo.py --only ours --random-init qwen2.5-0.5b --max-new-tokens 256
 
@@ -149,6 +150,9 @@ def run_ours(args: argparse.Namespace, model: str, out_dir: Path, backend: str =
         "runner.logging.tensorboard=false",
         f"data.train_size={args.prompts * (args.steps + 1)}",
         "data.eval_size=8",
+        # Random weights score 0 on every problem: without this the update would be skipped
+        # (every GRPO advantage is 0) and the step would time generation alone.
+        *(["algo.skip_zero_advantage=false"] if args.random_init else []),
         *args.set,
     ]
     start = time.monotonic()

@@ -77,8 +77,8 @@ class EmbodiedRunner:
         self._resumed = None if checkpoint is None else _runner_state(checkpoint.path, placement)
         sharded = job.algo.fsdp and len(placement.of("actor")) > 1
         # Collocated on GPUs: the policy copies that are idle (the actor's while the rollout
-        # runs, the rollout's while the actor trains) wait in host memory.
-        offload = placement.mode == "collocated"
+        # runs, the rollout's while the actor trains) wait in host memory (placement.offload).
+        offload = placement.mode == "collocated" and job.placement.offload
         self.offloads = offload and any(d.kind == "cuda" for d in cluster.devices)
         self.output_dir = self._output_dir()
         seed = job.runner.seed

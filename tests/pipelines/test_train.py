@@ -436,13 +436,15 @@ def test_bf16_autocast_trains_with_float32_weights(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.ray
-def test_collocated_on_one_gpu_with_bf16_autocast(tmp_path):
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "resident"])
+def test_collocated_on_one_gpu_with_bf16_autocast(tmp_path, offload):
     # Env, rollout and actor on GPU 0: weights go over gloo (NCCL refuses two ranks on one
     # GPU), forward passes in bf16, weights and the optimizer in float32; the rollout worker
-    # evaluates on the GPU; the idle policy copies wait in host memory (the memory is read
-    # after the update).
+    # evaluates on the GPU; the idle policy copies wait in host memory unless
+    # placement.offload=false (the memory is read after the update).
     args = [
         "cluster.devices_per_node=1",
+        f"placement.offload={str(offload).lower()}",
         *SMALL,
         "algo.autocast=auto",
         "algo.minibatch_size=16",
@@ -459,7 +461,10 @@ def test_collocated_on_one_gpu_with_bf16_autocast(tmp_path):
     assert row["eval/episodes"] == 4
     for group in ("rollout", "actor"):
         assert row[f"memory/{group}_gpu_peak_gib"] > 0, group  # it computed on the GPU ...
-        assert row[f"memory/{group}_gpu_gib"] < 0.01, group  # ... and waits in host memory
+        if offload:
+            assert row[f"memory/{group}_gpu_gib"] < 0.01, group  # ... and waits in host memory
+        else:
+            assert row[f"memory/{group}_gpu_gib"] > 0, group  # ... and stays there
     assert provenance.read(tmp_path)[0]["devices"] == ["cuda:0@node0"]
     from safetensors.torch import load_file
 
