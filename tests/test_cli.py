@@ -142,8 +142,11 @@ def test_every_config_group_choice_composes_and_validates(tmp_path):
                     overrides.append(f"cluster.devices_per_node={devices}")
                 if group == "robot" and choice == "franka":  # RealSense serials are required
                     overrides += ["robot.cameras.main=1", "robot.cameras.wrist=2"]
-                if group == "policy" and "env" in groups and choice != "openvla":
-                    overrides.append("env=libero")  # these read a wrist camera too
+                # these read a wrist camera too; sft's OpenVLA-OFT reads the demos' camera and
+                # their 16-D state, evaluated in ManiSkill (sft's env), whose state that is
+                sft_oft = command.name == "sft" and choice == "openvla_oft"
+                if group == "policy" and "env" in groups and choice != "openvla" and not sft_oft:
+                    overrides.append("env=libero")
                 metaworld = group == "env" and choice == "metaworld"
                 if metaworld and "policy" in groups and command.name != "sft":
                     overrides.append("policy.action_dim=4")  # MetaWorld's 4-D actions
@@ -162,6 +165,11 @@ def test_every_config_group_choice_composes_and_validates(tmp_path):
                     continue
                 if command.name == "sft" and metaworld:  # the 7-D demos cannot act there
                     with pytest.raises(ConfigError, match="takes 4-dim actions"):
+                        validate(cfg)
+                    continue
+                if command.name == "sft" and group == "env" and choice in ("libero", "toy"):
+                    # OpenVLA-OFT learns the demos' 16-D (ManiSkill) state: not the env's
+                    with pytest.raises(ConfigError, match=r"proprio_dim=16 does not match the st"):
                         validate(cfg)
                     continue
                 validate(cfg)

@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
-from rlinf_vla.envs.base import EnvSpec
 from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, PERTURBATIONS, SUITE_SIZES
 from rlinf_vla.eval import protocol as protocols
 from rlinf_vla.eval.stats import condition
-from rlinf_vla.policies.resolve import policy_config_for
+from rlinf_vla.policies.resolve import fit_problems, policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 
 
@@ -208,40 +207,12 @@ def _check_libero(env: dict[str, Any], ev: EvalConfig) -> None:
         )
 
 
-def check_fit(env_name: str, spec: EnvSpec, pol: Any) -> None:
-    """The policy's cameras, action size and proprio size must fit the env."""
-    keys = tuple(getattr(pol, "image_keys", ()) or ())
-    missing = [k for k in keys if k not in spec.cameras]
-    if missing:
-        hint = (
-            " (ManiSkill: env.wrist=true env.robot=panda_wristcam adds a hand camera)"
-            if env_name == "maniskill"
-            else ""
-        )
-        raise ConfigError(
-            f"policy.image_keys={list(keys)} asks for camera(s) {missing} that env "
-            f"{env_name!r} does not provide (its cameras: {list(spec.cameras)}){hint}"
-        )
-    if spec.action_dim is not None and pol.action_dim != spec.action_dim:
-        raise ConfigError(
-            f"policy.action_dim={pol.action_dim} (from "
-            f"{'the checkpoint' if pol.checkpoint else 'the policy config'}) does not match the "
-            f"action size of env {env_name!r}: {spec.action_dim}"
-        )
-    state_dim = spec.state_dim
-    if state_dim is None:
-        return
-    if getattr(pol, "use_proprio", False) and pol.proprio_dim != state_dim:
-        raise ConfigError(
-            f"policy.proprio_dim={pol.proprio_dim} does not match the state size of env "
-            f"{env_name!r}: {state_dim}"
-        )
-    max_state = getattr(pol, "max_state_dim", None)
-    if max_state is not None and max_state < state_dim:
-        raise ConfigError(
-            f"policy.max_state_dim={max_state} is smaller than the state size of env "
-            f"{env_name!r}: {state_dim}"
-        )
+def check_fit(env_name: str, env_cfg: Any, pol: Any) -> None:
+    """The policy's cameras, action size and proprio size must fit the env
+    (:func:`~rlinf_vla.policies.resolve.fit_problems`)."""
+    problems = fit_problems(env_name, env_cfg, pol)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _default_output_dir(env_name: str, env_cfg: Any) -> str:
@@ -307,16 +278,17 @@ def validate(cfg: Any) -> EvalJob:
         tasks = ev.tasks or [env_cfg.task]
         for task in tasks:
             try:
-                spec = dataclasses.replace(env_cfg, task=task).spec()
+                task_cfg = dataclasses.replace(env_cfg, task=task)
+                task_cfg.spec()
             except ValueError as e:  # an unknown task or robot
                 raise ConfigError(f"eval.tasks / env.task: {e}") from None
             try:
-                check_fit(env_name, spec, pol)
+                check_fit(env_name, task_cfg, pol)
             except ConfigError as e:
                 raise ConfigError(f"task {task}: {e}") from None
         _check_maniskill_tasks(tasks)
     else:
-        check_fit(env_name, env_cfg.spec(), pol)
+        check_fit(env_name, env_cfg, pol)
     job = EvalJob(
         cluster=cluster,
         env_name=env_name,

@@ -1,8 +1,9 @@
 """The ``rlinf-vla train`` job: its sections, their typed configs and the cross-checks.
 
 Validation is pure: it builds the typed configs of every section and checks how they fit
-together (stages and env workers dividing the envs in whole groups, the policy's action size
-against the env's, the placement against the devices) without starting anything.
+together (stages and env workers dividing the envs in whole groups, the policy's cameras,
+action and state sizes against the env's, the placement against the devices) without starting
+anything. A policy without a checkpoint takes the env's sizes where the command line leaves them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from rlinf_vla.algos.presets import ineffective_keys
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
 from rlinf_vla.pipelines.actor import AlgoConfig
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
-from rlinf_vla.policies.resolve import policy_config_for
+from rlinf_vla.policies.resolve import fit_problems, policy_config_for, sized_for_env
 from rlinf_vla.runtime.cluster import ClusterConfig
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, resolve_placement
 
@@ -109,8 +110,9 @@ class RunnerConfig:
 class TrainJob:
     """A validated ``rlinf-vla train`` job: every section typed, the placement resolved.
 
-    ``env`` and ``policy`` hold the keys the command line set (the workers build their configs
-    from them, a checkpoint filling in the rest); ``env_config`` and ``policy_config`` are those
+    ``env`` and ``policy`` hold the keys the command line set, ``policy`` also the env's sizes
+    that a policy without a checkpoint takes (the workers build their configs from them, a
+    checkpoint filling in the rest); ``env_config`` and ``policy_config`` are those
     configs as every worker will build them, with every default resolved.
     """
 
@@ -182,8 +184,10 @@ def validate(cfg: Any) -> TrainJob:
             ) from None
 
     def resolve_policy() -> tuple[dict[str, Any], Any]:
-        # The section holds what the command line set; a checkpoint's config decides the rest.
-        return policy, policy_config_for(policy_name, policy)
+        # The section holds what the command line set; a checkpoint's config decides the rest,
+        # else the env's sizes fill in the ones the command line leaves (sized_for_env).
+        settings = policy if env_cfg is None else sized_for_env(policy_name, policy, env_cfg)
+        return settings, policy_config_for(policy_name, settings)
 
     # Every section is checked before any error is raised, so that one run names them all.
     errors = SectionErrors()
@@ -225,24 +229,8 @@ def validate(cfg: Any) -> TrainJob:
     if job.policy.get("dtype", "auto") == "auto":
         job.policy["dtype"] = job.policy_config.dtype = "float32"
     # Checks across sections: every one that fails is named.
-    env_action_dim = env_cfg.spec().action_dim
-    if env_action_dim is not None and pol_cfg.action_dim != env_action_dim:
-        errors.add(
-            f"policy.action_dim={pol_cfg.action_dim} does not match the env's action size "
-            f"env.action_dim={env_action_dim}"
-        )
-    image_keys = tuple(getattr(pol_cfg, "image_keys", ()))
-    missing = [k for k in image_keys if k not in env_cfg.cameras]
-    if missing:
-        hint = (
-            " (ManiSkill: env.wrist=true env.robot=panda_wristcam adds a hand camera)"
-            if env_name == "maniskill"
-            else ""
-        )
-        errors.add(
-            f"policy.image_keys={list(image_keys)} asks for camera(s) {missing} that env "
-            f"{env_name!r} does not provide (its cameras: {list(env_cfg.cameras)}){hint}"
-        )
+    for message in fit_problems(env_name, env_cfg, pol_cfg):
+        errors.add(message)
     for message in ineffective_keys(
         cfg["algo"], job.algo.preset, AlgoConfig.CONDITIONAL, job.algo.name
     ):

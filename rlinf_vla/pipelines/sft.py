@@ -217,7 +217,7 @@ def validate(cfg: Any) -> SFTJob:
     from rlinf_vla.envs import env_config
     from rlinf_vla.pipelines.config import _named
     from rlinf_vla.policies import POLICIES
-    from rlinf_vla.policies.resolve import policy_config_for
+    from rlinf_vla.policies.resolve import policy_config_for, state_problems
 
     known = {"cluster", "env", "policy", "data", "sft", "runner"}
     unknown = sorted(set(cfg) - known)
@@ -312,6 +312,9 @@ def validate(cfg: Any) -> SFTJob:
             f"env {env_name!r} takes {env_dim}-dim actions, the policy and data "
             f"{pol_cfg.action_dim}: evaluate in the env the demonstrations come from"
         )
+    if reads_state and (built["runner"].eval_interval or built["runner"].eval_at_start):
+        for message in state_problems(env_name, env_cfg, pol_cfg):  # the evaluation's env
+            errors.add(message)
     missing = [c for c in cameras if c not in env_cfg.cameras]
     if missing and built["runner"].eval_interval:
         errors.add(

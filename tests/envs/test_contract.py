@@ -100,6 +100,21 @@ def test_properties(env: VectorEnv) -> None:
     assert env.max_episode_steps == 6
 
 
+def test_spec_is_what_the_built_env_provides(env: VectorEnv) -> None:
+    """``spec()`` is known before the env starts (a policy is sized and checked against it):
+    the built env's cameras, action size and state size are those."""
+    spec = env.config.spec()
+    obs = env.reset(torch.arange(env.num_envs))
+    assert spec.state_dim == obs.state.shape[-1]
+    assert spec.action_dim == env.action_dim
+    assert spec.cameras == tuple(obs.images)
+
+
+def test_toy_privileged_state_is_the_spec_state_size() -> None:
+    e = make_env("toy", **SETTINGS["toy"], state_mode="privileged")
+    assert e.reset().state.shape[-1] == e.config.spec().state_dim == 4
+
+
 def test_reset_is_deterministic(env: VectorEnv) -> None:
     ids = torch.arange(env.num_envs) + 3
     a = env.reset(ids)

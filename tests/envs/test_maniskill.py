@@ -184,6 +184,17 @@ def test_privileged_state_is_the_tasks_own_state_observation(maniskill) -> None:
     torch.testing.assert_close(state[16:], want.float(), atol=1e-6, rtol=0)
 
 
+def test_privileged_state_size_is_left_to_the_simulator() -> None:
+    # the task's own state differs in size per task (PushCube: 17 values, PickCube: more)
+    from rlinf_vla.envs import env_config
+
+    assert env_config("maniskill", task="PushCube-v1").spec().state_dim == 16
+    assert (
+        env_config("maniskill", task="PushCube-v1", state_mode="privileged").spec().state_dim
+        is None
+    )
+
+
 def test_default_robot_with_a_hand_camera_gives_the_wrist_image(maniskill) -> None:
     """StackCube, PegInsertionSide and PlugCharger register ``panda_wristcam`` as their robot:
     with ``wrist`` and no ``robot`` the config (what pre-flight checks read) and the built env

@@ -107,6 +107,11 @@ def test_mt10_tasks_and_instructions(mt10) -> None:
 
 
 @pytest.mark.sim
+def test_full_state_is_the_spec_state_size(mt10) -> None:
+    assert mt10.reset(torch.tensor([0, 1])).state.shape[-1] == mt10.config.spec().state_dim
+
+
+@pytest.mark.sim
 def test_same_reset_id_gives_the_same_scene(mt10) -> None:
     pick = 2 * VARIATIONS_PER_TASK  # pick-place-v3, configuration 0
     first = mt10.reset(torch.tensor([pick + 4, pick + 4]))  # two processes, one id

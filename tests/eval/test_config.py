@@ -28,7 +28,9 @@ def test_checkpoint_action_dim_must_fit_the_env(tmp_path) -> None:
     from rlinf_vla.policies import make_policy
 
     make_policy("openvla", preset="tiny", action_dim=6, seed=0).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"action_dim=6 \(from the checkpoint\).*: 7"):
+    with pytest.raises(
+        ConfigError, match=r"action_dim=6 \(from the checkpoint\).*env\.action_dim=7"
+    ):
         eval_job("policy=openvla", f"policy.checkpoint={tmp_path}")
 
 

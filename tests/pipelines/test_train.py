@@ -203,8 +203,15 @@ def test_evaluating_leaves_the_training_unchanged(tmp_path):
             ["algo=grpo", "algo.group_size=4", "env.group_size=2"],
             "algo.group_size=4 must equal env.group_size=2",
         ),
-        (["env=toy", "policy=pi0"], "asks for camera(s) ['wrist'] that env 'toy' does not"),
-        (["env=maniskill", "policy=openvla_oft"], "env.robot=panda_wristcam"),
+        # cameras set by hand (a fresh policy keeps only the env's when left unset)
+        (
+            ["env=toy", "policy=pi0", "policy.image_keys=[main,wrist]"],
+            "asks for camera(s) ['wrist'] that env 'toy' does not",
+        ),
+        (
+            ["env=maniskill", "policy=openvla_oft", "policy.image_keys=[main,wrist]"],
+            "env.robot=panda_wristcam",
+        ),
         (["runner.max_nan_updates=0"], "runner.max_nan_updates must be >= 1"),
         (["runner.logging.wandb_mode=sometimes"], "wandb_mode must be auto, online or offline"),
         (

@@ -171,11 +171,14 @@ class ManiSkillEnvConfig(EnvConfig):
         return None if spec is None else int(spec.max_episode_steps or 100)
 
     def spec(self) -> EnvSpec:
-        """A Panda (the default robots): its controller's action size; state: 9 joint positions
-        and the TCP pose (xyz + quaternion). Other robots: known to the simulator only."""
+        """A Panda (the default robots): its controller's action size; state (``proprio``): 9
+        joint positions and the TCP pose (xyz + quaternion). Other robots, and the task's own
+        state that ``privileged`` appends (its size differs per task): known to the simulator
+        only."""
         panda = self.robot is None or str(self.robot).startswith("panda")
         action_dim = PANDA_ACTION_DIMS.get(self.control_mode) if panda else None
-        return EnvSpec(self.cameras, action_dim, 16 if panda else None)
+        state_dim = 16 if panda and self.state_mode == "proprio" else None
+        return EnvSpec(self.cameras, action_dim, state_dim)
 
     def eval_trials(
         self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int
