@@ -50,7 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +74,6 @@ class Workload:
     env_config: dict
     num_envs: int
     chunks: int
-    #: Policy overrides the env needs (MetaWorld's 4-D actions).
-    policy: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -107,7 +105,7 @@ def policy_overrides(policy: str, preset: str, chunk_size: int, extra: list[str]
 def sync_loop(w: Workload, policy_args: list[str], chunks: int) -> tuple[float, float, float]:
     """The synchronous loop in this process: returns (env steps/s, e, i), e and i per chunk."""
     # Env and policy exactly as `rlinf-vla train` builds them: the groups' defaults, then ours.
-    job = validate(cli.compose("train", [*env_overrides(w), *policy_args, *w.policy]))
+    job = validate(cli.compose("train", [*env_overrides(w), *policy_args]))
     device = torch.device(DEVICE)
     policy = make_policy(job.policy_name, **{**job.policy, "seed": 0, "device": DEVICE})
     policy.eval()
@@ -147,7 +145,6 @@ def mode_rate(
         "train",
         *env_overrides(w),
         *policy_args,
-        *w.policy,
         *mode,
         f"cluster.devices_per_node={devices}",
         f"runner.rollout_chunks={w.chunks}",
@@ -207,14 +204,7 @@ def main() -> int:
     if "metaworld" in args.workloads:
         metaworld = {"task_set": "MT1", "task": "pick-place-v3"}
         workloads.append(
-            Workload(
-                "metaworld pick-place",
-                "metaworld",
-                metaworld,
-                args.metaworld_envs,
-                8,
-                ["policy.action_dim=4", "policy.proprio_dim=4", "policy.image_keys=[main]"],
-            )
+            Workload("metaworld pick-place", "metaworld", metaworld, args.metaworld_envs, 8)
         )
     policy_args = policy_overrides(args.policy, args.policy_preset, args.chunk_size, args.set)
     gpus = torch.cuda.device_count() if DEVICE == "cuda" else None
