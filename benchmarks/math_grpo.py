@@ -58,26 +58,11 @@ def hf_folder(args: argparse.Namespace) -> str:
     return str(folder)
 
 
-#: Published Qwen2.5 dims (``config.json`` of the Hugging Face releases).
-QWEN25 = {
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-}
+#: Published Qwen2.5 dims (``config.json`` of the Hugging Face releases): hidden size,
+#: MLP size, layers, query heads (both have 2 key/value heads and tied embeddings).
+QWEN25 = {"qwen2.5-0.5b": (896, 4864, 24, 14), "qwen2.5-1.5b": (1536, 8960, 28, 12)}
 QWEN25_VOCAB = 151936
+_QWEN25_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -113,7 +98,9 @@ def random_init_folder(name: str) -> str:
         eos_token_id=1,
         bos_token_id=1,
         torch_dtype="bfloat16",
-        **QWEN25[name],
+        **dict(zip(_QWEN25_KEYS, QWEN25[name], strict=True)),
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
     )
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
