@@ -103,7 +103,9 @@ def test_the_checks_across_sections_are_named_at_once(capsys, nothing_starts):
     assert cli.main([*args, "placement=hybrid", "placement.stages=3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlinf-vla train: invalid config: 3 problems:\n")
-    assert "policy.action_dim=3 does not match the env's action size env.action_dim=7" in err
+    assert (
+        "policy.action_dim=3 does not match the action size of env 'toy': 7 (env.action_dim)" in err
+    )
     assert "algo.group_size=4 must equal env.group_size=2" in err
     assert "cannot be split evenly over 1 env worker(s) x placement.stages=3" in err
 

@@ -9,6 +9,7 @@ config files decide the architecture; these functions read them (no weights). Wi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from rlinf_vla.config import ConfigError
@@ -108,9 +109,11 @@ def fit_problems(env_name: str, env: EnvConfig, pol: Any) -> list[str]:
             f"{env_name!r} does not provide (its cameras: {list(spec.cameras)}){hint}"
         )
     if spec.action_dim is not None and pol.action_dim != spec.action_dim:
+        settable = "action_dim" in {f.name for f in dataclasses.fields(env)}
+        key = " (env.action_dim)" if settable else ""
         problems.append(
-            f"policy.action_dim={pol.action_dim}{origin} does not match the env's action size "
-            f"env.action_dim={spec.action_dim}"
+            f"policy.action_dim={pol.action_dim}{origin} does not match the action size of env "
+            f"{env_name!r}: {spec.action_dim}{key}"
         )
     return problems + state_problems(env_name, env, pol)
 

@@ -59,7 +59,7 @@ def test_a_policy_that_pads_its_state_is_not_refused_a_shorter_one() -> None:
     [
         (
             "policy.action_dim=7",
-            "policy.action_dim=7 does not match the env's action size env.action_dim=4",
+            "policy.action_dim=7 does not match the action size of env 'metaworld': 4",
         ),
         (
             "policy.proprio_dim=8",
