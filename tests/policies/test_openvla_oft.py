@@ -311,3 +311,20 @@ def test_libero_official_keeps_the_libero_constants(saved, tmp_path):
     cfg = make_policy("openvla_oft", checkpoint=str(tmp_path), **tiny).config
     assert (cfg.chunk_size, cfg.action_normalization, cfg.gripper) == (8, "bounds_q99", "rlds")
     assert cfg.image_keys == ("main", "wrist") and cfg.unnorm_key is None
+
+
+def test_a_checkpoint_keeps_its_log_std_unless_init_log_std_is_given(tmp_path):
+    # The log-std a run trained travels with the checkpoint; policy.init_log_std on the command
+    # line resets it (more exploration after a behaviour-cloned start).
+    trained = make_policy("openvla_oft", preset="tiny", seed=0)
+    with torch.no_grad():
+        trained.log_std.copy_(torch.linspace(-1.2, -0.6, trained.log_std.numel()))
+    trained.save_pretrained(tmp_path)
+    assert load_file(str(tmp_path / "rl_heads.safetensors"))["log_std"][0].item() == pytest.approx(
+        -1.2
+    )
+
+    kept = make_policy("openvla_oft", checkpoint=str(tmp_path))
+    assert torch.equal(kept.log_std, trained.log_std)
+    reset = make_policy("openvla_oft", checkpoint=str(tmp_path), init_log_std=-1.5)
+    assert torch.equal(reset.log_std, torch.full_like(trained.log_std, -1.5))

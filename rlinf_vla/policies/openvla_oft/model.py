@@ -299,6 +299,17 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
                 torch.save(sd, path / f"{name}--latest_checkpoint.pt")
 
     @classmethod
+    def from_pretrained(cls, path: str | Path, **overrides: Any) -> OpenVLAOFTPolicy:
+        """The checkpoint's policy; its log-std is the checkpoint's (``rl_heads.safetensors``)
+        unless ``init_log_std`` is given, which then resets it (e.g. more exploration noise
+        for RL after a behaviour-cloned start)."""
+        policy = super().from_pretrained(path, **overrides)
+        if "init_log_std" in overrides and policy.log_std is not None:
+            with torch.no_grad():
+                policy.log_std.fill_(float(overrides["init_log_std"]))
+        return policy
+
+    @classmethod
     def config_from_dir(cls, path: Path, **overrides: Any) -> OpenVLAOFTConfig:
         """OpenVLA's config fields, with the head type, proprio size and block count read from
         the OFT checkpoint files when the directory has no ``rlinf_vla`` section.
