@@ -15,7 +15,7 @@ import torch
 
 from rlinf_vla.envs import make_env
 from rlinf_vla.envs.libero.config import SUITES
-from rlinf_vla.envs.libero.env import quat_to_axis_angle, reset_id_to_task_state
+from rlinf_vla.envs.libero.env import egl_device_vars, quat_to_axis_angle, reset_id_to_task_state
 
 FAST = {"image_size": 64, "fast_render": True, "settle_steps": 2}
 
@@ -30,6 +30,20 @@ def test_quat_to_axis_angle() -> None:
     half = np.sin(np.pi / 4)
     assert np.allclose(quat_to_axis_angle(np.array([0, 0, half, half])), [0, 0, np.pi / 2])
     assert np.allclose(quat_to_axis_angle(np.array([0, 0, 0, 1.0])), 0)
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({"CUDA_VISIBLE_DEVICES": ""}, {"MUJOCO_EGL_DEVICE_ID": "0"}),  # a GPU-less Ray worker
+        ({"CUDA_VISIBLE_DEVICES": " "}, {"MUJOCO_EGL_DEVICE_ID": "0"}),
+        ({}, {}),  # robosuite then takes the first EGL device itself
+        ({"CUDA_VISIBLE_DEVICES": "1"}, {}),  # robosuite picks device 1
+        ({"CUDA_VISIBLE_DEVICES": "", "MUJOCO_EGL_DEVICE_ID": "2"}, {}),  # the user's choice
+    ],
+)
+def test_egl_device_for_a_process_without_visible_gpus(environ, expected) -> None:
+    assert egl_device_vars(environ) == expected
 
 
 def test_unknown_suite_lists_known() -> None:

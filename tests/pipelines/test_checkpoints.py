@@ -1,6 +1,7 @@
 """Checkpoint manifests, the fallback past damaged checkpoints, and config changes on resume."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -228,6 +229,12 @@ def test_a_flipped_byte_falls_back_to_the_previous_checkpoint(trained_run, tmp_p
         "resuming from checkpoints/iter_1" in err
     )
     assert "resuming after iteration 1 of 3" in err
+    # each save names its folder, size and time: here iter_2 and iter_3, written again
+    iter_3 = run / "checkpoints" / "iter_3"
+    kib = sum(f.stat().st_size for f in iter_3.rglob("*") if f.is_file()) / 1024
+    assert re.search(
+        rf"checkpoint {re.escape(str(iter_3))}: {kib:.2f} KiB written in \d+\.\d s", err
+    )
     assert "settings changed on resume (allowed): runner.max_iterations: 2 -> 3" in err
     assert [r["iteration"] for r in read_metrics(run)] == [1, 2, 3]
     # iter_2 was saved again, whole; config.yaml is still the first start's

@@ -7,8 +7,9 @@ import functools
 import io
 import logging
 import math
+import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +173,20 @@ def _fast_render_flags(sim: Any) -> None:
         raise RuntimeError("robosuite made its render context without _fast_render_context")
     for flag in ("mjRND_REFLECTION", "mjRND_SHADOW", "mjRND_SKYBOX"):
         ctx.scn.flags[getattr(mujoco.mjtRndFlag, flag)] = 0
+
+
+def egl_device_vars(environ: Mapping[str, str]) -> dict[str, str]:
+    """``MUJOCO_EGL_DEVICE_ID=0`` for a process that sees ``CUDA_VISIBLE_DEVICES=""``.
+
+    robosuite picks its EGL device from ``MUJOCO_EGL_DEVICE_ID``, else from
+    ``CUDA_VISIBLE_DEVICES``, and fails on an empty one (``int('')``), which is what a Ray
+    worker without a GPU sees on a GPU machine. The first EGL device then renders; a
+    ``MUJOCO_EGL_DEVICE_ID`` already set, or no ``CUDA_VISIBLE_DEVICES`` at all, is left alone.
+    """
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if "MUJOCO_EGL_DEVICE_ID" in environ or visible is None or visible.strip():
+        return {}
+    return {"MUJOCO_EGL_DEVICE_ID": "0"}
 
 
 class LiberoCore:
@@ -517,6 +532,7 @@ class LiberoEnv(VectorEnv):
         env_vars = {
             "MUJOCO_GL": config.render_backend,
             "PYOPENGL_PLATFORM": config.render_backend,
+            **(egl_device_vars(os.environ) if config.render_backend == "egl" else {}),
         }
         factory = functools.partial(LiberoCore, config, tasks, self.perturbed)
         self._batch = SubprocBatch(
