@@ -44,11 +44,14 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
 from rlinf_vla.types import ChunkResult, Observation
+
+if TYPE_CHECKING:
+    from rlinf_vla.envs.vector import SubprocEnvs
 
 __all__ = [
     "ENVS",
@@ -375,6 +378,13 @@ class VectorEnv(ABC):
     @property
     def num_envs(self) -> int:
         return self.config.num_envs
+
+    @property
+    def workers(self) -> SubprocEnvs | None:
+        """The subprocess pool the simulators run in (:mod:`rlinf_vla.envs.vector`), or
+        ``None`` for an env that steps in this process. The pipeline stages of an env worker
+        whose envs all have one step at the same time (:class:`~rlinf_vla.pipelines.rollout.EnvWorker`)."""
+        return None
 
     @property
     def max_episode_steps(self) -> int:

@@ -10,6 +10,8 @@ stage is a round trip over the channel::
 
 With ``S >= 2`` the env worker steps stage ``s`` while the rollout worker computes the
 actions of stage ``s - 1``: env and inference overlap when they live on different devices.
+Simulators in subprocesses (LIBERO, MetaWorld, ManiSkill on the CPU) also overlap with each
+other: each stage has its own processes and its own thread in the env worker.
 With ``S = 1`` they alternate. The loop is the same; only ``S`` and the placement change.
 
 A rollout of ``T`` chunk steps sends ``T + 1`` observations per stage: the last one only
@@ -20,6 +22,7 @@ bootstraps the value of the state the rollout stopped in. Envs keep running acro
 from __future__ import annotations
 
 import tempfile
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,12 +169,53 @@ class EnvWorker(Worker):
         self.episode_return = [torch.zeros(env.num_envs) for env in self.envs]
 
     def interact(self, channel: Channel, num_chunks: int) -> dict[str, list[float]]:
-        """Run ``num_chunks`` chunk steps of every stage; returns finished episodes' stats."""
-        stats: dict[str, list[float]] = {"return": [], "success": [], "invalid": []}
+        """Run ``num_chunks`` chunk steps of every stage; returns finished episodes' stats.
+
+        Stages whose simulators run in subprocesses (:attr:`VectorEnv.workers`: LIBERO,
+        MetaWorld, ManiSkill's CPU backend) step at the same time, one thread each: while one
+        stage's processes simulate, the next stage's observation can go to the rollout.
+        Otherwise (the toy env, ManiSkill on the GPU: they compute in this process) the
+        stages take turns.
+        """
         # Every rollout starts fresh episodes from the envs' reset-id cursors, so the state
         # of the envs between rollouts is just the cursors (see get_state / set_state).
-        # Each chunk step of a stage is a request/response: send the observation, receive the
-        # actions. The put of one stage and the get of the next go in one channel call.
+        stages = range(len(self.envs))
+        stats = [{"return": [], "success": [], "invalid": []} for _ in stages]
+        if len(self.envs) > 1 and all(env.workers is not None for env in self.envs):
+            pool = ThreadPoolExecutor(len(self.envs), thread_name_prefix="env-stage")
+            futures = [
+                pool.submit(self._run_stage, channel, num_chunks, s, stats[s]) for s in stages
+            ]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            # A failed stage ends the call at once; the others may be waiting for actions the
+            # rollout will not send (their threads end with this worker).
+            pool.shutdown(wait=False, cancel_futures=True)
+            for f in futures:
+                if f in done and f.exception() is not None:
+                    raise f.exception()
+        else:
+            self._take_turns(channel, num_chunks, stats)
+        return {k: [v for st in stats for v in st[k]] for k in stats[0]}
+
+    def _run_stage(
+        self, channel: Channel, num_chunks: int, s: int, stats: dict[str, list[float]]
+    ) -> None:
+        """Stage ``s`` alone: reset, then ``num_chunks`` request/response rounds."""
+        env = self.envs[s]
+        self.obs[s] = env.reset()
+        self.episode_return[s].zero_()
+        pending = (obs_key(self.rank, s), EnvMessage(obs=self.obs[s]))
+        for _ in range(num_chunks):
+            actions = channel.exchange(*pending, act_key(self.rank, s))
+            pending = (obs_key(self.rank, s), self._step(s, actions, stats))
+        channel.put(*pending)
+
+    def _take_turns(
+        self, channel: Channel, num_chunks: int, stats: list[dict[str, list[float]]]
+    ) -> None:
+        """Every stage in turn. Each chunk step of a stage is a request/response: send the
+        observation, receive the actions; the put of one stage and the get of the next go in
+        one channel call."""
         pending: tuple[str, EnvMessage] | None = None
         for s, env in enumerate(self.envs):
             self.obs[s] = env.reset()
@@ -180,24 +224,24 @@ class EnvWorker(Worker):
                 channel.put(*pending)
             pending = (obs_key(self.rank, s), EnvMessage(obs=self.obs[s]))
         for _ in range(num_chunks):
-            for s, env in enumerate(self.envs):
+            for s in range(len(self.envs)):
                 actions = channel.exchange(*pending, act_key(self.rank, s))
-                result = env.chunk_step(actions)
-                self.obs[s] = result.obs
-                self._record(s, result, stats)
-                pending = (
-                    obs_key(self.rank, s),
-                    EnvMessage(
-                        obs=result.obs,
-                        reward=result.reward,
-                        terminated=result.terminated,
-                        truncated=result.truncated,
-                        final_obs=result.final_obs,
-                        invalid=result.info["invalid"],
-                    ),
-                )
+                pending = (obs_key(self.rank, s), self._step(s, actions, stats[s]))
         channel.put(*pending)
-        return stats
+
+    def _step(self, s: int, actions: Tensor, stats: dict[str, list[float]]) -> EnvMessage:
+        """One chunk step of stage ``s``; the message for the rollout."""
+        result = self.envs[s].chunk_step(actions)
+        self.obs[s] = result.obs
+        self._record(s, result, stats)
+        return EnvMessage(
+            obs=result.obs,
+            reward=result.reward,
+            terminated=result.terminated,
+            truncated=result.truncated,
+            final_obs=result.final_obs,
+            invalid=result.info["invalid"],
+        )
 
     def _record(self, stage: int, result: Any, stats: dict[str, list[float]]) -> None:
         """Accumulate returns; log the episodes that ended in this chunk (invalid ones apart)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -10,11 +11,12 @@ import numpy as np
 class CounterCore:
     """Position ``x`` starts at the reset id and moves by ``action[0]``; success at ``x >= 10``."""
 
-    def __init__(self, fail_start: bool = False) -> None:
+    def __init__(self, fail_start: bool = False, step_time_s: float = 0.0) -> None:
         if fail_start:
             raise ValueError("this core refuses to start")
         self.x = 0.0
         self.renders = 0
+        self.step_time_s = step_time_s  # a slower simulator
 
     def _obs(self) -> dict:
         self.renders += 1
@@ -29,6 +31,7 @@ class CounterCore:
         return self._obs()
 
     def step(self, action: np.ndarray, render: bool) -> tuple:
+        time.sleep(self.step_time_s)
         self.x += float(action[0])
         success = self.x >= 10
         obs = self._obs() if render or success else None

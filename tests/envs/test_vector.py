@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import os
+import queue
 import signal
+import threading
+import time
+import types
+from collections import defaultdict
 
 import pytest
 import torch
@@ -20,8 +27,8 @@ class CounterEnv(VectorEnv):
 
     name = "counter"
 
-    def __init__(self, config: EnvConfig) -> None:
-        self.batch = SubprocBatch(SubprocEnvs([CounterCore] * config.num_envs, name="counter"))
+    def __init__(self, config: EnvConfig, core=CounterCore) -> None:
+        self.batch = SubprocBatch(SubprocEnvs([core] * config.num_envs, name="counter"))
         super().__init__(config, default_max_episode_steps=20)
 
     @property
@@ -37,6 +44,10 @@ class CounterEnv(VectorEnv):
 
     def _step_envs(self, actions, active, need_obs) -> StepOutput:
         return self.batch.step(actions, active, need_obs)
+
+    @property
+    def workers(self) -> SubprocEnvs:
+        return self.batch.envs
 
     def _close(self) -> None:
         self.batch.envs.close()
@@ -142,3 +153,96 @@ def test_auto_simulation_follows_the_device_of_the_worker_that_builds_the_env():
     chosen = {"sim_backend": "cpu"}
     assert for_device(chosen, torch.device("cuda", 0)) == chosen  # a choice is kept
     assert for_device({"num_envs": 2}, torch.device("cpu")) == {"num_envs": 2}  # other envs
+
+
+# ------------------------------------------------------------------ pipeline stages
+class _LocalChannel:
+    """The two calls the env worker makes on a channel, in this process (queues per key)."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, queue.Queue] = defaultdict(queue.Queue)
+
+    def put(self, key: str, item) -> None:
+        self.queues[key].put(item)
+
+    def exchange(self, put_key: str, item, get_key: str):
+        self.put(put_key, item)
+        return self.queues[get_key].get(timeout=60)
+
+
+def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[dict, list, list]:
+    """An env worker's rollout of ``chunks`` chunk steps over ``envs`` (its stages), answered
+    by a thread that plays the rollout worker (action 1 for every env, 2 steps a chunk).
+    Returns the stats, the observations the rollout received, and each chunk step's interval
+    ``(stage, start, end)``."""
+    from rlinf_vla.pipelines.rollout import EnvWorker, act_key, obs_key
+
+    worker = EnvWorker.__new__(EnvWorker)  # its state, without a Ray actor around it
+    worker._ctx = types.SimpleNamespace(rank=0)
+    worker.envs = envs
+    worker.obs = [None] * len(envs)
+    worker.episode_return = [torch.zeros(env.num_envs) for env in envs]
+    intervals: list[tuple[int, float, float]] = []
+    for s, env in enumerate(envs):
+        step = env.chunk_step
+
+        def timed(actions, s=s, step=step):
+            t0 = time.monotonic()
+            out = step(actions)
+            intervals.append((s, t0, time.monotonic()))
+            return out
+
+        env.chunk_step = timed
+    channel = _LocalChannel()
+    received: list[list[float]] = [[] for _ in envs]
+
+    def rollout() -> None:
+        for _ in range(chunks + 1):
+            for s, env in enumerate(envs):
+                msg = channel.queues[obs_key(0, s)].get(timeout=60)
+                received[s].append(msg.obs.state.flatten().tolist())
+                channel.put(act_key(0, s), torch.ones(env.num_envs, 2, 1))
+
+    thread = threading.Thread(target=rollout)
+    thread.start()
+    if turns:
+        stats = {"return": [], "success": [], "invalid": []}
+        worker._take_turns(channel, chunks, [stats] * len(envs))
+    else:
+        stats = worker.interact(channel, chunks)
+    thread.join(timeout=60)
+    return stats, received, intervals
+
+
+def test_stages_in_subprocesses_step_at_the_same_time() -> None:
+    """Two stages of slow subprocess simulators: their chunk steps overlap in time (one thread
+    per stage), and every stage sees exactly what it sees when the stages take turns."""
+    slow = functools.partial(CounterCore, step_time_s=0.05)
+    cfg = EnvConfig(num_envs=2, max_episode_steps=20)
+    runs = {}
+    for turns in (False, True):
+        envs = [CounterEnv(cfg, slow), CounterEnv(dataclasses.replace(cfg, env_offset=2), slow)]
+        try:
+            runs[turns] = _run_env_worker(envs, chunks=6, turns=turns)
+        finally:
+            for env in envs:
+                env.close()
+    (stats, received, intervals), (turns_stats, turns_received, turns_intervals) = (
+        runs[False],
+        runs[True],
+    )
+    overlapping = [
+        (a, b)
+        for a in intervals
+        if a[0] == 0
+        for b in intervals
+        if b[0] == 1 and a[1] < b[2] and b[1] < a[2]
+    ]
+    assert len(intervals) == 12 and overlapping
+    # taking turns, no two chunk steps overlap
+    ordered = sorted(turns_intervals, key=lambda t: t[1])
+    assert all(a[2] <= b[1] for a, b in itertools.pairwise(ordered))
+    assert received == turns_received  # same observations per stage, in order
+    assert sorted(stats["success"]) == sorted(turns_stats["success"])
+    assert sorted(stats["return"]) == sorted(turns_stats["return"])
+    assert len(stats["success"]) > 0  # episodes ended (counter reached 10)

@@ -132,6 +132,7 @@ def test_openvla_oft_trains_on_metaworld_without_sizes_on_the_command_line(tmp_p
         "algo.update_epochs=1",
         "algo.minibatch_size=4",
         "algo.micro_batch_size=4",
+        "placement.stages=2",  # one env per stage, each in its own thread of the env worker
     ]
     args = ["train", *METAWORLD, *small, "runner.max_iterations=1"]
     assert cli.main([*args, f"runner.output_dir={tmp_path}"]) == 0
