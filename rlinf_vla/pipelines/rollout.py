@@ -22,6 +22,7 @@ bootstraps the value of the state the rollout stopped in. Envs keep running acro
 from __future__ import annotations
 
 import tempfile
+import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,7 +170,9 @@ class EnvWorker(Worker):
         self.episode_return = [torch.zeros(env.num_envs) for env in self.envs]
 
     def interact(self, channel: Channel, num_chunks: int) -> dict[str, list[float]]:
-        """Run ``num_chunks`` chunk steps of every stage; returns finished episodes' stats.
+        """Run ``num_chunks`` chunk steps of every stage; returns finished episodes' stats
+        (``return``, ``success``, ``invalid``: one entry per episode) and each stage's
+        seconds in its reset (``reset_s``) and in its chunk steps (``step_s``).
 
         Stages whose simulators run in subprocesses (:attr:`VectorEnv.workers`: LIBERO,
         MetaWorld, ManiSkill's CPU backend) step at the same time, one thread each: while one
@@ -180,7 +183,8 @@ class EnvWorker(Worker):
         # Every rollout starts fresh episodes from the envs' reset-id cursors, so the state
         # of the envs between rollouts is just the cursors (see get_state / set_state).
         stages = range(len(self.envs))
-        stats = [{"return": [], "success": [], "invalid": []} for _ in stages]
+        keys = ("return", "success", "invalid", "reset_s", "step_s")
+        stats: list[dict[str, list[float]]] = [{k: [] for k in keys} for _ in stages]
         if len(self.envs) > 1 and all(env.workers is not None for env in self.envs):
             pool = ThreadPoolExecutor(len(self.envs), thread_name_prefix="env-stage")
             futures = [
@@ -201,9 +205,7 @@ class EnvWorker(Worker):
         self, channel: Channel, num_chunks: int, s: int, stats: dict[str, list[float]]
     ) -> None:
         """Stage ``s`` alone: reset, then ``num_chunks`` request/response rounds."""
-        env = self.envs[s]
-        self.obs[s] = env.reset()
-        self.episode_return[s].zero_()
+        self._reset(s, stats)
         pending = (obs_key(self.rank, s), EnvMessage(obs=self.obs[s]))
         for _ in range(num_chunks):
             actions = channel.exchange(*pending, act_key(self.rank, s))
@@ -217,9 +219,8 @@ class EnvWorker(Worker):
         observation, receive the actions; the put of one stage and the get of the next go in
         one channel call."""
         pending: tuple[str, EnvMessage] | None = None
-        for s, env in enumerate(self.envs):
-            self.obs[s] = env.reset()
-            self.episode_return[s].zero_()
+        for s in range(len(self.envs)):
+            self._reset(s, stats[s])
             if pending is not None:
                 channel.put(*pending)
             pending = (obs_key(self.rank, s), EnvMessage(obs=self.obs[s]))
@@ -229,9 +230,20 @@ class EnvWorker(Worker):
                 pending = (obs_key(self.rank, s), self._step(s, actions, stats[s]))
         channel.put(*pending)
 
+    def _reset(self, s: int, stats: dict[str, list[float]]) -> None:
+        """Fresh episodes for stage ``s``; its seconds go to ``stats["reset_s"]``."""
+        t0 = time.perf_counter()
+        self.obs[s] = self.envs[s].reset()
+        self.episode_return[s].zero_()
+        stats["reset_s"].append(time.perf_counter() - t0)
+        stats["step_s"].append(0.0)
+
     def _step(self, s: int, actions: Tensor, stats: dict[str, list[float]]) -> EnvMessage:
-        """One chunk step of stage ``s``; the message for the rollout."""
+        """One chunk step of stage ``s``; the message for the rollout. Its seconds add to
+        the stage's ``stats["step_s"]``."""
+        t0 = time.perf_counter()
         result = self.envs[s].chunk_step(actions)
+        stats["step_s"][-1] += time.perf_counter() - t0
         self.obs[s] = result.obs
         self._record(s, result, stats)
         return EnvMessage(

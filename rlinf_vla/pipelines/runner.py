@@ -253,7 +253,7 @@ class EmbodiedRunner:
             summed=("train/samples",),
             maxed=("train/skipped_updates", "train/nan_streak"),
         )
-        stats = {k: [x for s in env_stats for x in s[k]] for k in ("return", "success", "invalid")}
+        stats = {k: [x for s in env_stats for x in s[k]] for k in env_stats[0]}
         num_envs = self.job.env_config.num_envs
         env_steps = num_envs * r.rollout_chunks * self.job.policy_config.chunk_size
         return {
@@ -267,6 +267,9 @@ class EmbodiedRunner:
             "time/sync_s": t1 - t0,
             "sync/sent_mib": self._sync_bytes / 2**20,
             "time/rollout_s": t2 - t1,
+            # the busiest env stage's seconds in its simulators (reset, then chunk steps)
+            "time/env_reset_s": max(stats["reset_s"]),
+            "time/env_step_s": max(stats["step_s"]),
             "time/train_s": t3 - t2,
             "throughput/env_steps_per_s": env_steps / (t2 - t1),
             **group_memory_metrics(self._memory),

@@ -206,8 +206,10 @@ def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[di
     thread = threading.Thread(target=rollout)
     thread.start()
     if turns:
-        stats = {"return": [], "success": [], "invalid": []}
-        worker._take_turns(channel, chunks, [stats] * len(envs))
+        keys = ("return", "success", "invalid", "reset_s", "step_s")
+        per_stage = [{k: [] for k in keys} for _ in envs]
+        worker._take_turns(channel, chunks, per_stage)
+        stats = {k: [v for st in per_stage for v in st[k]] for k in keys}
     else:
         stats = worker.interact(channel, chunks)
     thread.join(timeout=60)
@@ -246,3 +248,8 @@ def test_stages_in_subprocesses_step_at_the_same_time() -> None:
     assert sorted(stats["success"]) == sorted(turns_stats["success"])
     assert sorted(stats["return"]) == sorted(turns_stats["return"])
     assert len(stats["success"]) > 0  # episodes ended (counter reached 10)
+    # each stage's seconds in its chunk steps: those the wrapper around chunk_step timed
+    for s in (0, 1):
+        timed = sum(end - start for stage, start, end in intervals if stage == s)
+        assert timed <= stats["step_s"][s] < timed + 0.05
+    assert len(stats["reset_s"]) == 2 and all(t > 0 for t in stats["reset_s"])

@@ -18,6 +18,8 @@ REQUIRED = {
     "train/entropy",
     "train/clip_fraction",
     "time/rollout_s",
+    "time/env_reset_s",
+    "time/env_step_s",
     "time/train_s",
     "throughput/env_steps_per_s",
 }
@@ -83,6 +85,8 @@ def test_two_iterations_in_each_mode(tmp_path, placement):
     assert len(list((tmp_path / "videos" / "iter_2").glob("*.mp4"))) == 1
     # 4 envs x 4 chunks x 2 steps per chunk per iteration
     assert [r["env_steps"] for r in rows] == [32, 64]
+    for r in rows:  # the simulators' part of the rollout
+        assert 0 < r["time/env_reset_s"] + r["time/env_step_s"] < r["time/rollout_s"]
     ckpt = tmp_path / "checkpoints" / "iter_2"
     assert (ckpt / "COMPLETE").exists()
     assert (ckpt / "policy").is_dir()
