@@ -105,7 +105,10 @@ def policy_overrides(policy: str, preset: str, chunk_size: int, extra: list[str]
 def sync_loop(w: Workload, policy_args: list[str], chunks: int) -> tuple[float, float, float]:
     """The synchronous loop in this process: returns (env steps/s, e, i), e and i per chunk."""
     # Env and policy exactly as `rlinf-vla train` builds them: the groups' defaults, then ours.
-    job = validate(cli.compose("train", [*env_overrides(w), *policy_args]))
+    # (no evaluation: its video check would refuse a machine without FFmpeg for nothing)
+    job = validate(
+        cli.compose("train", [*env_overrides(w), *policy_args, "runner.eval_interval=0"])
+    )
     device = torch.device(DEVICE)
     policy = make_policy(job.policy_name, **{**job.policy, "seed": 0, "device": DEVICE})
     policy.eval()
