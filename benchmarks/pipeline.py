@@ -110,9 +110,9 @@ def sync_loop(w: Workload, policy_args: list[str], chunks: int) -> tuple[float, 
         cli.compose("train", [*env_overrides(w), *policy_args, "runner.eval_interval=0"])
     )
     device = torch.device(DEVICE)
-    policy = make_policy(job.policy_name, **{**job.policy, "seed": 0, "device": DEVICE})
+    policy = make_policy(job.policy_name, job.policy_config, seed=0, device=DEVICE)
     policy.eval()
-    env = make_env(job.env_name, **job.env)
+    env = make_env(job.env_name, job.env_config)
 
     def act(obs: Any) -> torch.Tensor:
         with torch.no_grad(), autocast(device, job.algo.autocast):
@@ -136,7 +136,7 @@ def sync_loop(w: Workload, policy_args: list[str], chunks: int) -> tuple[float, 
             e += t2 - t1
     finally:
         env.close()
-    steps = w.num_envs * job.policy.get("chunk_size", 1) * chunks
+    steps = w.num_envs * job.policy_config.chunk_size * chunks
     return steps / (e + i), e / chunks, i / chunks
 
 

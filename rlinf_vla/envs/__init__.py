@@ -12,7 +12,7 @@ env's typed config; simulators are imported only when an env that needs them is 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 # The env modules register their classes (``@register_env``) when imported; they import their
 # simulators lazily.
@@ -31,6 +31,8 @@ from rlinf_vla.envs.base import (
     split_sizes,
 )
 
+_C = TypeVar("_C", EnvConfig, dict[str, Any])
+
 __all__ = [
     "ENVS",
     "EnvConfig",
@@ -42,6 +44,7 @@ __all__ = [
     "make_env",
     "make_stage_envs",
     "register_env",
+    "replace_config",
 ]
 
 
@@ -63,15 +66,19 @@ def env_config(name: str, config: EnvConfig | None = None, **overrides: Any) -> 
     return replace_config(config, **overrides) if overrides else config
 
 
-def for_device(config: dict[str, Any], device: Any) -> dict[str, Any]:
-    """``config`` (keyword settings) with ``sim_backend="auto"`` (ManiSkill) decided by the
-    torch ``device`` of the worker that builds the env: the GPU simulator on a GPU, CPU
-    processes on a CPU slot, also on a machine whose GPUs a run leaves out
-    (``cluster.num_gpus=0``). Without a worker, ``auto`` picks the GPU when CUDA is there."""
-    out = dict(config)
-    if out.get("sim_backend") == "auto":
-        out["sim_backend"] = "gpu" if device.type == "cuda" else "cpu"
-    return out
+def for_device(config: _C, device: Any) -> _C:
+    """``config`` (a typed env config, or keyword settings) with ``sim_backend="auto"``
+    (ManiSkill) decided by the torch ``device`` of the worker that builds the env: the GPU
+    simulator on a GPU, CPU processes on a CPU slot, also on a machine whose GPUs a run leaves
+    out (``cluster.num_gpus=0``). Without a worker, ``auto`` picks the GPU when CUDA is there."""
+    plain = isinstance(config, dict)
+    backend = config.get("sim_backend") if plain else getattr(config, "sim_backend", None)
+    if backend != "auto":
+        return dict(config) if plain else config
+    chosen = "gpu" if device.type == "cuda" else "cpu"
+    if plain:
+        return {**config, "sim_backend": chosen}
+    return replace_config(config, sim_backend=chosen)
 
 
 def make_env(name: str, config: EnvConfig | None = None, **overrides: Any) -> VectorEnv:

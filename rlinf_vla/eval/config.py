@@ -155,7 +155,13 @@ class Trial:
 
 @dataclass
 class EvalJob:
-    """A validated ``rlinf-vla eval`` job."""
+    """A validated ``rlinf-vla eval`` job.
+
+    ``env_config`` and ``policy_config`` are the typed configs the env workers and the policy
+    are built from (the policy's with its device and, with a checkpoint, the checkpoint's
+    config under the command line's keys); ``env`` and ``policy`` hold the keys the command
+    line set, which make the job's identity.
+    """
 
     cluster: ClusterConfig
     env_name: str
@@ -164,6 +170,7 @@ class EvalJob:
     policy: dict[str, Any]
     eval: EvalConfig
     env_config: Any = None  # the env section resolved (num_envs: the envs run in parallel)
+    policy_config: Any = None  # the policy as it is built, on its device
     trials: list[Trial] = field(default_factory=list)
     output_dir: str = ""
     identity: dict[str, Any] = field(default_factory=dict)
@@ -297,6 +304,7 @@ def validate(cfg: Any) -> EvalJob:
         policy=policy,
         eval=ev,
         env_config=slots_cfg,
+        policy_config=pol.replace(device=_policy_device(policy, ev)),
         output_dir=ev.output_dir or _default_output_dir(env_name, env_cfg),
         protocol=protocols.describe(env_name, protocol, env_cfg),
     )
@@ -308,6 +316,17 @@ def validate(cfg: Any) -> EvalJob:
 
     check_identity(job.output_dir, job.identity, write=False)
     return job
+
+
+def _policy_device(policy: dict[str, Any], ev: EvalConfig) -> str:
+    """``policy.device`` when set, else ``eval.device`` (``auto``: ``cuda`` when available)."""
+    if "device" in policy:
+        return str(policy["device"])
+    if ev.device != "auto":
+        return ev.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_maniskill_tasks(tasks: list[str]) -> None:

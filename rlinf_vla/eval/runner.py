@@ -157,21 +157,11 @@ def _record(trial: Trial, result: dict[str, Any], error: str | None = None) -> d
     }
 
 
-def _policy_device(job: EvalJob) -> str:
-    if "device" in job.policy:
-        return str(job.policy["device"])
-    if job.eval.device != "auto":
-        return job.eval.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def build_policy(job: EvalJob) -> Any:
     """The policy of the job, in eval mode on its device."""
     from rlinf_vla.policies import make_policy
 
-    policy = make_policy(job.policy_name, **{**job.policy, "device": _policy_device(job)})
+    policy = make_policy(job.policy_name, job.policy_config)
     policy.eval()
     return policy
 
@@ -262,7 +252,7 @@ def _evaluate(job: EvalJob, todo: list[Trial], log: TrialLog, console: Any) -> i
     # The thread count and the seed hold for this evaluation only: the caller's process (a
     # training run's evaluation, a test suite) gets its own back afterwards. Only the policy's
     # device has its RNG saved (no CUDA context for a CPU policy on a GPU machine).
-    device = torch.device(_policy_device(job))
+    device = torch.device(job.policy_config.device)
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch_threads(threads), torch.random.fork_rng(devices=cuda):
         torch.manual_seed(ev.seed)
@@ -290,9 +280,9 @@ def _evaluate_in(
             progress.add(record)
     console.print(
         f"{total_slots} env(s) in {num_workers} worker(s); policy {job.policy_name} on "
-        f"{_policy_device(job)} ({threads} CPU thread(s))"
+        f"{job.policy_config.device} ({threads} CPU thread(s))"
     )
-    if not job.policy.get("checkpoint"):
+    if not job.policy_config.checkpoint:
         console.print(
             "[yellow]warning:[/] policy.checkpoint is not set: this evaluates a randomly "
             f"initialised {job.policy_name} (pass policy.checkpoint=PATH to load weights)",
@@ -304,7 +294,7 @@ def _evaluate_in(
             EvalEnvWorker,
             name="eval_env",
             devices=[i % cluster.num_devices for i in range(num_workers)],
-            args=(job.env_name, {k: v for k, v in job.env.items() if k != "num_envs"}, sizes),
+            args=(job.env_name, job.env_config, sizes),
             kwargs={
                 "videos": ev.videos,
                 "output_dir": str(Path(job.output_dir).resolve()),

@@ -17,13 +17,16 @@ import re
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from rlinf_vla.runtime import Worker
 from rlinf_vla.types import Observation
+
+if TYPE_CHECKING:
+    from rlinf_vla.envs.base import EnvConfig
 
 #: Longest error text kept in a trial record.
 MAX_ERROR_CHARS = 2000
@@ -67,8 +70,8 @@ class EvalEnvWorker(Worker):
 
     Args:
         env_name: a registered env.
-        env_config: the env's config fields (``num_envs`` and the reset behaviour are set
-            here: one env per slot, no auto-reset).
+        env_config: the env's typed config (``num_envs`` and the reset behaviour are set
+            here: one env per slot, no auto-reset; a trial's ``env_key`` changes fields).
         slots_per_worker: envs of each worker, by rank.
         videos: ``none``, ``failures`` or ``all``.
         output_dir: the results folder (videos go to ``<output_dir>/videos/``).
@@ -79,7 +82,7 @@ class EvalEnvWorker(Worker):
     def __init__(
         self,
         env_name: str,
-        env_config: dict[str, Any],
+        env_config: EnvConfig,
         slots_per_worker: list[int],
         videos: str = "none",
         output_dir: str = ".",
@@ -87,14 +90,16 @@ class EvalEnvWorker(Worker):
         video_camera: str = "main",
     ) -> None:
         self.env_name = env_name
-        self.env_config = {
-            **env_config,
-            "num_envs": 1,
-            "group_size": 1,
-            "auto_reset": False,
-            "ignore_terminations": False,
-            "video_dir": None,
-        }
+        from rlinf_vla.envs import replace_config
+
+        self.env_config = replace_config(
+            env_config,
+            num_envs=1,
+            group_size=1,
+            auto_reset=False,
+            ignore_terminations=False,
+            video_dir=None,
+        )
         self.videos = videos
         self.output_dir = output_dir
         self.video_fps = video_fps
@@ -142,12 +147,12 @@ class EvalEnvWorker(Worker):
             slot.env_key = None
 
     def _env_for(self, slot: _Slot, env_key: tuple) -> Any:
-        from rlinf_vla.envs import for_device, make_env
+        from rlinf_vla.envs import for_device, make_env, replace_config
 
         if slot.env is None or slot.env_key != env_key:
             self._drop_env(slot)
-            config = for_device({**self.env_config, **dict(env_key)}, self.device)
-            slot.env = make_env(self.env_name, **config)
+            config = replace_config(self.env_config, **dict(env_key))
+            slot.env = make_env(self.env_name, for_device(config, self.device))
             slot.env_key = env_key
         return slot.env
 

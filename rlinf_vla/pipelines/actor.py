@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -28,6 +28,9 @@ from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
 from rlinf_vla.training.learner import HasLearner, Learner, Schedule
 from rlinf_vla.training.objective import LossSettings
 from rlinf_vla.types import Observation
+
+if TYPE_CHECKING:
+    from rlinf_vla.policies.base import PolicyConfig
 
 #: ``algo.group_size`` of a group algorithm (GRPO, DAPO, RLOO) when it is not given.
 DEFAULT_GROUP_SIZE = 4
@@ -271,7 +274,7 @@ class ActorWorker(Worker, HasLearner):
     def __init__(
         self,
         policy_name: str,
-        policy_config: dict[str, Any],
+        policy_config: PolicyConfig,
         algo: dict[str, Any],
         seed: int,
         offload: bool = False,
@@ -282,9 +285,7 @@ class ActorWorker(Worker, HasLearner):
         torch.manual_seed(seed)
         self._policy_name, self._policy_config = policy_name, policy_config
         self.algo = from_section(AlgoConfig, algo, "algo")
-        self.policy = make_policy(
-            policy_name, **{**policy_config, "device": str(self.device)}
-        ).train()
+        self.policy = make_policy(policy_name, policy_config, device=str(self.device)).train()
         self.fsdp = False
         a = self.algo
         self.learner = Learner(
@@ -474,7 +475,7 @@ class ActorWorker(Worker, HasLearner):
         if getattr(self, "_plain", None) is None:
             from rlinf_vla.policies import make_policy
 
-            self._plain = make_policy(self._policy_name, **{**self._policy_config, "device": "cpu"})
+            self._plain = make_policy(self._policy_name, self._policy_config, device="cpu")
         if weights is not None:
             self._plain.load_state_dict(weights)
         return self._plain

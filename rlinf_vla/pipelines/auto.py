@@ -208,11 +208,9 @@ def profile(
     from rlinf_vla.pipelines.actor import autocast
     from rlinf_vla.policies import make_policy
 
-    seed = job.runner.seed
     placed = {} if device is None else {"device": str(device)}
-    policy = make_policy(job.policy_name, **{**job.policy, "seed": seed, **placed})
-    env_cfg = dict(job.env, seed=job.env.get("seed", seed))
-    env = make_env(job.env_name, **for_device(env_cfg, policy.device))
+    policy = make_policy(job.policy_name, job.policy_config, seed=job.runner.seed, **placed)
+    env = make_env(job.env_name, for_device(job.env_config, policy.device))
     cuda = policy.device.type == "cuda"
 
     def precision() -> Any:

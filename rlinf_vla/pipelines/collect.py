@@ -83,7 +83,8 @@ class CollectFailed(RunAborted):
 @dataclass
 class CollectJob:
     """A validated ``rlinf-vla collect`` job: ``env`` holds the keys the command line set,
-    ``env_config`` the env's config as the workers build it (every default resolved)."""
+    ``env_config`` the typed config the env is built from (``auto_reset`` off, every default
+    resolved)."""
 
     env_name: str
     env: dict[str, Any]
@@ -159,7 +160,7 @@ def collect(job: CollectJob, progress: Any = None) -> dict[str, Any]:
     from rlinf_vla.envs import make_env
 
     c = job.collect
-    env = make_env(job.env_name, **{**job.env, "auto_reset": False})
+    env = make_env(job.env_name, job.env_config)  # auto_reset off (validate)
     writer = None
     attempts = kept = steps = 0
     lengths: list[int] = []

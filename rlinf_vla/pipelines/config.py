@@ -110,10 +110,11 @@ class RunnerConfig:
 class TrainJob:
     """A validated ``rlinf-vla train`` job: every section typed, the placement resolved.
 
-    ``env`` and ``policy`` hold the keys the command line set, ``policy`` also the env's sizes
-    that a policy without a checkpoint takes (the workers build their configs from them, a
-    checkpoint filling in the rest); ``env_config`` and ``policy_config`` are those
-    configs as every worker will build them, with every default resolved.
+    ``env_config`` and ``policy_config`` are the typed configs the workers receive and build
+    from, every default resolved: the env's ``seed`` is ``runner.seed`` unless ``env.seed`` is
+    set; a policy with a checkpoint has the checkpoint's config with the command line's keys
+    on top. ``env`` and ``policy`` only record what they were built from (the keys the command
+    line set; ``policy`` also the env's sizes that a policy without a checkpoint takes).
     """
 
     cluster: ClusterConfig
@@ -164,7 +165,7 @@ def validate(cfg: Any) -> TrainJob:
     """Typed configs and cross-checks for a composed ``train`` config; starts nothing."""
     from omegaconf import OmegaConf
 
-    from rlinf_vla.envs import env_config
+    from rlinf_vla.envs import env_config, replace_config
 
     known = {"cluster", "env", "policy", "algo", "placement", "runner"}
     unknown = sorted(set(cfg) - known)
@@ -210,6 +211,8 @@ def validate(cfg: Any) -> TrainJob:
         k: errors.build(lambda k=k, c=c: from_section(c, cfg[k], k)) for k, c in sections.items()
     }
     errors.raise_any()
+    if "seed" not in env:  # the envs follow runner.seed unless env.seed is set
+        env_cfg = replace_config(env_cfg, seed=built["runner"].seed)
     job = TrainJob(
         env_name=env_name,
         env=env,
@@ -221,13 +224,10 @@ def validate(cfg: Any) -> TrainJob:
         policy_config=pol_cfg,
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
-    # The chunk size as built (a checkpoint's own when the command line leaves it), for the
-    # header and the env-step counts.
-    job.policy.setdefault("chunk_size", pol_cfg.chunk_size)
     # Training keeps float32 weights, so AdamW's state and the checkpoints are float32 too, and
     # algo.autocast sets the compute precision; policy.dtype=bfloat16 still holds bf16 weights.
-    if job.policy.get("dtype", "auto") == "auto":
-        job.policy["dtype"] = job.policy_config.dtype = "float32"
+    if pol_cfg.dtype == "auto":
+        job.policy_config = pol_cfg = pol_cfg.replace(dtype="float32")
     # Checks across sections: every one that fails is named.
     for message in fit_problems(env_name, env_cfg, pol_cfg):
         errors.add(message)
@@ -278,9 +278,7 @@ def validate(cfg: Any) -> TrainJob:
 def check_env_split(job: TrainJob, env_workers: int, actor_workers: int = 1) -> None:
     """The envs must split into ``env_workers * stages`` batches of whole GRPO groups, and
     those batches (one trajectory each per iteration) evenly over the actor workers."""
-    from rlinf_vla.envs import env_config
-
-    cfg = env_config(job.env_name, **job.env)
+    cfg = job.env_config
     parts = env_workers * job.placement.stages
     groups = cfg.num_envs // cfg.group_size
     if groups % parts:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlinf_vla.envs.base import VectorEnv
+from rlinf_vla.envs.base import EnvConfig, VectorEnv
 from rlinf_vla.policies.base import Policy
 from rlinf_vla.types import ChunkResult
 
@@ -233,7 +233,7 @@ def _executed_steps(res: ChunkResult, running: torch.Tensor) -> torch.Tensor:
 def evaluate_on_worker(
     rollout: Any,
     env_name: str,
-    env: dict[str, Any],
+    env: EnvConfig,
     seed: int,
     episodes: int,
     videos: bool,
@@ -245,10 +245,9 @@ def evaluate_on_worker(
     ``rollout`` runs :func:`greedy_eval` with the weights it holds, on an env of its own made
     from ``env`` (at most ``episodes`` envs); the driver writes the videos it returns into
     ``video_dir`` and hands them to ``logger``. Returns the ``eval/*`` metrics."""
-    from rlinf_vla.envs import env_config
+    from rlinf_vla.envs import replace_config
 
-    env_cfg = dict(env, seed=seed, group_size=1)
-    env_cfg["num_envs"] = min(env_config(env_name, **env_cfg).num_envs, episodes)
+    env_cfg = replace_config(env, seed=seed, group_size=1, num_envs=min(env.num_envs, episodes))
     [(metrics, blobs)] = rollout.evaluate(env_name, env_cfg, episodes, videos, ranks=[0]).wait()
     for name, blob in blobs.items():
         video_dir.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -35,6 +35,10 @@ from rlinf_vla.pipelines.actor import autocast
 from rlinf_vla.runtime import Channel, Worker, offload_module, resident
 from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
 from rlinf_vla.types import Observation
+
+if TYPE_CHECKING:
+    from rlinf_vla.envs.base import EnvConfig
+    from rlinf_vla.policies.base import PolicyConfig
 
 
 def obs_key(env_rank: int, stage: int) -> str:
@@ -146,25 +150,23 @@ class EnvWorker(Worker):
 
     Args:
         env_name: a registered env (``rlinf_vla.envs.ENVS``).
-        env_config: the env's config fields; ``num_envs`` is the total over all env workers,
-            split evenly (whole GRPO groups) between workers and then between stages.
+        env_config: the env's typed config (its seed resolved, ``TrainJob.env_config``);
+            ``num_envs`` is the total over all env workers, split evenly (whole GRPO groups)
+            between workers and then between stages.
         num_stages: pipeline stages ``S`` per worker.
     """
 
-    def __init__(self, env_name: str, env_config: dict[str, Any], num_stages: int) -> None:
-        from rlinf_vla.envs import env_config as resolve
+    def __init__(self, env_name: str, env_config: EnvConfig, num_stages: int) -> None:
         from rlinf_vla.envs import for_device, make_stage_envs
 
         cfg = for_device(env_config, self.device)
-        total = resolve(env_name, **cfg).num_envs  # set, or the env's default
-        cfg.pop("num_envs", None)
-        per_worker = total // self.world_size
+        per_worker = cfg.num_envs // self.world_size
         self.envs = make_stage_envs(
             env_name,
             num_stages,
+            cfg,
             num_envs=per_worker,
-            env_offset=cfg.pop("env_offset", 0) + self.rank * per_worker,
-            **cfg,
+            env_offset=cfg.env_offset + self.rank * per_worker,
         )
         self.obs: list[Observation | None] = [None] * num_stages
         self.episode_return = [torch.zeros(env.num_envs) for env in self.envs]
@@ -286,7 +288,9 @@ class RolloutWorker(Worker):
 
     Args:
         policy_name: a registered policy (``rlinf_vla.policies.POLICIES``).
-        policy_config: the policy's config fields.
+        policy_config: the policy's typed config as validation resolved it (with a
+            checkpoint: the checkpoint's config, the command line's keys on top); the worker
+            sets its ``device``.
         seed: seeds the action sampler (with the worker's rank).
         autocast: ``algo.autocast``.
         features: send the frozen features the policy computes while acting with each
@@ -297,7 +301,7 @@ class RolloutWorker(Worker):
     def __init__(
         self,
         policy_name: str,
-        policy_config: dict[str, Any],
+        policy_config: PolicyConfig,
         seed: int = 0,
         autocast: str = "off",
         features: bool = False,
@@ -306,9 +310,7 @@ class RolloutWorker(Worker):
         from rlinf_vla.policies import make_policy
 
         torch.manual_seed(seed + 7919 * (self.rank + 1))  # the action sampler's stream
-        self.policy = make_policy(
-            policy_name, **{**policy_config, "device": str(self.device)}
-        ).eval()
+        self.policy = make_policy(policy_name, policy_config, device=str(self.device)).eval()
         self.version = 0
         self._has_weights = False  # a first, complete weight sync arrived
         self.autocast = autocast  # algo.autocast: the same precision as the actor's update
@@ -334,7 +336,7 @@ class RolloutWorker(Worker):
         self.version = version
 
     def evaluate(
-        self, env_name: str, env_config: dict[str, Any], episodes: int, videos: bool
+        self, env_name: str, env_config: EnvConfig, episodes: int, videos: bool
     ) -> tuple[dict[str, float], dict[str, bytes]]:
         """Greedy evaluation of the current weights (:func:`greedy_eval`, held-out scenes).
 
@@ -350,7 +352,7 @@ class RolloutWorker(Worker):
         from rlinf_vla.pipelines.evaluation import greedy_eval
 
         if self._eval_env is None:
-            self._eval_env = make_env(env_name, **for_device(env_config, self.device))
+            self._eval_env = make_env(env_name, for_device(env_config, self.device))
         cuda = [self.device.index or 0] if self.device.type == "cuda" else []
         with tempfile.TemporaryDirectory() as tmp, torch.random.fork_rng(devices=cuda):
             with self._resident(), autocast(self.device, self.autocast):

@@ -82,8 +82,7 @@ class EmbodiedRunner:
         self.offloads = offload and any(d.kind == "cuda" for d in cluster.devices)
         self.output_dir = self._output_dir()
         seed = job.runner.seed
-        policy = dict(job.policy, seed=seed)
-        env = dict(job.env, seed=job.env.get("seed", seed))
+        policy = job.policy_config.replace(seed=seed)
         self.channel = Channel.create(f"embodied-{id(self)}")
         self._synced: int | None = None  # the weights version the rollout workers hold
         self._sync_bytes = 0  # bytes the syncs of the current iteration sent
@@ -94,7 +93,7 @@ class EmbodiedRunner:
                 EnvWorker,
                 "env",
                 placement.of("env"),
-                args=(job.env_name, env, job.placement.stages),
+                args=(job.env_name, job.env_config, job.placement.stages),
                 wait=False,
             )
             self.rollout = WorkerGroup(
@@ -193,10 +192,9 @@ class EmbodiedRunner:
         job, r = self.job, self.job.runner
         counts = self.actor.parameter_counts(ranks=[0]).wait()[0]
         chunk = job.policy_config.chunk_size
+        pol = job.policy_config
         source = (
-            f"from {job.policy['checkpoint']}"
-            if job.policy.get("checkpoint")
-            else f"preset {job.policy_config.preset}, random weights"
+            f"from {pol.checkpoint}" if pol.checkpoint else f"preset {pol.preset}, random weights"
         )
         mode = self.placement.mode
         stages = f", {job.placement.stages} stages" if job.placement.stages > 1 else ""
@@ -303,7 +301,7 @@ class EmbodiedRunner:
         metrics = evaluate_on_worker(
             self.rollout,
             self.job.env_name,
-            self.job.env,
+            self.job.env_config,
             r.seed,
             r.eval_episodes,
             r.eval_videos,

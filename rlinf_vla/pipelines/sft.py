@@ -142,7 +142,12 @@ class SFTRunnerConfig:
 
 @dataclass
 class SFTJob:
-    """A validated ``rlinf-vla sft`` job."""
+    """A validated ``rlinf-vla sft`` job.
+
+    ``env_config`` and ``policy_config`` are the typed configs the workers receive (the
+    policy's with the datasets' statistics, and with a checkpoint the checkpoint's config under
+    the command line's keys); ``env`` and ``policy`` record the settings they were built from.
+    """
 
     cluster: ClusterConfig
     env_name: str
@@ -154,8 +159,8 @@ class SFTJob:
     runner: SFTRunnerConfig
     features: list[FeatureMap]
     counts: dict[str, int]
-    env_config: Any  # the env's config as the evaluation builds it (every default resolved)
-    policy_config: Any  # the policy's config as the actor builds it
+    env_config: Any  # the evaluation's env (every default resolved)
+    policy_config: Any  # the actor's policy, statistics included
     raw: dict[str, Any] = field(default_factory=dict)
 
     def algo(self, ranks: int) -> dict[str, Any]:
@@ -343,6 +348,7 @@ def validate(cfg: Any) -> SFTJob:
         raise ConfigError(f"policy {policy_name!r}: {e}") from None
     if policy.get("dtype", "auto") == "auto":
         policy["dtype"] = "float32"  # float32 weights and AdamW state; sft.autocast computes
+    pol_cfg = policy_config_for(policy_name, policy)  # with the statistics: what trains
     sft: SFTConfig = built["sft"]
     if built["runner"].eval_interval and built["runner"].eval_videos:
         from rlinf_vla.envs.video import require_ffmpeg
@@ -393,7 +399,7 @@ class SFTRunner:
         if r.resume and checkpoint is None:
             checkpoint = resume_checkpoint(r.resume, "step")
         self.checkpoint = checkpoint
-        policy = dict(job.policy, seed=r.seed)
+        policy = job.policy_config.replace(seed=r.seed)
         self.sharded = job.sft.fsdp and ranks > 1
         try:
             self.actor = WorkerGroup(
@@ -441,10 +447,9 @@ class SFTRunner:
 
         job = self.job
         counts = self.actor.parameter_counts(ranks=[0]).wait()[0]
+        pol = job.policy_config
         source = (
-            f"from {job.policy['checkpoint']}"
-            if job.policy.get("checkpoint")
-            else f"preset {job.policy_config.preset}, random weights"
+            f"from {pol.checkpoint}" if pol.checkpoint else f"preset {pol.preset}, random weights"
         )
         fsdp = " (FSDP)" if self.sharded else ""
         return [
@@ -521,7 +526,7 @@ class SFTRunner:
         metrics = evaluate_on_worker(
             self.rollout,
             self.job.env_name,
-            self.job.env,
+            self.job.env_config,
             r.seed,
             r.eval_episodes,
             r.eval_videos,

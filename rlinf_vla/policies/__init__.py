@@ -55,19 +55,32 @@ def policy_config(name: str, **overrides: Any) -> PolicyConfig:
     return spec.cls.config_cls.from_kwargs(name, **{**spec.defaults, **overrides})
 
 
-def make_policy(name: str, **overrides: Any) -> Policy:
+def make_policy(name: str, config: PolicyConfig | None = None, **overrides: Any) -> Policy:
     """Build policy ``name``.
 
     Args:
         name: a registered name (``openvla``, ``openvla_oft``, ``pi0``, ``pi05``).
-        **overrides: config fields of the family (see its ``config.py``); ``checkpoint=PATH``
-            loads a checkpoint directory (or a Hugging Face model id from the local cache,
-            :func:`~rlinf_vla.policies.base.find_checkpoint`), whose architecture replaces the preset (``preset``
-            is ignored then; other keys override the checkpoint's settings).
+        config: the policy's typed config as the job's validation built it
+            (:func:`~rlinf_vla.policies.resolve.policy_config_for`: with a ``checkpoint``, the
+            checkpoint's own config with the command line's keys on top); its ``checkpoint``
+            weights are loaded as they are, the config is not read again. Keyword ``overrides``
+            replace fields (a worker's ``device`` and ``seed``).
+        **overrides: without ``config``: config fields of the family (see its ``config.py``);
+            ``checkpoint=PATH`` loads a checkpoint directory (or a Hugging Face model id from
+            the local cache, :func:`~rlinf_vla.policies.base.find_checkpoint`), whose
+            architecture replaces the preset (``preset`` is ignored then; other keys override
+            the checkpoint's settings).
 
     The same keys work from the CLI: ``policy=openvla policy.preset=tiny policy.checkpoint=PATH``.
     """
     spec = _spec(name)
+    if config is not None:
+        if not isinstance(config, spec.cls.config_cls):
+            raise TypeError(
+                f"policy {name!r} takes a {spec.cls.config_cls.__name__}, "
+                f"got {type(config).__name__}"
+            )
+        return spec.cls.from_config(config.replace(**overrides) if overrides else config)
     overrides = {**spec.defaults, **overrides}
     checkpoint = overrides.pop("checkpoint", None)
     if checkpoint:

@@ -310,6 +310,15 @@ class Policy(nn.Module, ABC):
     def from_pretrained(cls, path: str | Path, **overrides: Any) -> Policy:
         """Load a policy from a checkpoint directory; ``overrides`` change config values."""
 
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> Policy:
+        """The policy of a config that is already resolved: with ``config.checkpoint`` (set by
+        the family's ``config_from_dir``, the checkpoint's config with the caller's keys on
+        top) the weights of that folder are loaded, without reading its config again."""
+        if config.checkpoint:
+            return cls(config, checkpoint_dir=Path(config.checkpoint))  # type: ignore[call-arg]
+        return cls(config)
+
     # -- shared helpers ----------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

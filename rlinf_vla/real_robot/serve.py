@@ -23,18 +23,21 @@ __all__ = ["ServeJob", "run", "validate"]
 
 @dataclass
 class ServeJob:
-    """A validated ``rlinf-vla serve`` job."""
+    """A validated ``rlinf-vla serve`` job: ``policy`` holds the keys the command line set,
+    ``policy_config`` the typed config the policy is built from (with a checkpoint, the
+    checkpoint's config under those keys)."""
 
     policy_name: str
     policy: dict[str, Any]
     server: ServerConfig = field(default_factory=ServerConfig)
+    policy_config: Any = None
 
 
 def validate(cfg: Any) -> ServeJob:
     """Check the composed ``serve`` config (policy name, keys, server limits); pure."""
     from omegaconf import OmegaConf
 
-    from rlinf_vla.policies import policy_config
+    from rlinf_vla.policies.resolve import policy_config_for
 
     values = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
     unknown = sorted(set(values) - {"policy", "server"})
@@ -44,23 +47,14 @@ def validate(cfg: Any) -> ServeJob:
     name = policy.pop("name", None)
     if name is None:
         raise ConfigError("policy.name is missing")
-    try:
-        config = policy_config(name, **{k: v for k, v in policy.items() if k != "checkpoint"})
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"policy: {e.args[0] if e.args else e}") from None
-    checkpoint = policy.get("checkpoint")
-    if checkpoint is not None:
-        from pathlib import Path
-
-        if not Path(checkpoint).is_dir():
-            raise ConfigError(f"policy.checkpoint: {checkpoint!r} is not a checkpoint folder")
+    config = policy_config_for(name, policy)  # reads a checkpoint's config files
     server = from_section(ServerConfig, values.get("server"), "server")
     if server.protocol == "openpi":
         try:
             check_layout(server.openpi_layout, tuple(config.image_keys))
         except ValueError as e:
             raise ConfigError(f"server.openpi_layout: {e}") from None
-    return ServeJob(name, policy, server)
+    return ServeJob(name, policy, server, config)
 
 
 def run(job: ServeJob) -> None:
@@ -74,7 +68,7 @@ def run(job: ServeJob) -> None:
     )
     console = Console()
     with console.status(f"loading policy {job.policy_name}..."):
-        policy = make_policy(job.policy_name, **job.policy).eval()
+        policy = make_policy(job.policy_name, job.policy_config).eval()
     server = PolicyServer(policy, job.policy_name, job.server)
     meta = server.metadata
     console.print(

@@ -8,6 +8,7 @@ import torch
 
 from rlinf_vla.pipelines import actor as actor_module
 from rlinf_vla.pipelines.actor import ActorWorker, Batch
+from rlinf_vla.policies import policy_config
 from rlinf_vla.runtime import Device
 from rlinf_vla.runtime.worker import WorkerContext
 from tests.policies.conftest import make_obs
@@ -39,7 +40,7 @@ def _actor(algo_name: str, micro_batch_size: int, readout: bool) -> ActorWorker:
         "max_grad_norm": 1e9,  # no clipping: the gradients stay as accumulated
         "cache_frozen_features": readout,
     }
-    actor.__init__("openvla", policy, algo, seed=0)
+    actor.__init__("openvla", policy_config("openvla", **policy), algo, seed=0)
     return actor
 
 

@@ -192,7 +192,11 @@ def test_the_actor_takes_the_frozen_features_the_rollout_sent():
 
     actor = ActorWorker.__new__(ActorWorker)
     actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
-    policy = {"preset": "tiny", "lora_rank": 4, "lora_target_modules": ".*lm_head", "seed": 0}
+    from rlinf_vla.policies import policy_config
+
+    policy = policy_config(
+        "openvla", preset="tiny", lora_rank=4, lora_target_modules=".*lm_head", seed=0
+    )
     actor.__init__("openvla", policy, {"name": "ppo"}, seed=0)
     obs = Observation(
         images={"main": torch.randint(0, 256, (3, 32, 32, 3), dtype=torch.uint8)},

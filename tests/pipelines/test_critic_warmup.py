@@ -6,6 +6,7 @@ import torch
 from rlinf_vla.config import ConfigError
 from rlinf_vla.pipelines import actor as actor_module
 from rlinf_vla.pipelines.actor import ActorWorker, AlgoConfig
+from rlinf_vla.policies import policy_config
 from rlinf_vla.runtime import Device
 from rlinf_vla.runtime.worker import WorkerContext
 from tests.pipelines.test_accumulation import _batch
@@ -26,7 +27,8 @@ def _actor(critic_warmup: int) -> ActorWorker:
         "normalize_advantages": False,
         "cache_frozen_features": False,
     }
-    actor.__init__("openvla", {"preset": "tiny", "chunk_size": 2, "seed": 0}, algo, seed=0)
+    policy = policy_config("openvla", preset="tiny", chunk_size=2, seed=0)
+    actor.__init__("openvla", policy, algo, seed=0)
     return actor
 
 

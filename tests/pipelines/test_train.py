@@ -516,9 +516,9 @@ def test_training_holds_float32_weights_unless_told_otherwise():
     # policy.dtype=auto would be bfloat16 on CUDA: AdamW on bf16 weights drops small updates
     from rlinf_vla.pipelines import validate
 
-    assert validate(cli.compose("train", ["env=toy"])).policy["dtype"] == "float32"
+    assert validate(cli.compose("train", ["env=toy"])).policy_config.dtype == "float32"
     job = validate(cli.compose("train", ["env=toy", "policy.dtype=bfloat16"]))
-    assert job.policy["dtype"] == "bfloat16"
+    assert job.policy_config.dtype == "bfloat16"
 
 
 def test_a_checkpoints_own_settings_win_over_the_class_defaults(tmp_path):
@@ -600,7 +600,7 @@ def test_weight_sync_sends_the_frozen_weights_once(tmp_path):
     assert cli.main(["train", *args, f"runner.output_dir={tmp_path}"]) == 0
     rows = _metrics(tmp_path)
     job = validate(cli.compose("train", args))
-    policy = make_policy(job.policy_name, **job.policy)
+    policy = make_policy(job.policy_name, job.policy_config)
     size = {k: v.numel() * v.element_size() for k, v in policy.state_dict().items()}
     changing = {n for n, p in policy.named_parameters() if p.requires_grad}
     changing = (changing | {n for n, _ in policy.named_buffers()}) & set(size)

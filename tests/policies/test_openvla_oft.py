@@ -328,3 +328,13 @@ def test_a_checkpoint_keeps_its_log_std_unless_init_log_std_is_given(tmp_path):
     assert torch.equal(kept.log_std, trained.log_std)
     reset = make_policy("openvla_oft", checkpoint=str(tmp_path), init_log_std=-1.5)
     assert torch.equal(reset.log_std, torch.full_like(trained.log_std, -1.5))
+    # The same through the typed config a job resolves and hands its workers.
+    from rlinf_vla.policies.resolve import policy_config_for
+
+    kept = make_policy(
+        "openvla_oft", policy_config_for("openvla_oft", {"checkpoint": str(tmp_path)})
+    )
+    assert torch.equal(kept.log_std, trained.log_std)
+    given = {"checkpoint": str(tmp_path), "init_log_std": -1.5}
+    reset = make_policy("openvla_oft", policy_config_for("openvla_oft", given))
+    assert torch.equal(reset.log_std, torch.full_like(trained.log_std, -1.5))

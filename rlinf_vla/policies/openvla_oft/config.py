@@ -72,6 +72,9 @@ class OpenVLAOFTConfig(OpenVLAConfig):
             have); ``discrete`` -> categorical action tokens from the LM head (RLinf's OFT).
         action_head_blocks: residual blocks of the ``MLPResNet`` (2 upstream).
         init_log_std: initial log-std of the Gaussian head, in normalised action units.
+            ``None``: -2 for a new head, and with a ``checkpoint`` the log-std it trained
+            (``rl_heads.safetensors``); a value given with a checkpoint resets that one (e.g.
+            more exploration noise for RL after a behaviour-cloned start).
         log_std_range: the log-std is clamped to this range.
     """
 
@@ -85,7 +88,7 @@ class OpenVLAOFTConfig(OpenVLAConfig):
     proprio_dim: int = 8
     action_head: Literal["l1_gaussian", "discrete"] = "l1_gaussian"
     action_head_blocks: int = 2
-    init_log_std: float = -2.0
+    init_log_std: float | None = None
     log_std_range: tuple[float, float] = (-5.0, 1.0)
 
     def __post_init__(self) -> None:
@@ -109,7 +112,12 @@ class OpenVLAOFTConfig(OpenVLAConfig):
         check(self, "action_head_blocks", self.action_head_blocks >= 0, "must be >= 0")
         lo, hi = self.log_std_range
         check(self, "log_std_range", lo < hi, "must be (low, high) with low < high")
-        check(self, "init_log_std", lo <= self.init_log_std <= hi, "must lie in log_std_range")
+        check(
+            self,
+            "init_log_std",
+            self.init_log_std is None or lo <= self.init_log_std <= hi,
+            "must lie in log_std_range",
+        )
         check(
             self,
             "use_fused_vision_backbone",

@@ -56,6 +56,9 @@ __all__ = [
     "find_checkpoint_file",
 ]
 
+#: The log-std of a new Gaussian head when ``init_log_std`` is unset.
+NEW_HEAD_LOG_STD = -2.0
+
 
 class ProprioProjector(nn.Module):
     """``fc1 GELU fc2``: normalised proprio ``[B, P] -> [B, D]`` (one token)."""
@@ -164,7 +167,8 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         self.log_std = None
         if cfg.action_head == "l1_gaussian":
             self.action_head = L1RegressionActionHead(d, d, cfg.action_dim, cfg.action_head_blocks)
-            self.log_std = nn.Parameter(torch.full((cfg.action_dim,), float(cfg.init_log_std)))
+            init = NEW_HEAD_LOG_STD if cfg.init_log_std is None else cfg.init_log_std
+            self.log_std = nn.Parameter(torch.full((cfg.action_dim,), float(init)))
 
     def _make_processor(self, tokenizer: Any) -> OpenVLAOFTProcessor:
         return OpenVLAOFTProcessor(self.config, tokenizer)
@@ -299,17 +303,6 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
                 torch.save(sd, path / f"{name}--latest_checkpoint.pt")
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **overrides: Any) -> OpenVLAOFTPolicy:
-        """The checkpoint's policy; its log-std is the checkpoint's (``rl_heads.safetensors``)
-        unless ``init_log_std`` is given, which then resets it (e.g. more exploration noise
-        for RL after a behaviour-cloned start)."""
-        policy = super().from_pretrained(path, **overrides)
-        if "init_log_std" in overrides and policy.log_std is not None:
-            with torch.no_grad():
-                policy.log_std.fill_(float(overrides["init_log_std"]))
-        return policy
-
-    @classmethod
     def config_from_dir(cls, path: Path, **overrides: Any) -> OpenVLAOFTConfig:
         """OpenVLA's config fields, with the head type, proprio size and block count read from
         the OFT checkpoint files when the directory has no ``rlinf_vla`` section.
@@ -337,7 +330,8 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         if proprio is not None:
             inferred["proprio_dim"] = int(_load_pt(proprio)["fc1.weight"].shape[1])
         config = super().config_from_dir(path)  # architecture + rlinf_vla section
-        merged = {**config.to_dict(), **inferred, **overrides}
+        # the log-std a checkpoint trained is kept (rl_heads.safetensors) unless one is given
+        merged = {**config.to_dict(), **inferred, "init_log_std": None, **overrides}
         files = checkpoint_files(str(path))
         if files is not None and not files.written_here:
             platform = official_platform_settings(path, merged)
@@ -365,6 +359,9 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             sd = _load_pt(file)
             check_state_dict(module.state_dict(), sd, str(file))
             module.load_state_dict(sd)
+        if self.log_std is not None and self.config.init_log_std is not None:
+            with torch.no_grad():  # given with a checkpoint: replaces the trained log-std
+                self.log_std.fill_(float(self.config.init_log_std))
 
     @property
     def gaussian_std(self) -> Tensor | None:
