@@ -235,6 +235,8 @@ class RunLoop:
                         progress.console.print(
                             _saved_line(self.last_checkpoint, time.perf_counter() - t0),
                             highlight=False,
+                            markup=False,
+                            soft_wrap=True,
                         )
         except BaseException as e:
             console.print(f"[bold red]training stopped in {word} {i + 1}:[/] {stop_reason(e)}")
