@@ -191,6 +191,29 @@ class EnvConfig:
             for s in range(trials_per_task)
         ]
 
+    def eval_configs(
+        self, env_name: str, tasks: list[str] | None, trials_per_task: int
+    ) -> list[tuple[str | None, EnvConfig]]:
+        """The configs an evaluation (``rlinf-vla eval``) runs its trials with, each with the
+        task it runs (``None``: the env's own tasks, one config for all), checked before
+        anything starts; a policy's fit is checked against each. By default the env itself:
+        it has one task, so ``tasks`` (``eval.tasks``) must be ``None``.
+
+        Raises:
+            ValueError: ``tasks`` or ``trials_per_task`` the env cannot run, naming the
+                ``eval`` key.
+        """
+        if tasks is not None:
+            raise ValueError(f"eval.tasks: env {env_name!r} has a single task; leave it null")
+        return [(None, self)]
+
+    @property
+    def eval_uses_seed(self) -> bool:
+        """Whether ``eval.seed`` decides an evaluation's trials (the seeds are their reset
+        ids), and so belongs to its identity: a results folder resumes only with the same
+        seed. ``False`` where the trials are fixed scenes (LIBERO's official init states)."""
+        return True
+
     @classmethod
     def from_kwargs(cls, env_name: str = "", **kwargs: Any) -> EnvConfig:
         """Build the config from keyword arguments; unknown keys fail, naming them."""

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
-from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, PERTURBATIONS, SUITE_SIZES
+from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, env_error, from_section
+from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, PERTURBATIONS
 from rlinf_vla.eval import protocol as protocols
 from rlinf_vla.eval.stats import condition
 from rlinf_vla.policies.resolve import fit_problems, policy_config_for
@@ -189,31 +189,6 @@ def _plain(section: Any, path: str) -> dict[str, Any]:
     return dict(section)
 
 
-def _check_libero(env: dict[str, Any], ev: EvalConfig) -> None:
-    suite = env.get("suite", "libero_spatial")
-    if suite not in SUITE_SIZES:
-        raise ConfigError(
-            f"env.suite={suite!r} is not a LIBERO suite; known suites: {', '.join(SUITE_SIZES)}"
-        )
-    size = SUITE_SIZES[suite]
-    bad = [i for i in env.get("task_ids") or [] if not 0 <= int(i) < size]
-    if bad:
-        raise ConfigError(
-            f"env.task_ids {bad} out of range for suite {suite!r} with {size} tasks "
-            f"(valid: 0..{size - 1})"
-        )
-    if ev.trials_per_task > INIT_STATES_PER_TASK:
-        raise ConfigError(
-            f"eval.trials_per_task={ev.trials_per_task}: a LIBERO task has "
-            f"{INIT_STATES_PER_TASK} official init states and each is used once (use at most 50)"
-        )
-    if ev.tasks is not None:
-        raise ConfigError(
-            "eval.tasks lists ManiSkill tasks; LIBERO tasks are chosen with env.suite and "
-            "env.task_ids"
-        )
-
-
 def check_fit(env_name: str, env_cfg: Any, pol: Any) -> None:
     """The policy's cameras, action size and proprio size must fit the env
     (:func:`~rlinf_vla.policies.resolve.fit_problems`)."""
@@ -265,37 +240,26 @@ def validate(cfg: Any) -> EvalJob:
             raise ConfigError(f"eval.videos={ev.videos}: {e}") from None
     protocol = protocols.resolve(env_name, ev.protocol)
     _check_perturbation_keys(env_name, env, ev)
-    if env_name == "libero":
-        _check_libero(env, ev)
-    elif env_name != "maniskill" and ev.tasks is not None:
-        raise ConfigError(f"eval.tasks: env {env_name!r} has a single task; leave it null")
     # The eval drives every env itself: one env per slot, resets chosen per trial.
     env["group_size"] = 1
     try:
         slots_cfg = env_config(env_name, **env)  # num_envs: the envs run in parallel
         env_cfg = env_config(env_name, slots_cfg, num_envs=1)  # each env's own config
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
+        raise env_error(e) from None
+    try:  # the env's own checks of eval.tasks and eval.trials_per_task
+        run_configs = env_cfg.eval_configs(env_name, ev.tasks, ev.trials_per_task)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not policy.get("checkpoint") and policy.get("seed") is None:
         policy["seed"] = ev.seed  # random (preset) weights: the same ones on every run
     protocols.check(env_name, protocol, env_cfg)
     pol = policy_config_for(policy_name, policy)
-    if env_name == "maniskill":
-        # Every task is checked with its own default robot (some carry a hand camera).
-        tasks = ev.tasks or [env_cfg.task]
-        for task in tasks:
-            try:
-                task_cfg = dataclasses.replace(env_cfg, task=task)
-                task_cfg.spec()
-            except ValueError as e:  # an unknown task or robot
-                raise ConfigError(f"eval.tasks / env.task: {e}") from None
-            try:
-                check_fit(env_name, task_cfg, pol)
-            except ConfigError as e:
-                raise ConfigError(f"task {task}: {e}") from None
-        _check_maniskill_tasks(tasks)
-    else:
-        check_fit(env_name, env_cfg, pol)
+    for task, run_cfg in run_configs:  # e.g. each ManiSkill task with its own robot
+        try:
+            check_fit(env_name, run_cfg, pol)
+        except ConfigError as e:
+            raise ConfigError(f"task {task}: {e}" if task is not None else str(e)) from None
     job = EvalJob(
         cluster=cluster,
         env_name=env_name,
@@ -329,16 +293,6 @@ def _policy_device(policy: dict[str, Any], ev: EvalConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_maniskill_tasks(tasks: list[str]) -> None:
-    from rlinf_vla.envs.maniskill.env import MissingAssetError, check_task
-
-    for task in tasks:
-        try:
-            check_task(task)
-        except (ValueError, MissingAssetError) as e:
-            raise ConfigError(f"eval.tasks / env.task: {e}") from None
-
-
 # ------------------------------------------------------------------------------- trial plan
 def plan_trials(env_name: str, env_cfg: Any, ev: EvalConfig) -> list[Trial]:
     """Every trial of the evaluation, task by task, as the env plans them
@@ -359,7 +313,7 @@ def identity(job: EvalJob) -> dict[str, Any]:
         "policy_name": job.policy_name,
         "policy": policy,
         "greedy": job.eval.greedy,
-        "seed": job.eval.seed if job.env_name != "libero" else None,
+        "seed": job.eval.seed if job.env_config.eval_uses_seed else None,
         "protocol": job.protocol,
         **(
             {"perturbation_seed": job.eval.perturbation_seed}

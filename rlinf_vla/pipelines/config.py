@@ -9,12 +9,17 @@ anything. A policy without a checkpoint takes the env's sizes where the command 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlinf_vla.algos.presets import ineffective_keys
-from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
+from rlinf_vla.config import (
+    ConfigError,
+    SectionErrors,
+    check_at_least,
+    env_error,
+    from_section,
+)
 from rlinf_vla.pipelines.actor import AlgoConfig
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
 from rlinf_vla.policies.resolve import fit_problems, policy_config_for, sized_for_env
@@ -178,11 +183,7 @@ def validate(cfg: Any) -> TrainJob:
         try:
             return env_config(env_name, **env)
         except (KeyError, TypeError, ValueError) as e:
-            # "LiberoEnvConfig.task_ids ..." names the key as the command line sets it.
-            message = re.sub(r"^\w+EnvConfig\.", "env.", str(e.args[0] if e.args else e))
-            raise ConfigError(
-                message if message.startswith("env.") else f"env: {message}"
-            ) from None
+            raise env_error(e) from None
 
     def resolve_policy() -> tuple[dict[str, Any], Any]:
         # The section holds what the command line set; a checkpoint's config decides the rest,

@@ -1,4 +1,6 @@
-"""Each env's config says what it runs, for the header of a training run."""
+"""Each env's config says what it runs, for the header of a training run and for an evaluation."""
+
+import pytest
 
 from rlinf_vla.envs import env_config
 
@@ -34,3 +36,41 @@ def test_maniskill_plans_its_eval_trials_by_task_and_seed():
     assert trials[2]["env_key"] == (("task", "PickCube-v1"),)
     toy = env_config("toy").eval_trials("toy", None, 3, 0)
     assert [(t["task"], t["reset_id"]) for t in toy] == [("toy", 0), ("toy", 1), ("toy", 2)]
+
+
+def test_libero_checks_what_an_evaluation_runs():
+    libero = env_config("libero", suite="libero_goal")
+    assert libero.eval_configs("libero", None, 50) == [(None, libero)]
+    with pytest.raises(ValueError, match=r"eval\.trials_per_task=51: .* 50 official init states"):
+        libero.eval_configs("libero", None, 51)
+    with pytest.raises(ValueError, match=r"eval\.tasks .*env\.suite and env\.task_ids"):
+        libero.eval_configs("libero", ["PickCube-v1"], 1)
+    assert not libero.eval_uses_seed
+
+
+def test_single_task_envs_refuse_eval_tasks():
+    toy = env_config("toy")
+    assert toy.eval_configs("toy", None, 100) == [(None, toy)] and toy.eval_uses_seed
+    with pytest.raises(ValueError, match=r"eval\.tasks: env 'toy' has a single task; leave it"):
+        toy.eval_configs("toy", ["a"], 1)
+    metaworld = env_config("metaworld", task_set="MT10")
+    assert metaworld.eval_configs("metaworld", None, 50) == [(None, metaworld)]
+    with pytest.raises(ValueError, match=r"eval\.tasks: MetaWorld tasks are chosen with env\."):
+        metaworld.eval_configs("metaworld", ["reach-v3"], 1)
+    with pytest.raises(ValueError, match=r"eval\.trials_per_task=51: .* 50 configurations"):
+        metaworld.eval_configs("metaworld", None, 51)
+
+
+def test_maniskill_checks_every_task_of_an_evaluation():
+    pytest.importorskip("mani_skill")
+    maniskill = env_config("maniskill", wrist=False)
+    runs = maniskill.eval_configs("maniskill", ["PushCube-v1", "PickCube-v1"], 3)
+    assert [(task, cfg.task) for task, cfg in runs] == [
+        ("PushCube-v1", "PushCube-v1"),
+        ("PickCube-v1", "PickCube-v1"),
+    ]
+    assert [task for task, _ in maniskill.eval_configs("maniskill", None, 3)] == ["PickCube-v1"]
+    with pytest.raises(
+        ValueError, match=r"eval\.tasks / env\.task: .*known tasks: .*PickCube-v1.*'NopeCube-v1'"
+    ):
+        maniskill.eval_configs("maniskill", ["PickCube-v1", "NopeCube-v1"], 1)

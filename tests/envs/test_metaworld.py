@@ -60,7 +60,7 @@ def test_reset_id_mapping_and_eval_trials() -> None:
     assert [t["task"] for t in trials[::3]] == list(MT10)
     assert [t["reset_id"] for t in trials[3:6]] == [50, 51, 52]
     with pytest.raises(ValueError, match="trials_per_task"):
-        MetaWorldEnvConfig().eval_trials("metaworld", None, 51, seed=0)
+        MetaWorldEnvConfig().eval_configs("metaworld", None, 51)
 
 
 @pytest.mark.sim

@@ -142,6 +142,29 @@ class LiberoEnvConfig(EnvConfig):
         """7-D end-effector delta actions; state: eef position, axis-angle, 2 gripper joints."""
         return EnvSpec(self.cameras, 7, 8)
 
+    def eval_configs(
+        self, env_name: str, tasks: list[str] | None, trials_per_task: int
+    ) -> list[tuple[str | None, EnvConfig]]:
+        """The env itself (``suite`` and ``task_ids`` select the tasks); each task has
+        :data:`INIT_STATES_PER_TASK` official init states, each used once."""
+        if trials_per_task > INIT_STATES_PER_TASK:
+            raise ValueError(
+                f"eval.trials_per_task={trials_per_task}: a LIBERO task has "
+                f"{INIT_STATES_PER_TASK} official init states and each is used once (use at "
+                f"most {INIT_STATES_PER_TASK})"
+            )
+        if tasks is not None:
+            raise ValueError(
+                "eval.tasks lists ManiSkill tasks; LIBERO tasks are chosen with env.suite and "
+                "env.task_ids"
+            )
+        return [(None, self)]
+
+    @property
+    def eval_uses_seed(self) -> bool:
+        """The official init states are the scenes of the trials, whatever ``eval.seed``."""
+        return False
+
     def eval_trials(
         self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int
     ) -> list[dict[str, Any]]:
@@ -169,7 +192,11 @@ class LiberoEnvConfig(EnvConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_field(self, "suite", self.suite in SUITE_CHOICES, f"must be one of {SUITE_CHOICES}")
+        if self.suite not in SUITE_CHOICES:
+            raise ValueError(
+                f"{type(self).__name__}.suite={self.suite!r} is not a LIBERO suite; known "
+                f"suites: {', '.join(SUITE_CHOICES)}"
+            )
         if self.task_ids is not None:
             self.task_ids = tuple(int(i) for i in self.task_ids)
             check_field(self, "task_ids", len(self.task_ids) > 0, "must not be empty")

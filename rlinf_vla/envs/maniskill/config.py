@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +198,29 @@ class ManiSkillEnvConfig(EnvConfig):
             for j, task in enumerate(tasks or [self.task])
             for s in range(trials_per_task)
         ]
+
+    def eval_configs(
+        self, env_name: str, tasks: list[str] | None, trials_per_task: int
+    ) -> list[tuple[str | None, EnvConfig]]:
+        """One config per task of ``tasks`` (default: ``task``), each with the task's own
+        default robot (some carry a hand camera); every task must be registered and have its
+        assets on disk (nothing is downloaded). Imports ManiSkill."""
+        from rlinf_vla.envs.maniskill.env import MissingAssetError, check_task
+
+        configs: list[tuple[str | None, EnvConfig]] = []
+        for task in tasks or [self.task]:
+            try:
+                task_cfg = dataclasses.replace(self, task=task)
+                task_cfg.spec()
+            except ValueError as e:  # an unknown task or robot
+                raise ValueError(f"eval.tasks / env.task: {e}") from None
+            configs.append((task, task_cfg))
+        for task, _ in configs:
+            try:
+                check_task(task)
+            except (ValueError, MissingAssetError) as e:
+                raise ValueError(f"eval.tasks / env.task: {e}") from None
+        return configs
 
     @property
     def cameras(self) -> tuple[str, ...]:

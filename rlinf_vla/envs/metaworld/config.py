@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlinf_vla.config import ConfigError
 from rlinf_vla.envs.base import EnvConfig, EnvSpec, check_field
 
 #: The MT10 tasks, in MetaWorld's order (``metaworld.env_dict.MT10_V3``).
@@ -175,17 +174,30 @@ class MetaWorldEnvConfig(EnvConfig):
         """4-D actions; state: hand xyz and gripper opening (or the 39-D observation)."""
         return EnvSpec(self.cameras, 4, self.state_dim)
 
-    def eval_trials(
-        self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int
-    ) -> list[dict[str, Any]]:
-        """Every task of the task set x its configurations ``0 .. trials_per_task - 1`` (the
-        seed plays no part: ``scene_seed`` fixes the configurations). The reset id of task
-        position ``p`` and configuration ``s`` is ``50 p + s``."""
+    def eval_configs(
+        self, env_name: str, tasks: list[str] | None, trials_per_task: int
+    ) -> list[tuple[str | None, EnvConfig]]:
+        """The env itself (``task_set`` and ``task`` select the tasks); each task has
+        :data:`VARIATIONS_PER_TASK` configurations, each used once."""
         if trials_per_task > VARIATIONS_PER_TASK:
-            raise ConfigError(
+            raise ValueError(
                 f"eval.trials_per_task={trials_per_task}: a MetaWorld task has "
                 f"{VARIATIONS_PER_TASK} configurations (at most {VARIATIONS_PER_TASK} trials)"
             )
+        if tasks is not None:
+            raise ValueError(
+                "eval.tasks: MetaWorld tasks are chosen with env.task_set and env.task; leave "
+                "it null"
+            )
+        return [(None, self)]
+
+    def eval_trials(
+        self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int
+    ) -> list[dict[str, Any]]:
+        """Every task of the task set x its configurations ``0 .. trials_per_task - 1`` (at
+        most :data:`VARIATIONS_PER_TASK`, see :meth:`eval_configs`; the seed plays no part:
+        ``scene_seed`` fixes the configurations). The reset id of task position ``p`` and
+        configuration ``s`` is ``50 p + s``."""
         return [
             {
                 "suite": self.task_set,
