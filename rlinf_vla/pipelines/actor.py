@@ -65,6 +65,9 @@ class AlgoConfig(AlgorithmSection):
             does not depend on it).
         max_grad_norm: gradient clipping.
         lr, value_lr: AdamW learning rates of the policy and of the value head.
+        log_std_lr: AdamW learning rate of the policy's state-independent log-std (parameters
+            named ``log_std``, e.g. OpenVLA-OFT's Gaussian head) in a third group; ``None``:
+            ``lr``, in the main group. Like ``lr``, 0 during the critic warm-up.
         weight_decay: AdamW weight decay.
         lr_schedule: ``constant`` or ``linear`` decay to 0 over the run.
         warmup_iterations: linear warmup of the learning rate.
@@ -99,6 +102,7 @@ class AlgoConfig(AlgorithmSection):
     max_grad_norm: float = 1.0
     lr: float = 1e-4
     value_lr: float = 1e-3
+    log_std_lr: float | None = None
     weight_decay: float = 0.0
     lr_schedule: Literal["constant", "linear"] = "constant"
     warmup_iterations: int = 0
@@ -137,6 +141,7 @@ class AlgoConfig(AlgorithmSection):
         bad += [
             f"algo.{key} {rule}, got {getattr(self, key)}"
             for key, ok, rule in [
+                ("log_std_lr", self.log_std_lr is None or self.log_std_lr > 0, "must be > 0"),
                 ("group_size", self.group_size >= 1, "must be >= 1"),
                 (
                     "value_clip",
@@ -153,6 +158,11 @@ class AlgoConfig(AlgorithmSection):
         ]
         if bad or bad_preset:
             raise ConfigError("; ".join(([bad_preset] if bad_preset else []) + bad))
+
+
+def is_log_std(name: str) -> bool:
+    """A state-independent log-std parameter (``log_std``, under any module prefix)."""
+    return name.rsplit(".", 1)[-1] == "log_std"
 
 
 def autocast(device: torch.device, mode: str) -> Any:
@@ -292,6 +302,7 @@ class ActorWorker(Worker, HasLearner):
             self.policy,
             a.lr,
             second_group=(lambda name: "value_head" in name, a.value_lr),
+            extra_groups=[(is_log_std, a.log_std_lr)] if a.log_std_lr is not None else [],
             weight_decay=a.weight_decay,
             max_grad_norm=a.max_grad_norm,
             schedule=Schedule(a.warmup_iterations, a.lr_schedule, a.critic_warmup_iterations),

@@ -85,6 +85,12 @@ class PolicyConfig:
         lora_target_modules: module-name regex (or list of names) the adapter wraps; empty ->
             the family default (the language backbone's linear layers).
         lora_adapter: a peft adapter folder to load on top of the base weights.
+        trainable_modules: a regex over parameter names (``named_parameters``, e.g.
+            ``action_head.model.fc1.weight``); when set, every parameter whose name it does not
+            match anywhere (``re.search``) is frozen at the end of the policy's construction
+            (after LoRA, which may have frozen more already). ``None``: every parameter the
+            family (and LoRA) leaves trainable trains. A regex that matches no trainable
+            parameter is an error.
         dtype: ``auto`` (bfloat16 on CUDA, float32 on CPU), ``float32`` or ``bfloat16``.
         device: torch device the policy is moved to.
         gradient_checkpointing: recompute activations of the backbones in the backward pass.
@@ -108,6 +114,7 @@ class PolicyConfig:
     lora_dropout: float = 0.0
     lora_target_modules: str | tuple[str, ...] = ""
     lora_adapter: str | None = None
+    trainable_modules: str | None = None
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     device: str = "cpu"
     gradient_checkpointing: bool = False
@@ -128,6 +135,11 @@ class PolicyConfig:
             f"must be one of {sorted(_SUMMED_DIMS)}",
         )
         check(self, "lora_rank", self.lora_rank >= 0, "must be >= 0")
+        if self.trainable_modules is not None:
+            try:
+                re.compile(self.trainable_modules)
+            except re.error as e:
+                check(self, "trainable_modules", False, f"is not a valid regex ({e})")
         check(self, "lora_dropout", 0.0 <= self.lora_dropout < 1.0, "must lie in [0, 1)")
         check(
             self,
@@ -340,7 +352,8 @@ class Policy(nn.Module, ABC):
     _rl_heads: ClassVar[tuple[str, ...]] = ()
 
     def _finish_init(self) -> None:
-        """Dtype/device placement, LoRA, then the RL heads back to float32."""
+        """Dtype/device placement, LoRA, the RL heads back to float32, then
+        ``trainable_modules``."""
         cfg = self.config
         self.to(device=cfg.device, dtype=cfg.torch_dtype)
         if cfg.lora_adapter:
@@ -351,6 +364,23 @@ class Policy(nn.Module, ABC):
             head = getattr(self, name, None)
             if head is not None:
                 head.float()
+        if cfg.trainable_modules is not None:
+            self._freeze_unmatched(cfg.trainable_modules)
+
+    def _freeze_unmatched(self, pattern: str) -> None:
+        """Freeze every parameter whose name ``pattern`` does not match (``re.search``)."""
+        regex = re.compile(pattern)
+        trainable = [n for n, p in self.named_parameters() if p.requires_grad]
+        if not any(regex.search(n) for n in trainable):
+            prefixes = list(dict.fromkeys(".".join(n.split(".")[:2]) for n in trainable))
+            raise ValueError(
+                f"{type(self.config).__name__}.trainable_modules={pattern!r} matches no "
+                f"trainable parameter name (re.search), e.g. {trainable[-1]!r}; the trainable "
+                f"parameters are under: {', '.join(prefixes)}"
+            )
+        for name, p in self.named_parameters():
+            if not regex.search(name):
+                p.requires_grad_(False)
 
     # LoRA (peft is imported lazily) ----------------------------------------------------------
     def _add_lora(self) -> None:

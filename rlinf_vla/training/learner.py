@@ -22,7 +22,7 @@ however the valid samples fall into micro-batches.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -57,13 +57,17 @@ class Schedule:
 
 class Learner:
     """AdamW over a module's trainable parameters, optionally with a second group (the value
-    head) at its own learning rate.
+    head) and further groups of the policy (e.g. the log-std) at their own learning rates.
 
     Args:
         module: the trained model (its ``requires_grad`` parameters are optimised).
         lr: the base learning rate of the main group.
         second_group: ``(predicate on the parameter name, lr)``: those parameters form a second
-            group with their own rate (``None``: one group).
+            group with their own rate (``None``: one group). It learns during the critic
+            warm-up.
+        extra_groups: more ``(predicate, lr)`` groups of the policy, after the second one (a
+            parameter goes to the first group whose predicate takes it; the main group takes the
+            rest). They follow the main group's schedule: rate 0 during the critic warm-up.
         betas, weight_decay: AdamW settings.
         max_grad_norm: the gradients' global norm is clipped to this (``0`` or ``inf``: off).
         schedule: the learning-rate schedule.
@@ -75,6 +79,7 @@ class Learner:
         lr: float,
         *,
         second_group: tuple[Callable[[str], bool], float] | None = None,
+        extra_groups: Sequence[tuple[Callable[[str], bool], float]] = (),
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
@@ -82,6 +87,9 @@ class Learner:
     ) -> None:
         self.module = module
         self.lr, self.second_group = lr, second_group
+        self.extra_groups = tuple(extra_groups)
+        # (base rate, learns during the critic warm-up) of each built group, in order
+        self._group_rates: list[tuple[float, bool]] = []
         self.betas, self.weight_decay = tuple(betas), weight_decay
         self.max_grad_norm = max_grad_norm if max_grad_norm > 0 else math.inf
         self.schedule = schedule or Schedule()
@@ -93,19 +101,21 @@ class Learner:
     # ----------------------------------------------------------------- setup
     def build_optimizer(self) -> torch.optim.Optimizer:
         """A fresh AdamW over the module's current parameters (again after FSDP sharding)."""
-        second: list[nn.Parameter] = []
+        specs = [(self.second_group, True)] if self.second_group is not None else []
+        specs += [(g, False) for g in self.extra_groups]
+        members: list[list[nn.Parameter]] = [[] for _ in specs]
         main: list[nn.Parameter] = []
         for name, p in self.module.named_parameters():
             if not p.requires_grad:
                 continue
-            if self.second_group is not None and self.second_group[0](name):
-                second.append(p)
-            else:
-                main.append(p)
+            i = next((i for i, ((take, _), _) in enumerate(specs) if take(name)), None)
+            (main if i is None else members[i]).append(p)
         groups = [{"params": main, "lr": self.lr, "base_lr": self.lr}]
-        if second:
-            lr2 = self.second_group[1]  # type: ignore[index]
-            groups.append({"params": second, "lr": lr2, "base_lr": lr2})
+        self._group_rates = [(self.lr, False)]
+        for ((_, lr), critic), params in zip(specs, members, strict=True):
+            if params:
+                groups.append({"params": params, "lr": lr, "base_lr": lr})
+                self._group_rates.append((lr, critic))
         self.optimizer = torch.optim.AdamW(groups, betas=self.betas, weight_decay=self.weight_decay)
         return self.optimizer
 
@@ -131,8 +141,8 @@ class Learner:
         returns the main group's."""
         scale = self.schedule.scale(step, total)
         main = 0.0 if step < self.schedule.critic_warmup else scale
-        for i, group in enumerate(self.optimizer.param_groups):
-            group["lr"] = group["base_lr"] * (main if i == 0 else scale)
+        for group, (_, critic) in zip(self.optimizer.param_groups, self._group_rates, strict=True):
+            group["lr"] = group["base_lr"] * (scale if critic else main)
         return self.optimizer.param_groups[0]["lr"]
 
     # ----------------------------------------------------------------- accumulation
@@ -198,8 +208,7 @@ class Learner:
     def reset_hyperparameters(self) -> None:
         """The configured base rates and weight decay on every group (after loading an
         optimizer state, which carries the ones it was saved with)."""
-        rates: Iterable[float] = (self.lr, self.second_group[1] if self.second_group else self.lr)
-        for group, lr in zip(self.optimizer.param_groups, rates, strict=False):
+        for group, (lr, _) in zip(self.optimizer.param_groups, self._group_rates, strict=True):
             group["base_lr"] = group["lr"] = lr
             group["weight_decay"] = self.weight_decay
 

@@ -338,3 +338,21 @@ def test_a_checkpoint_keeps_its_log_std_unless_init_log_std_is_given(tmp_path):
     given = {"checkpoint": str(tmp_path), "init_log_std": -1.5}
     reset = make_policy("openvla_oft", policy_config_for("openvla_oft", given))
     assert torch.equal(reset.log_std, torch.full_like(trained.log_std, -1.5))
+
+
+def test_trainable_modules_freezes_every_other_parameter():
+    kw = dict(preset="tiny", chunk_size=2, norm_stats=bounds_stats(7, 8), seed=0)
+    regex = "(action_head|value_head|log_std)"
+    policy = make_policy("openvla_oft", trainable_modules=regex, **kw)
+    heads = ("action_head.", "value_head.")
+    expected = {n for n, _ in policy.named_parameters() if n.startswith(heads) or n == "log_std"}
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable == expected
+    assert sum(p.numel() for p in policy.parameters() if p.requires_grad) == sum(
+        p.numel() for n, p in policy.named_parameters() if n in expected
+    )
+    assert "proprio_projector.fc1.weight" not in trainable
+    with pytest.raises(ValueError, match=r"trainable_modules='no_such_module' matches no .*vla\."):
+        make_policy("openvla_oft", trainable_modules="no_such_module", **kw)
+    with pytest.raises(ValueError, match="not a valid regex"):
+        make_policy("openvla_oft", trainable_modules="(", **kw)

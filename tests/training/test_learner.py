@@ -619,3 +619,24 @@ def test_load_without_the_optimizer_keeps_a_fresh_one():
     assert fresh.nan_streak == 1
     assert fresh.optimizer.param_groups[0]["lr"] == 2e-3
     assert fresh.optimizer.param_groups[0]["weight_decay"] == 0.2
+
+
+def test_extra_group_follows_the_policy_schedule():
+    """An extra group (e.g. the log-std) has its own rate and, like the main group, rate 0
+    during the critic warm-up; a resume restores the configured rates of all three."""
+    model = _PolicyAndValue()
+    learner = Learner(
+        model, 1e-3, second_group=(lambda n: n.startswith("value_head"), 1e-2),
+        extra_groups=[(lambda n: n == "policy.bias", 5e-2)],
+        schedule=Schedule(warmup=2, critic_warmup=1),
+    )  # fmt: skip
+    groups = learner.optimizer.param_groups
+    assert [len(g["params"]) for g in groups][1:] == [len(list(model.value_head.parameters())), 1]
+    assert groups[2]["params"] == [model.policy.bias]
+    learner.set_lr(0, 10)
+    assert _rates(learner) == pytest.approx([0.0, 0.5e-2, 0.0], abs=1e-15)
+    learner.set_lr(1, 10)
+    assert _rates(learner) == pytest.approx([1e-3, 1e-2, 5e-2], abs=1e-15)
+    state = learner.state_dict()
+    learner.load_state_dict(state)
+    assert _rates(learner) == pytest.approx([1e-3, 1e-2, 5e-2], abs=1e-15)
