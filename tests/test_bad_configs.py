@@ -52,6 +52,9 @@ BAD_CONFIGS = [
     # what only the simulator found before
     (["train", "env=libero", "env.task_ids=[999]"], ["env.task_ids", "999"]),
     (["eval", "env=libero", "env.task_ids=[999]"], ["env.task_ids", "999"]),
+    # every command names an env key as the command line sets it
+    (["collect", "env=toy", "env.num_envs=0"], ["env.num_envs"]),
+    (["sft", "data.paths=[/nonexistent]", "env=toy", "env.num_envs=0"], ["env.num_envs"]),
     pytest.param(
         ["train", "env=maniskill", "env.task=NopeCube-v1"],
         ["env.task", "NopeCube-v1", "PickCube-v1"],  # the known tasks are listed

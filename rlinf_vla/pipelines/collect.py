@@ -28,6 +28,7 @@ from rlinf_vla.config import (
     RunAborted,
     SectionErrors,
     check_at_least,
+    env_error,
     from_section,
 )
 
@@ -111,7 +112,7 @@ def validate(cfg: Any) -> CollectJob:
         try:
             cfg = env_config(env_name, **{**env, "auto_reset": False})
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
+            raise env_error(e) from None
         from rlinf_vla.envs import ENVS, VectorEnv
 
         if ENVS[env_name].expert_actions is VectorEnv.expert_actions:

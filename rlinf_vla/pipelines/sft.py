@@ -24,7 +24,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section, to_dict
+from rlinf_vla.config import (
+    ConfigError,
+    SectionErrors,
+    check_at_least,
+    env_error,
+    from_section,
+    to_dict,
+)
 from rlinf_vla.pipelines.demos import FeatureMap, combine_stats, map_features
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume, run_folder
 from rlinf_vla.runtime.cluster import ClusterConfig
@@ -245,7 +252,7 @@ def validate(cfg: Any) -> SFTJob:
         try:
             return env_config(env_name, **env)
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"env: {e.args[0] if e.args else e}") from None
+            raise env_error(e) from None
 
     env_cfg = errors.build(make_env_config)
     datasets = errors.build(lambda: _open(built["data"].paths)) if built["data"] else None
