@@ -155,8 +155,7 @@ class LiberoEnvConfig(EnvConfig):
             )
         if tasks is not None:
             raise ValueError(
-                "eval.tasks lists ManiSkill tasks; LIBERO tasks are chosen with env.suite and "
-                "env.task_ids"
+                "eval.tasks: LIBERO tasks are chosen with env.suite and env.task_ids; leave it null"
             )
         return [(None, self)]
 
