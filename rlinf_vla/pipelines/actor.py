@@ -88,6 +88,11 @@ class AlgoConfig(AlgorithmSection):
         autocast: mixed precision of the policy's forward passes in the rollout and the
             update: ``auto`` (bf16 on CUDA devices, off on CPU), ``bf16`` (also on CPU) or
             ``off``. Weights, optimizer state and losses stay float32.
+        skip_zero_advantage: a minibatch whose every sample has an advantage of exactly 0
+            (GRPO groups whose episodes all scored the same) makes no optimizer step, on every
+            rank alike, where the loss has no other term (no value, entropy or KL term): its
+            gradient is 0, and a step would only carry AdamW's momentum and weight decay on.
+            As math-grpo's key of the same name.
     """
 
     # the trainer's keys
@@ -110,6 +115,7 @@ class AlgoConfig(AlgorithmSection):
     cache_frozen_features: bool = True
     autocast: Literal["auto", "bf16", "off"] = "auto"
     fsdp: bool = False
+    skip_zero_advantage: bool = True
 
     #: trainer keys that change something only for some algorithms: key -> (test, why)
     CONDITIONAL: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
@@ -543,8 +549,12 @@ class ActorWorker(Worker, HasLearner):
         settings = LossSettings.of(a)
         n = len(batch)
         sums: dict[str, float] = {}
-        steps = skipped = 0  # optimizer steps: minibatches with a sample in the loss
+        steps = skipped = zero = 0  # optimizer steps: minibatches with a sample in the loss
         grad_norm_sum = 0.0
+        # a policy term alone: its gradient is 0 where every advantage is
+        skip_zero = a.skip_zero_advantage and not (
+            settings.value_coef or settings.entropy_coef or settings.kl_coef
+        )
         for _ in range(a.update_epochs):
             order = torch.randperm(n, generator=self.generator)
             for start in range(0, n, a.minibatch_size):
@@ -555,6 +565,11 @@ class ActorWorker(Worker, HasLearner):
                 valid = self.learner.global_sum(float(batch.mask[mb_idx].sum()))
                 if not valid:  # no rank has a sample in the loss (DAPO's dropped groups):
                     continue  # no update, on every rank alike (valid is the global count)
+                if skip_zero:
+                    live = batch.mask[mb_idx] & (batch.advantages[mb_idx] != 0)
+                    if not self.learner.global_sum(float(live.sum())):
+                        zero += 1  # no signal on any rank: no step (and no momentum)
+                        continue
                 self.learner.zero_grad()
                 for m_start in range(0, len(mb_idx), a.micro_batch_size):
                     idx = mb_idx[m_start : m_start + a.micro_batch_size]
@@ -574,6 +589,7 @@ class ActorWorker(Worker, HasLearner):
         result = {f"train/{k}": v / max(steps, 1) for k, v in sums.items()}
         result["train/grad_norm"] = grad_norm_sum / max(steps, 1)
         result["train/skipped_updates"] = float(skipped)
+        result["train/skipped_zero_advantage"] = float(zero)
         result["train/nan_streak"] = float(self.nan_streak)
         result["train/lr"] = lr
         result["train/advantage_mean"] = float(batch.advantages.mean())

@@ -1,0 +1,76 @@
+"""``algo.skip_zero_advantage``: a minibatch without signal (every advantage exactly 0, no
+other loss term) makes no optimizer step, so AdamW's weight decay and momentum do not move the
+policy in it."""
+
+import pytest
+import torch
+
+from rlinf_vla.pipelines import actor as actor_module
+from rlinf_vla.pipelines.actor import ActorWorker, Batch
+from rlinf_vla.policies import policy_config
+from rlinf_vla.runtime import Device
+from rlinf_vla.runtime.worker import WorkerContext
+from tests.policies.conftest import make_obs
+
+N = 4
+
+
+def _actor(**algo) -> ActorWorker:
+    actor = ActorWorker.__new__(ActorWorker)
+    actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
+    algo = {
+        "name": "grpo",
+        "group_size": 2,
+        "update_epochs": 1,
+        "minibatch_size": N,
+        "micro_batch_size": N,
+        "weight_decay": 0.1,  # a step with a zero gradient still moves every weight
+        **algo,
+    }
+    actor.__init__("openvla", policy_config("openvla", preset="tiny", seed=0), algo, seed=0)
+    return actor
+
+
+def _update(monkeypatch, actor: ActorWorker, advantages: torch.Tensor) -> tuple[dict, float]:
+    """One ``_train`` on a batch of the policy's own actions; returns its metrics and the
+    largest change of any weight."""
+    obs = make_obs(N, seed=1)
+    with torch.no_grad():
+        out = actor.policy.act(obs)
+    batch = Batch(
+        obs=obs,
+        replay=out.replay,
+        old_logprob=out.logprob,
+        old_value=torch.zeros(N),
+        advantages=advantages,
+        returns=torch.zeros(N),
+        mask=torch.ones(N, dtype=torch.bool),
+    )
+    before = {n: p.detach().clone() for n, p in actor.policy.named_parameters()}
+    monkeypatch.setattr(actor_module, "build_batch", lambda trajectories, algo: batch)
+    metrics = actor._train([], iteration=0, total_iterations=1)
+    moved = max(
+        float((p.detach() - before[n]).abs().max()) for n, p in actor.policy.named_parameters()
+    )
+    return metrics, moved
+
+
+def test_a_minibatch_without_signal_makes_no_step(monkeypatch) -> None:
+    metrics, moved = _update(monkeypatch, _actor(), torch.zeros(N))
+    assert moved == 0.0
+    assert metrics["train/skipped_zero_advantage"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("algo", "advantages"),
+    [
+        ({"skip_zero_advantage": False}, torch.zeros(N)),  # the step of weight decay alone
+        ({"entropy_coef": 0.01}, torch.zeros(N)),  # the entropy term has a gradient
+        ({}, torch.tensor([0.0, 0.0, 1.0, -1.0])),  # one group with signal
+    ],
+    ids=["off", "entropy-term", "signal"],
+)
+def test_otherwise_the_step_is_taken(monkeypatch, algo, advantages) -> None:
+    metrics, moved = _update(monkeypatch, _actor(**algo), advantages)
+    assert moved > 0.0
+    assert metrics["train/skipped_zero_advantage"] == 0.0
