@@ -8,9 +8,7 @@ import torch
 
 from rlinf_vla.pipelines import actor as actor_module
 from rlinf_vla.pipelines.actor import ActorWorker, Batch
-from rlinf_vla.policies import policy_config
-from rlinf_vla.runtime import Device
-from rlinf_vla.runtime.worker import WorkerContext
+from tests.pipelines.actors import local_actor
 from tests.policies.conftest import make_obs
 
 N = 8  # samples, all in one minibatch
@@ -23,8 +21,6 @@ LORA = {"lora_rank": 4, "lora_target_modules": ".*lm_head"}  # the read-out alon
 
 
 def _actor(algo_name: str, micro_batch_size: int, readout: bool) -> ActorWorker:
-    actor = ActorWorker.__new__(ActorWorker)
-    actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
     policy = {"preset": "tiny", "chunk_size": 2, "seed": 0, **(LORA if readout else {})}
     algo = {
         "name": algo_name,
@@ -40,8 +36,7 @@ def _actor(algo_name: str, micro_batch_size: int, readout: bool) -> ActorWorker:
         "max_grad_norm": 1e9,  # no clipping: the gradients stay as accumulated
         "cache_frozen_features": readout,
     }
-    actor.__init__("openvla", policy_config("openvla", **policy), algo, seed=0)
-    return actor
+    return local_actor("openvla", algo, **policy)
 
 
 def _batch(policy, mask: torch.Tensor) -> Batch:

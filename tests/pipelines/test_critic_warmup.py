@@ -6,17 +6,13 @@ import torch
 from rlinf_vla.config import ConfigError
 from rlinf_vla.pipelines import actor as actor_module
 from rlinf_vla.pipelines.actor import ActorWorker, AlgoConfig
-from rlinf_vla.policies import policy_config
-from rlinf_vla.runtime import Device
-from rlinf_vla.runtime.worker import WorkerContext
+from tests.pipelines.actors import local_actor
 from tests.pipelines.test_accumulation import _batch
 
 VALID = torch.ones(8, dtype=torch.bool)
 
 
 def _actor(critic_warmup: int) -> ActorWorker:
-    actor = ActorWorker.__new__(ActorWorker)
-    actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
     algo = {
         "name": "ppo",
         "update_epochs": 1,
@@ -27,9 +23,7 @@ def _actor(critic_warmup: int) -> ActorWorker:
         "normalize_advantages": False,
         "cache_frozen_features": False,
     }
-    policy = policy_config("openvla", preset="tiny", chunk_size=2, seed=0)
-    actor.__init__("openvla", policy, algo, seed=0)
-    return actor
+    return local_actor("openvla", algo, preset="tiny", chunk_size=2, seed=0)
 
 
 def _changed(monkeypatch, actor: ActorWorker, iteration: int) -> tuple[set[str], set[str]]:

@@ -5,22 +5,15 @@ import torch
 
 from rlinf_vla.config import ConfigError
 from rlinf_vla.pipelines.actor import ActorWorker, AlgoConfig
-from rlinf_vla.policies import policy_config
-from rlinf_vla.runtime import Device
-from rlinf_vla.runtime.worker import WorkerContext
+from tests.pipelines.actors import local_actor
 
 LR = 1e-4
 
 
 def _actor(**algo) -> ActorWorker:
-    actor = ActorWorker.__new__(ActorWorker)
-    actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
     algo = {"name": "ppo", "lr": LR, "max_grad_norm": 1e9, **algo}
-    policy = policy_config(
-        "openvla_oft", preset="tiny", chunk_size=2, seed=0, action_head="l1_gaussian"
-    )
-    actor.__init__("openvla_oft", policy, algo, seed=0)
-    return actor
+    policy = {"preset": "tiny", "chunk_size": 2, "seed": 0, "action_head": "l1_gaussian"}
+    return local_actor("openvla_oft", algo, **policy)
 
 
 def _step_with_log_std_gradient(actor: ActorWorker) -> torch.Tensor:

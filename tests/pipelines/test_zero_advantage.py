@@ -7,17 +7,13 @@ import torch
 
 from rlinf_vla.pipelines import actor as actor_module
 from rlinf_vla.pipelines.actor import ActorWorker, Batch
-from rlinf_vla.policies import policy_config
-from rlinf_vla.runtime import Device
-from rlinf_vla.runtime.worker import WorkerContext
+from tests.pipelines.actors import local_actor
 from tests.policies.conftest import make_obs
 
 N = 4
 
 
 def _actor(**algo) -> ActorWorker:
-    actor = ActorWorker.__new__(ActorWorker)
-    actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
     algo = {
         "name": "grpo",
         "group_size": 2,
@@ -27,8 +23,7 @@ def _actor(**algo) -> ActorWorker:
         "weight_decay": 0.1,  # a step with a zero gradient still moves every weight
         **algo,
     }
-    actor.__init__("openvla", policy_config("openvla", preset="tiny", seed=0), algo, seed=0)
-    return actor
+    return local_actor("openvla", algo, preset="tiny", seed=0)
 
 
 def _update(monkeypatch, actor: ActorWorker, advantages: torch.Tensor) -> tuple[dict, float]:
