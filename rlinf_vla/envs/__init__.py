@@ -12,7 +12,7 @@ env's typed config; simulators are imported only when an env that needs them is 
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
 # The env modules register their classes (``@register_env``) when imported; they import their
 # simulators lazily.
@@ -30,8 +30,6 @@ from rlinf_vla.envs.base import (
     replace_config,
     split_sizes,
 )
-
-_C = TypeVar("_C", EnvConfig, dict[str, Any])
 
 __all__ = [
     "ENVS",
@@ -66,19 +64,14 @@ def env_config(name: str, config: EnvConfig | None = None, **overrides: Any) -> 
     return replace_config(config, **overrides) if overrides else config
 
 
-def for_device(config: _C, device: Any) -> _C:
-    """``config`` (a typed env config, or keyword settings) with ``sim_backend="auto"``
-    (ManiSkill) decided by the torch ``device`` of the worker that builds the env: the GPU
-    simulator on a GPU, CPU processes on a CPU slot, also on a machine whose GPUs a run leaves
-    out (``cluster.num_gpus=0``). Without a worker, ``auto`` picks the GPU when CUDA is there."""
-    plain = isinstance(config, dict)
-    backend = config.get("sim_backend") if plain else getattr(config, "sim_backend", None)
-    if backend != "auto":
-        return dict(config) if plain else config
-    chosen = "gpu" if device.type == "cuda" else "cpu"
-    if plain:
-        return {**config, "sim_backend": chosen}
-    return replace_config(config, sim_backend=chosen)
+def for_device(config: EnvConfig, device: Any) -> EnvConfig:
+    """``config`` with ``sim_backend="auto"`` (ManiSkill) decided by the torch ``device`` of
+    the worker that builds the env: the GPU simulator on a GPU, CPU processes on a CPU slot,
+    also on a machine whose GPUs a run leaves out (``cluster.num_gpus=0``). Without a worker,
+    ``auto`` picks the GPU when CUDA is there."""
+    if getattr(config, "sim_backend", None) != "auto":
+        return config
+    return replace_config(config, sim_backend="gpu" if device.type == "cuda" else "cpu")
 
 
 def make_env(name: str, config: EnvConfig | None = None, **overrides: Any) -> VectorEnv:

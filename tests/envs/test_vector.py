@@ -144,15 +144,16 @@ def test_close_terminates_children() -> None:
 def test_auto_simulation_follows_the_device_of_the_worker_that_builds_the_env():
     import torch
 
-    from rlinf_vla.envs import for_device
+    from rlinf_vla.envs import env_config, for_device
 
-    auto = {"task": "PickCube-v1", "sim_backend": "auto", "num_envs": 4}
-    assert for_device(auto, torch.device("cuda", 0))["sim_backend"] == "gpu"
-    assert for_device(auto, torch.device("cpu"))["sim_backend"] == "cpu"
-    assert auto["sim_backend"] == "auto"  # the caller's dict is left as it was
-    chosen = {"sim_backend": "cpu"}
+    auto = env_config("maniskill", task="PickCube-v1", sim_backend="auto", num_envs=4)
+    assert for_device(auto, torch.device("cuda", 0)).sim_backend == "gpu"
+    assert for_device(auto, torch.device("cpu")).sim_backend == "cpu"
+    assert auto.sim_backend == "auto"  # the caller's config is left as it was
+    chosen = env_config("maniskill", sim_backend="cpu")
     assert for_device(chosen, torch.device("cuda", 0)) == chosen  # a choice is kept
-    assert for_device({"num_envs": 2}, torch.device("cpu")) == {"num_envs": 2}  # other envs
+    toy = env_config("toy", num_envs=2)
+    assert for_device(toy, torch.device("cpu")) == toy  # other envs
 
 
 # ------------------------------------------------------------------ pipeline stages
