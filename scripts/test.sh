@@ -111,6 +111,15 @@ if [[ $full_run -eq 1 ]]; then
     set -- -q
     if [[ "${RLINF_TEST_WORKERS:-2}" != 0 ]]; then
         set -- "$@" -n "${RLINF_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder
+        # Each process gets its share of the cores as torch threads (and so do the CPU slots of
+        # the runs it starts, which OMP_NUM_THREADS caps): two processes that each compute with
+        # every core fight over them and finish later than with one thread each.
+        if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+            OMP_NUM_THREADS=$(($(nproc) / ${RLINF_TEST_WORKERS:-2}))
+            export OMP_NUM_THREADS=$((OMP_NUM_THREADS > 0 ? OMP_NUM_THREADS : 1))
+            echo "[test] OMP_NUM_THREADS=$OMP_NUM_THREADS (the cores shared among the test processes)"
+            threads_set_here=1
+        fi
     fi
     # tests/interop runs in its own stage below, once .venv-openpi exists.
     if [[ "${RLINF_TEST_OPENPI:-1}" != 0 ]]; then
@@ -120,6 +129,9 @@ fi
 echo "[test] pytest $*"
 rc=0
 "$VENV/bin/python" -m pytest "$@" || rc=$?
+if [[ "${threads_set_here:-0}" == 1 ]]; then
+    unset OMP_NUM_THREADS # the later stages run alone
+fi
 if [[ $rc -eq 5 ]]; then
     # Exit 5 = "no tests collected": fine only while the repo has no test files at all.
     if [[ -z "$(find tests -type f \( -name 'test_*.py' -o -name '*_test.py' \) -print -quit 2>/dev/null)" ]]; then

@@ -196,7 +196,8 @@ class Device:
         local_index: the device's index on its node (the CUDA ordinal for GPUs).
         kind: ``"cuda"`` or ``"cpu"``.
         threads: for a CPU slot, the torch threads a worker on it computes with: the node's
-            CPUs divided evenly among its slots (at least 1). ``None`` for a GPU.
+            CPUs divided evenly among its slots (at least 1), at most ``OMP_NUM_THREADS`` when
+            the process that makes the cluster has it set. ``None`` for a GPU.
     """
 
     rank: int
@@ -209,6 +210,12 @@ class Device:
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.local_index}@node{self.node_rank}"
+
+
+def _omp_threads() -> int | None:
+    """``OMP_NUM_THREADS`` of this process as a positive int (``None``: unset or not a count)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 class Cluster:
@@ -300,6 +307,8 @@ class Cluster:
             else:
                 kind, count = "cpu", cap if cap is not None else cpus
                 threads = max(1, cpus // count)
+                if _omp_threads() is not None:
+                    threads = min(threads, _omp_threads())
             for local in range(count):
                 devices.append(
                     Device(

@@ -120,14 +120,23 @@ def test_the_callers_openmp_wait_policy_wins(cluster, monkeypatch):
     assert context["omp_wait"] == "ACTIVE"
 
 
-@pytest.mark.parametrize(("slots", "threads"), [(None, 1), (2, 1), (1, 2)])
-def test_a_cpu_worker_computes_with_its_slots_share_of_the_cores(cluster, slots, threads):
+@pytest.mark.parametrize(
+    ("slots", "omp", "threads"), [(None, None, 1), (2, None, 1), (1, None, 2), (1, "1", 1)]
+)
+def test_a_cpu_worker_computes_with_its_slots_share_of_the_cores(
+    cluster, monkeypatch, slots, omp, threads
+):
     """The shared Ray instance has 2 CPUs: one slot per core (the default) or 2 slots give one
-    thread each; a single slot holds both cores."""
+    thread each; a single slot holds both cores, unless ``OMP_NUM_THREADS`` where the cluster is
+    made asks for fewer."""
     from rlinf_vla.runtime import Cluster, ClusterConfig
 
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
     on_ray = Cluster(ClusterConfig(devices_per_node=slots))  # uses the running instance
-    assert [d.threads for d in on_ray.devices] == [threads] * (2 // threads)
+    assert [d.threads for d in on_ray.devices] == [threads] * (slots or 2)
     group = WorkerGroup(on_ray, Scaler, "threads", devices=[0], args=(1,))
     try:
         [(torch_threads, omp)] = group.threads().wait()
