@@ -87,6 +87,10 @@ class RunnerConfig:
         eval_interval: every N iterations, evaluate the greedy policy on held-out scenes
             (``eval/*`` metrics; 0 = never).
         eval_episodes: episodes per evaluation.
+        eval_num_envs: envs the evaluation runs its episodes on, in rounds (``None``:
+            ``min(env.num_envs, eval_episodes)``). The evaluation builds them beside the
+            training envs; fewer use less memory (each ManiSkill or LIBERO env on the CPU is a
+            process) and give the same episodes: each episode's scene is set by its index.
         eval_videos: write an MP4 per evaluation round of the first env to
             ``<run>/videos/iter_<N>/``.
     """
@@ -102,12 +106,14 @@ class RunnerConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval_interval: int = 10
     eval_episodes: int = 4
+    eval_num_envs: int | None = None
     eval_videos: bool = True
 
     def __post_init__(self) -> None:
         positive = ("max_iterations", "rollout_chunks", "save_interval", "max_nan_updates")
         check_at_least(self, "runner", positive, 1)
         check_at_least(self, "runner", ("eval_interval", "eval_episodes"), 0)
+        check_at_least(self, "runner", ("eval_num_envs",), 1)
         self.resume = resolve_resume(self.resume, self.output_dir, "iter")
 
 

@@ -236,6 +236,7 @@ def evaluate_on_worker(
     env: EnvConfig,
     seed: int,
     episodes: int,
+    num_envs: int | None,
     videos: bool,
     video_dir: Path,
     logger: Any,
@@ -243,11 +244,13 @@ def evaluate_on_worker(
 ) -> dict[str, float]:
     """One evaluation round of a trainer (``train`` and ``sft``): rollout worker 0 of
     ``rollout`` runs :func:`greedy_eval` with the weights it holds, on an env of its own made
-    from ``env`` (at most ``episodes`` envs); the driver writes the videos it returns into
-    ``video_dir`` and hands them to ``logger``. Returns the ``eval/*`` metrics."""
+    from ``env`` with ``num_envs`` envs (``None``: ``env``'s, at most ``episodes``); the
+    driver writes the videos it returns into ``video_dir`` and hands them to ``logger``.
+    Returns the ``eval/*`` metrics."""
     from rlinf_vla.envs import replace_config
 
-    env_cfg = replace_config(env, seed=seed, group_size=1, num_envs=min(env.num_envs, episodes))
+    envs = min(env.num_envs if num_envs is None else num_envs, episodes)
+    env_cfg = replace_config(env, seed=seed, group_size=1, num_envs=envs)
     [(metrics, blobs)] = rollout.evaluate(env_name, env_cfg, episodes, videos, ranks=[0]).wait()
     for name, blob in blobs.items():
         video_dir.mkdir(parents=True, exist_ok=True)

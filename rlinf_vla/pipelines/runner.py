@@ -304,6 +304,7 @@ class EmbodiedRunner:
             self.job.env_config,
             r.seed,
             r.eval_episodes,
+            r.eval_num_envs,
             r.eval_videos,
             self.output_dir / "videos" / f"iter_{iteration}",
             logger,

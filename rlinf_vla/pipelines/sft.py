@@ -126,6 +126,8 @@ class SFTRunnerConfig:
             before the first step when ``eval_at_start``.
         eval_at_start: evaluate the starting policy too (the curve's first point).
         eval_episodes: episodes per evaluation (held-out reset ids).
+        eval_num_envs: envs the evaluation runs them on (``None``: ``min(env.num_envs,
+            eval_episodes)``; as ``train``).
         eval_videos: an MP4 of the first env per evaluation in ``<run>/videos/step_<N>/``.
     """
 
@@ -139,11 +141,13 @@ class SFTRunnerConfig:
     eval_interval: int = 500
     eval_at_start: bool = False
     eval_episodes: int = 8
+    eval_num_envs: int | None = None
     eval_videos: bool = True
 
     def __post_init__(self) -> None:
         check_at_least(self, "runner", ("save_interval", "max_nan_updates"), 1)
         check_at_least(self, "runner", ("eval_interval", "eval_episodes"), 0)
+        check_at_least(self, "runner", ("eval_num_envs",), 1)
         self.resume = resolve_resume(self.resume, self.output_dir, "step")
 
 
@@ -536,6 +540,7 @@ class SFTRunner:
             self.job.env_config,
             r.seed,
             r.eval_episodes,
+            r.eval_num_envs,
             r.eval_videos,
             self.output_dir / "videos" / f"step_{step}",
             logger,

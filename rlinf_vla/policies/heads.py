@@ -4,6 +4,7 @@
 - :func:`restricted_logits` / :func:`categorical_logprob_entropy`: the categorical distribution
   over action tokens (temperature, top-k, restricted to the action ids).
 - :func:`gaussian_logprob` / :func:`gaussian_entropy`: element-wise normal densities.
+- :func:`clipped_gaussian_logprob`: the log-likelihood of a normal sample clipped to a range.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 __all__ = [
     "ValueHead",
     "categorical_logprob_entropy",
+    "clipped_gaussian_logprob",
     "gaussian_entropy",
     "gaussian_logprob",
     "restricted_logits",
@@ -94,6 +96,22 @@ def categorical_logprob_entropy(logits: Tensor, index: Tensor) -> tuple[Tensor, 
 def gaussian_logprob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     """Element-wise ``log N(x; mean, std^2) = -log std - log(2 pi)/2 - ((x - mean)/std)^2/2``."""
     return -torch.log(std) - 0.5 * math.log(2 * math.pi) - 0.5 * ((x - mean) / std) ** 2
+
+
+def clipped_gaussian_logprob(
+    x: Tensor, mean: Tensor, std: Tensor, low: float = -1.0, high: float = 1.0
+) -> Tensor:
+    """Element-wise log-likelihood of the action executed for the normal sample ``x``, which is
+    ``clamp(x, low, high)``: the normal density inside the range, and at a bound the probability
+    mass clipped onto it, ``log P(X >= high) = log Phi((mean - high) / std)`` (``low``:
+    ``log Phi((low - mean) / std)``). Samples beyond a bound all execute the same action; with
+    this likelihood the policy gradient sees that (its signal moves the mass at the bound), where
+    the density of the unclipped sample gives it none and lets the mean wander past the bound
+    (clipped action policy gradient, Fujita and Maeda 2018)."""
+    inside = gaussian_logprob(x, mean, std)
+    above = torch.special.log_ndtr((mean - high) / std)
+    below = torch.special.log_ndtr((low - mean) / std)
+    return torch.where(x >= high, above, torch.where(x <= low, below, inside))
 
 
 def gaussian_entropy(std: Tensor) -> Tensor:

@@ -184,6 +184,23 @@ def test_evaluating_leaves_the_training_unchanged(tmp_path):
     assert len(list((tmp_path / "eval1" / "videos").glob("iter_*/*.mp4"))) == 3
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+def test_an_evaluation_on_fewer_envs_plays_the_same_episodes(tmp_path):
+    # 3 episodes on 1 env: 3 rounds (one video each) of the scenes 3 envs play in one round.
+    common = ["cluster.devices_per_node=1", *SMALL, "runner.max_iterations=1"]
+    common += ["runner.eval_interval=1", "runner.eval_episodes=3"]
+    rows = {}
+    for envs in ("null", "1"):
+        out = tmp_path / f"envs{envs}"
+        args = ["train", *common, f"runner.eval_num_envs={envs}", f"runner.output_dir={out}"]
+        assert cli.main(args) == 0
+        [rows[envs]] = _metrics(out)
+        assert len(list((out / "videos" / "iter_1").glob("*.mp4"))) == (1 if envs == "null" else 3)
+    for key in ("eval/success_rate", "eval/episode_return", "eval/episode_length"):
+        assert rows["1"][key] == pytest.approx(rows["null"][key], rel=1e-6), key
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -81,12 +81,39 @@ def test_gaussian_logprob_by_hand(policy):
         seed=0,
         logprob_granularity="token",
     )
-    ev = p.evaluate(obs, {"normalized_actions": mean + 0.3})
+    # 0.3 from the mean, toward 0: inside [-1, 1], where the density is the normal one
+    ev = p.evaluate(obs, {"normalized_actions": mean - 0.3 * mean.sign()})
     sigma = math.exp(-2.0)  # init_log_std
     by_hand = -math.log(sigma) - 0.5 * math.log(2 * math.pi) - 0.5 * (0.3 / sigma) ** 2
     torch.testing.assert_close(ev.logprob, torch.full_like(ev.logprob, by_hand), rtol=0, atol=1e-4)
     entropy = 0.5 * math.log(2 * math.pi * math.e * sigma**2)
     torch.testing.assert_close(ev.entropy, torch.full_like(ev.entropy, entropy), rtol=0, atol=1e-5)
+
+
+def test_a_clipped_samples_logprob_is_the_mass_clipped_onto_its_bound():
+    p = make_policy(
+        "openvla_oft",
+        preset="tiny",
+        chunk_size=1,
+        action_dim=3,
+        norm_stats=bounds_stats(3, 8),
+        seed=0,
+        logprob_granularity="token",
+    )
+    mean, std = torch.tensor([[[0.8, 0.8, 0.8]]]), torch.full((1, 1, 3), 0.5)
+    p._gaussian = lambda hidden: (mean, std)
+    x = torch.tensor([[[0.5, 1.3, -1.2]]])  # inside, beyond +1, beyond -1
+    ev = p.evaluate(make_obs(1, CAMERAS, 8), {"normalized_actions": x})
+
+    def phi(z):  # the standard normal CDF
+        return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+    by_hand = [
+        -math.log(0.5) - 0.5 * math.log(2 * math.pi) - 0.5 * (0.3 / 0.5) ** 2,
+        math.log(1 - phi((1 - 0.8) / 0.5)),  # P(X >= 1)
+        math.log(phi((-1 - 0.8) / 0.5)),  # P(X <= -1)
+    ]
+    assert ev.logprob[0, 0].tolist() == pytest.approx(by_hand, rel=1e-5)
 
 
 def test_official_style_directory_loads(policy, saved, tmp_path):
@@ -181,6 +208,27 @@ def test_greedy_mean_is_not_clipped_samples_are():
     assert greedy.tolist() == pytest.approx([0.5 * (1.5 + 1) * (5 + 1e-8) - 2] * 6)
     sampled = policy.act(obs).actions[0, 0, :6]
     assert sampled.tolist() == pytest.approx([0.5 * (1.0 + 1) * (5 + 1e-8) - 2] * 6)
+
+
+def test_clip_greedy_executes_the_mean_clipped_as_samples_are():
+    policy = make_policy(
+        "openvla_oft",
+        preset="tiny",
+        norm_stats=bounds_stats(7),
+        chunk_size=1,
+        seed=0,
+        clip_greedy=True,
+    )
+    mean = torch.tensor([[[1.5, -1.25, 0.5, 1.0, -1.0, 0.0, 0.0]]])
+    policy._gaussian = lambda hidden: (mean, torch.full_like(mean, 1e-6))
+    obs = make_obs(1, cameras=("main", "wrist"), state_dim=8)
+    out = policy.act(obs, greedy=True)
+    # q01 = -2, q99 = 3: the mean clipped to [-1, 1], then 0.5 (x + 1) (5 + 1e-8) - 2
+    clipped = [1.0, -1.0, 0.5, 1.0, -1.0, 0.0]
+    expected = [0.5 * (x + 1) * (5 + 1e-8) - 2 for x in clipped]
+    assert out.actions[0, 0, :6].tolist() == pytest.approx(expected)
+    # what the update scores is the mean itself
+    assert torch.equal(out.replay["normalized_actions"], mean)
 
 
 # ----------------------------------------------------------------------------------------------

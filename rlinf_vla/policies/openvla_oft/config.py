@@ -76,6 +76,11 @@ class OpenVLAOFTConfig(OpenVLAConfig):
             (``rl_heads.safetensors``); a value given with a checkpoint resets that one (e.g.
             more exploration noise for RL after a behaviour-cloned start).
         log_std_range: the log-std is clamped to this range.
+        clip_greedy: clip the greedy action (the Gaussian's mean) to the normalised range
+            ``[-1, 1]`` before un-normalising it, as sampled actions always are. ``False`` (the
+            default) executes the mean as upstream OFT does (it never samples). A sample beyond
+            a bound executes the bound, so RL can leave the mean past it: ``True`` then
+            executes what the training rollouts did.
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": TINY_OFT, "full": {}}
@@ -90,6 +95,7 @@ class OpenVLAOFTConfig(OpenVLAConfig):
     action_head_blocks: int = 2
     init_log_std: float | None = None
     log_std_range: tuple[float, float] = (-5.0, 1.0)
+    clip_greedy: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -15,8 +15,10 @@ Two action heads:
   (temperature, top-k), as RLinf's OFT.
 - ``l1_gaussian``: the upstream ``L1RegressionActionHead`` (``MLPResNet`` on the ``A`` features
   of each action concatenated) gives the mean in normalised units; a learnable per-dim log-std
-  makes it a Gaussian policy. Samples are clipped to ``[-1, 1]`` before un-normalisation; the
-  log-prob is that of the unclipped sample (kept in ``replay``).
+  makes it a Gaussian policy. Samples are clipped to ``[-1, 1]`` before un-normalisation (the
+  greedy mean with ``clip_greedy``); the log-prob is that of the executed action: the density
+  inside the range, the clipped mass at a bound (:func:`clipped_gaussian_logprob`, computed from
+  the unclipped sample kept in ``replay``).
 
 Checkpoint pieces as OFT's ``finetune.py`` writes them: the merged model (OpenVLA layout),
 ``action_head--<step>_checkpoint.pt``, ``proprio_projector--<step>_checkpoint.pt`` and the peft
@@ -39,8 +41,8 @@ from rlinf_vla.policies.base import (
 )
 from rlinf_vla.policies.heads import (
     categorical_logprob_entropy,
+    clipped_gaussian_logprob,
     gaussian_entropy,
-    gaussian_logprob,
 )
 from rlinf_vla.policies.openvla.config import checkpoint_files
 from rlinf_vla.policies.openvla.model import OpenVLAPolicy
@@ -230,9 +232,11 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         else:
             mean, std = self._gaussian(hidden)
             x = mean if greedy else mean + std * torch.randn_like(mean)
-            logp = gaussian_logprob(x, mean, std)
-            # Samples are clipped to the normalised range; the greedy mean is not (as upstream).
-            executed = x if greedy else x.clamp(-1.0, 1.0)
+            logp = clipped_gaussian_logprob(x, mean, std)
+            # Samples are clipped to the normalised range; the greedy mean only with
+            # clip_greedy (upstream executes it as it is).
+            clip = not greedy or self.config.clip_greedy
+            executed = x.clamp(-1.0, 1.0) if clip else x
             actions = self.processor.unnormalize_actions(executed.cpu()).to(x.device)
             replay = {"normalized_actions": x}
         return ActOutput(
@@ -255,7 +259,7 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         else:
             mean, std = self._gaussian(hidden)
             x = replay["normalized_actions"].to(mean.device)
-            logp, entropy = gaussian_logprob(x, mean, std), gaussian_entropy(std)
+            logp, entropy = clipped_gaussian_logprob(x, mean, std), gaussian_entropy(std)
         return EvalOutput(
             logprob=self.reduce(logp),
             entropy=reduce_to_granularity(entropy, self.config.logprob_granularity),
