@@ -388,6 +388,19 @@ def test_a_checkpoint_keeps_its_log_std_unless_init_log_std_is_given(tmp_path):
     assert torch.equal(reset.log_std, torch.full_like(trained.log_std, -1.5))
 
 
+def test_init_log_std_takes_one_value_per_action_dim(tmp_path):
+    per_dim = [-1.5, -1.5, -1.5, -3.0, -3.0, -3.0, -4.0]
+    fresh = make_policy("openvla_oft", preset="tiny", seed=0, init_log_std=per_dim)
+    assert fresh.log_std.tolist() == per_dim
+    make_policy("openvla_oft", preset="tiny", seed=0).save_pretrained(tmp_path)
+    reset = make_policy("openvla_oft", checkpoint=str(tmp_path), init_log_std=per_dim)
+    assert reset.log_std.tolist() == per_dim
+    with pytest.raises(ValueError, match=r"init_log_std.*action_dim=7 values"):
+        make_policy("openvla_oft", preset="tiny", init_log_std=[-1.0, -2.0])
+    with pytest.raises(ValueError, match=r"init_log_std.*log_std_range"):
+        make_policy("openvla_oft", preset="tiny", init_log_std=[-1.0] * 6 + [-9.0])
+
+
 def test_trainable_modules_freezes_every_other_parameter():
     kw = dict(preset="tiny", chunk_size=2, norm_stats=bounds_stats(7, 8), seed=0)
     regex = "(action_head|value_head|log_std)"

@@ -71,7 +71,9 @@ class OpenVLAOFTConfig(OpenVLAConfig):
             the mean of a Gaussian with a learnable per-dim log-std (RL on the checkpoints people
             have); ``discrete`` -> categorical action tokens from the LM head (RLinf's OFT).
         action_head_blocks: residual blocks of the ``MLPResNet`` (2 upstream).
-        init_log_std: initial log-std of the Gaussian head, in normalised action units.
+        init_log_std: initial log-std of the Gaussian head, in normalised action units: one
+            value for every action dim, or a list of ``action_dim`` values (e.g. less
+            exploration noise on dims the task does not need to vary).
             ``None``: -2 for a new head, and with a ``checkpoint`` the log-std it trained
             (``rl_heads.safetensors``); a value given with a checkpoint resets that one (e.g.
             more exploration noise for RL after a behaviour-cloned start).
@@ -93,9 +95,14 @@ class OpenVLAOFTConfig(OpenVLAConfig):
     proprio_dim: int = 8
     action_head: Literal["l1_gaussian", "discrete"] = "l1_gaussian"
     action_head_blocks: int = 2
-    init_log_std: float | None = None
+    init_log_std: float | list[float] | None = None
     log_std_range: tuple[float, float] = (-5.0, 1.0)
     clip_greedy: bool = False
+
+    def log_std_values(self) -> list[float]:
+        """``init_log_std`` as a list (one value, or one per action dim)."""
+        value = self.init_log_std
+        return [float(x) for x in value] if isinstance(value, list | tuple) else [float(value)]
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,11 +125,13 @@ class OpenVLAOFTConfig(OpenVLAConfig):
         check(self, "action_head_blocks", self.action_head_blocks >= 0, "must be >= 0")
         lo, hi = self.log_std_range
         check(self, "log_std_range", lo < hi, "must be (low, high) with low < high")
+        given = [] if self.init_log_std is None else self.log_std_values()
+        check(self, "init_log_std", all(lo <= x <= hi for x in given), "must lie in log_std_range")
         check(
             self,
             "init_log_std",
-            self.init_log_std is None or lo <= self.init_log_std <= hi,
-            "must lie in log_std_range",
+            len(given) in (0, 1, self.action_dim),
+            f"must be one value or action_dim={self.action_dim} values",
         )
         check(
             self,

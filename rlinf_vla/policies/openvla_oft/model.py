@@ -169,8 +169,8 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         self.log_std = None
         if cfg.action_head == "l1_gaussian":
             self.action_head = L1RegressionActionHead(d, d, cfg.action_dim, cfg.action_head_blocks)
-            init = NEW_HEAD_LOG_STD if cfg.init_log_std is None else cfg.init_log_std
-            self.log_std = nn.Parameter(torch.full((cfg.action_dim,), float(init)))
+            init = [NEW_HEAD_LOG_STD] if cfg.init_log_std is None else cfg.log_std_values()
+            self.log_std = nn.Parameter(torch.tensor(init).expand(cfg.action_dim).clone())
 
     def _make_processor(self, tokenizer: Any) -> OpenVLAOFTProcessor:
         return OpenVLAOFTProcessor(self.config, tokenizer)
@@ -365,7 +365,8 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             module.load_state_dict(sd)
         if self.log_std is not None and self.config.init_log_std is not None:
             with torch.no_grad():  # given with a checkpoint: replaces the trained log-std
-                self.log_std.fill_(float(self.config.init_log_std))
+                values = torch.tensor(self.config.log_std_values())
+                self.log_std.copy_(values.expand_as(self.log_std))
 
     @property
     def gaussian_std(self) -> Tensor | None:
