@@ -307,8 +307,7 @@ class Cluster:
             else:
                 kind, count = "cpu", cap if cap is not None else cpus
                 threads = max(1, cpus // count)
-                if _omp_threads() is not None:
-                    threads = min(threads, _omp_threads())
+                threads = min(threads, _omp_threads() or threads)
             for local in range(count):
                 devices.append(
                     Device(
