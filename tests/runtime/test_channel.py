@@ -75,6 +75,10 @@ def test_batched_get_and_driver_use():
 def test_get_timeout_loses_nothing(cluster):
     channel = Channel.create("timeouts")
     channel.put("k", 1)
+    # The channel's actor is up and holds the item before the clock starts: on a loaded
+    # machine starting its process can take longer than any bound on the timeout itself.
+    channel.flush()
+    assert channel.qsize("k") == 1
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="nothing under key 'k'"):
         channel.get_batch("k", 2, timeout=0.5)
