@@ -292,6 +292,18 @@ def validate(cfg: Any) -> SFTJob:
         settings.update({k: v for k, v in from_data.items() if k not in explicit})
     pol_cfg = errors.build(lambda: policy_config_for(policy_name, settings))
     errors.raise_any()
+    padded = getattr(pol_cfg, "max_state_dim", None)
+    if (
+        not policy.get("checkpoint")
+        and "max_state_dim" not in policy
+        and padded is not None
+        and state_dim is not None
+        and state_dim > padded
+    ):
+        # π0 / π0.5 zero-pad the state to max_state_dim: a fresh model grows it to the data's
+        settings["max_state_dim"] = state_dim
+        pol_cfg = errors.build(lambda: policy_config_for(policy_name, settings))
+        errors.raise_any()
     cameras = tuple(pol_cfg.image_keys)
     reads_state = bool(getattr(pol_cfg, "use_proprio", True)) and data.state is not None
     features = []
@@ -315,12 +327,18 @@ def validate(cfg: Any) -> SFTJob:
                     f"{pol_cfg.action_dim} (policy.action_dim)"
                 )
         proprio = getattr(pol_cfg, "proprio_dim", None)
-        if reads_state and proprio is not None and data.state in ds.features:
+        padded = getattr(pol_cfg, "max_state_dim", None)
+        if reads_state and data.state in ds.features:
             dim = int(ds.features[data.state]["shape"][0])
-            if dim != proprio:
+            if proprio is not None and dim != proprio:
                 errors.add(
                     f"data.paths: {path}: its state has {dim} dims, the policy reads {proprio} "
                     "(policy.proprio_dim)"
+                )
+            if padded is not None and dim > padded:
+                errors.add(
+                    f"data.paths: {path}: its state has {dim} dims, more than the policy's "
+                    f"policy.max_state_dim={padded}"
                 )
     env_dim = getattr(env_cfg, "action_dim", None)
     if env_dim is not None and env_dim != pol_cfg.action_dim:

@@ -239,3 +239,34 @@ def test_datasets_that_do_not_fit_fail_before_anything_starts(
     (tmp_path / "empty").mkdir()
     err = _bad(tmp_path, tmp_path / "empty", capsys=capsys)
     assert "info.json" in err
+
+
+@pytest.fixture(scope="module")
+def long_state_demos(tmp_path_factory):
+    """Two short episodes whose state has 12 values, more than the tiny π0 pads to (8)."""
+    from rlinf_vla.data import LeRobotWriter
+
+    writer = LeRobotWriter(
+        tmp_path_factory.mktemp("long_state") / "ds", 10, {"main": (16, 16)}, 12, 2
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        images = {"main": rng.integers(0, 255, (6, 16, 16, 3), dtype=np.uint8)}
+        state = rng.normal(size=(6, 12)).astype(np.float32)
+        writer.add_episode(images, state, rng.uniform(-1, 1, (6, 2)).astype(np.float32), "go")
+    return writer.close()
+
+
+def _sft_job(demos, *extra):
+    from rlinf_vla import cli
+    from rlinf_vla.pipelines.sft import validate
+
+    args = [*TOY, "policy=pi0", "policy.preset=tiny", f"data.paths=[{demos}]", *extra]
+    return validate(cli.compose("sft", args))
+
+
+def test_a_fresh_pi0_pads_the_state_to_the_datas_size_unless_told(long_state_demos):
+    assert _sft_job(long_state_demos).policy_config.max_state_dim == 12
+    assert _sft_job(long_state_demos, "policy.max_state_dim=16").policy_config.max_state_dim == 16
+    with pytest.raises(ConfigError, match=r"state has 12 dims, more than .*max_state_dim=10"):
+        _sft_job(long_state_demos, "policy.max_state_dim=10")
