@@ -6,7 +6,7 @@ its own local Ray instance) and prints a table (JSON too, default
 
 1. ``rlinf-vla collect``: ``--demos`` successful episodes of the task's scripted expert
    (reset ids from 0);
-2. ``rlinf-vla sft``: behaviour cloning of a small OpenVLA-OFT for ``--sft-steps`` steps;
+2. ``rlinf-vla sft``: behaviour cloning of a small policy for ``--sft-steps`` steps;
 3. ``rlinf-vla train algo=ppo`` and ``algo=grpo``, each from the SFT checkpoint, for
    ``--ppo-iterations`` / ``--grpo-iterations`` iterations.
 
@@ -16,13 +16,16 @@ interval::
 
     .venv/bin/python benchmarks/maniskill_learning.py                      # PushCube, seed 0
     .venv/bin/python benchmarks/maniskill_learning.py --seed 1             # a second training seed
-    .venv/bin/python benchmarks/maniskill_learning.py --task PickCube-v1 --demos 100
+    .venv/bin/python benchmarks/maniskill_learning.py --policy openvla_oft # the tiny OpenVLA-OFT
 
-The policy is the tiny OpenVLA-OFT preset (0.48 M parameters); it sees one 64 x 64 camera and a privileged state (``env.state_mode=privileged``: the
+The policy is a tiny preset (``--policy``: π0 by default, 0.17 M parameters, or OpenVLA-OFT,
+0.48 M); it sees one 64 x 64 camera and a privileged state (``env.state_mode=privileged``: the
 robot's joints and TCP pose followed by the task's object and goal poses, ManiSkill's own state
-observation), which keeps it small enough to learn on a 2-core CPU. ``--set
+observation), which keeps it small enough to learn on a 2-core CPU. The RL settings of each
+policy are in ``RECIPES`` (docs/experiments/ has the runs that chose them). ``--set
 stage.section.key=value`` changes any setting of one stage (``sft``, ``ppo``, ``grpo``,
-``collect``), e.g. ``--set ppo.algo.lr=3e-4``.
+``collect``), e.g. ``--set ppo.algo.lr=3e-4``. ``--plot`` draws each run's curves
+(``rlinf-vla plot``) next to its run folder.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -38,6 +42,35 @@ from typing import Any
 from rlinf_vla import cli
 from rlinf_vla.eval.stats import wilson_interval
 from rlinf_vla.pipelines.tracking import read_metrics
+
+# What each policy family needs beyond the common settings: its section for sft and train, the
+# envs of the SFT's evaluation, and its RL keys (common to PPO and GRPO, then per algorithm).
+RECIPES: dict[str, dict[str, Any]] = {
+    "pi0": {
+        "policy": ["policy=pi0", "policy.preset=tiny"],
+        "sft_envs": 4,
+        "rl": [
+            "policy.logprob_granularity=token",  # one ratio per denoising step and action
+            "policy.detach_value_input=true",  # the value loss does not move the expert
+        ],
+        # a rate decaying to 0 settles the last checkpoint (the learning tests' finding)
+        "ppo": ["algo.lr=1e-4", "algo.lr_schedule=linear", "algo.critic_warmup_iterations=3"],
+        "grpo": ["algo.lr=1e-4", "algo.lr_schedule=linear"],
+    },
+    "openvla_oft": {
+        "policy": ["policy=openvla_oft"],
+        "sft_envs": 8,
+        "rl": [
+            "policy.clip_greedy=true",  # evaluate the greedy action as the env executes it
+            'policy.trainable_modules="(action_head|value_head|log_std)"',
+            "policy.detach_value_input=true",
+            "algo.lr=1e-4",  # Adam moves the head's output by about lr x fan-in per step
+            "algo.log_std_lr=1e-3",
+        ],
+        "ppo": ["algo.critic_warmup_iterations=3"],
+        "grpo": [],
+    },
+}
 
 
 def env_args(args: argparse.Namespace, num_envs: int) -> list[str]:
@@ -52,7 +85,7 @@ def env_args(args: argparse.Namespace, num_envs: int) -> list[str]:
 
 
 def policy_args(args: argparse.Namespace) -> list[str]:
-    return ["policy=openvla_oft", f"policy.chunk_size={args.chunk}"]
+    return [*RECIPES[args.policy]["policy"], f"policy.chunk_size={args.chunk}"]
 
 
 def common(out: Path, seed: int) -> list[str]:
@@ -79,39 +112,90 @@ def run(command: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def last_eval(run_dir: Path) -> dict[str, Any]:
-    rows = [r for r in read_metrics(run_dir) if r.get("eval/success_rate") is not None]
-    return rows[-1]
-
-
 def evaluations(run_dir: Path) -> list[tuple[int, float]]:
+    """``(iteration or step, greedy success)`` of every evaluation of a run."""
     return [
-        (int(r["iteration"]), float(r["eval/success_rate"]))
+        (int(r.get("iteration", r.get("step", 0))), float(r["eval/success_rate"]))
         for r in read_metrics(run_dir)
         if r.get("eval/success_rate") is not None
+    ]
+
+
+def episode_chunks(args: argparse.Namespace) -> int:
+    """Chunk steps that hold one whole episode of the task (its registered time limit)."""
+    from rlinf_vla.envs import env_config
+
+    steps = env_config("maniskill", task=args.task, sim_backend="cpu").episode_steps() or 100
+    return math.ceil(steps / args.chunk)
+
+
+def train_command(args: argparse.Namespace, algo: str, checkpoint: Path, out: Path) -> list[str]:
+    recipe, iterations = RECIPES[args.policy], getattr(args, f"{algo}_iterations")
+    chunks = episode_chunks(args)
+    if algo == "grpo":
+        # GRPO scores each env's first episode: one episode per env, groups of --group envs.
+        rollout = chunks
+        extra = [f"algo.group_size={args.group}", f"env.group_size={args.group}"]
+    else:
+        rollout = 2 * chunks  # about 20 episodes per iteration with 10 envs
+        extra = []
+    return [
+        "train",
+        *env_args(args, args.envs),
+        *RECIPES[args.policy]["policy"],
+        f"policy.checkpoint={checkpoint}",
+        f"algo={algo}",
+        *recipe["rl"],
+        *recipe[algo],
+        *extra,
+        f"algo.update_epochs={args.epochs}",
+        f"algo.minibatch_size={args.minibatch}",
+        f"algo.micro_batch_size={args.minibatch}",
+        f"runner.rollout_chunks={rollout}",
+        f"runner.max_iterations={iterations}",
+        f"runner.eval_interval={args.eval_every}",
+        f"runner.eval_episodes={args.eval_episodes}",
+        f"runner.eval_num_envs={args.eval_envs}",
+        "runner.eval_videos=false",
+        f"runner.save_interval={iterations}",
+        *common(out, args.seed),
+        *stage_sets(args, algo),
     ]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--task", default="PushCube-v1")
-    p.add_argument("--demos", type=int, default=40, help="successful expert episodes")
-    p.add_argument("--seed", type=int, default=0, help="seed of sft and RL (not of the demos)")
+    p.add_argument("--policy", default="pi0", choices=sorted(RECIPES))
+    p.add_argument("--demos", type=int, default=200, help="successful expert episodes")
+    p.add_argument("--seed", type=int, default=0, help="seed of PPO and GRPO")
+    p.add_argument("--sft-seed", type=int, default=0, help="seed of the SFT warm start")
     p.add_argument("--image-size", type=int, default=64, help="camera image side")
     p.add_argument("--chunk", type=int, default=4, help="actions per policy call")
-    p.add_argument("--sft-steps", type=int, default=500)
-    p.add_argument("--ppo-iterations", type=int, default=40)
-    p.add_argument("--grpo-iterations", type=int, default=20)
-    p.add_argument("--envs", type=int, default=8, help="training envs (CPU processes)")
+    p.add_argument("--sft-steps", type=int, default=1000)
+    p.add_argument("--ppo-iterations", type=int, default=60)
+    p.add_argument("--grpo-iterations", type=int, default=60)
+    p.add_argument("--envs", type=int, default=10, help="training envs (CPU processes)")
+    p.add_argument("--group", type=int, default=5, help="GRPO: envs per group")
+    p.add_argument("--epochs", type=int, default=4, help="update epochs per iteration")
+    p.add_argument("--minibatch", type=int, default=65, help="chunk steps per optimizer step")
     p.add_argument("--eval-episodes", type=int, default=64)
+    p.add_argument("--eval-envs", type=int, default=4, help="envs of the greedy evaluation")
+    p.add_argument("--eval-every", type=int, default=10, help="iterations between evaluations")
     p.add_argument("--work", type=Path, default=Path("runs/maniskill_learning"))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/maniskill_learning.json"))
     p.add_argument("--set", action="append", default=[], help="stage.section.key=value")
     p.add_argument("--skip", nargs="*", default=[], choices=["ppo", "grpo"])
+    p.add_argument("--plot", action="store_true", help="draw each run's curves (PNG)")
     args = p.parse_args()
 
-    work = args.work / f"{args.task}-seed{args.seed}"
+    # Demonstrations and the warm start are made once and shared by the RL seeds.
     demos = args.work / f"{args.task}-demos{args.demos}"
+    sft = (
+        args.work
+        / f"{args.task}-{args.policy}-demos{args.demos}-sft{args.sft_steps}-seed{args.sft_seed}"
+    )
+    work = args.work / f"{args.task}-{args.policy}-seed{args.seed}"
     results: dict[str, Any] = {
         "config": vars(args) | {"work": str(args.work), "out": str(args.out)}
     }
@@ -129,90 +213,69 @@ def main() -> None:
     results["collect"] = json.loads((demos / "meta" / "collect.json").read_text())
     results["collect"].pop("config", None)
 
-    sft = work / "sft"
     steps = args.sft_steps
-    times["sft"] = run(
-        [
-            "sft",
-            *env_args(args, 8),
-            *policy_args(args),
-            f"data.paths=[{demos}]",
-            f"sft.steps={steps}",
-            "sft.lr=3e-4",
-            "sft.lr_schedule=linear",  # a constant rate leaves the last checkpoint's success to chance
-            "sft.batch_size=64",
-            "sft.micro_batch_size=64",
-            f"runner.eval_interval={max(1, steps // 4)}",
-            "runner.eval_at_start=true",
-            f"runner.eval_episodes={args.eval_episodes}",
-            f"runner.save_interval={steps}",
-            *common(sft, args.seed),
-            *stage_sets(args, "sft"),
-        ]
-    )
-    checkpoint = sft / "checkpoints" / f"step_{steps}"
-    rows = {"sft": (last_eval(sft), evaluations(sft))}
-
-    for algo, iterations in (("ppo", args.ppo_iterations), ("grpo", args.grpo_iterations)):
-        if algo in args.skip:
-            continue
-        out = work / algo
-        extra = ["algo.group_size=4", "env.group_size=4"] if algo == "grpo" else []
-        times[algo] = run(
+    checkpoint = sft / "checkpoints" / f"step_{steps}" / "policy"
+    if not checkpoint.exists():
+        times["sft"] = run(
             [
-                "train",
-                *env_args(args, args.envs),
-                "policy=openvla_oft",
-                f"policy.checkpoint={checkpoint}",
-                f"algo={algo}",
-                *extra,
-                "algo.lr=1e-5",  # 1e-4 collapses the chunk-level Gaussian (approx_kl 5)
-                "runner.rollout_chunks=13",
-                f"runner.max_iterations={iterations}",
-                f"runner.eval_interval={max(1, iterations // 4)}",
+                "sft",
+                *env_args(args, RECIPES[args.policy]["sft_envs"]),
+                *policy_args(args),
+                f"data.paths=[{demos}]",
+                f"sft.steps={steps}",
+                "sft.lr=3e-4",
+                "sft.lr_schedule=linear",  # a constant rate leaves the last checkpoint's success to chance
+                "sft.batch_size=64",
+                "sft.micro_batch_size=64",
+                f"runner.eval_interval={max(1, steps // 2)}",
+                "runner.eval_at_start=true",
                 f"runner.eval_episodes={args.eval_episodes}",
-                f"runner.save_interval={iterations}",
-                *common(out, args.seed),
-                *stage_sets(args, algo),
+                "runner.eval_videos=false",
+                f"runner.save_interval={steps}",
+                *common(sft, args.sft_seed),
+                *stage_sets(args, "sft"),
             ]
         )
-        rows[algo] = (last_eval(out), evaluations(out))
+    runs = {"sft": sft}
+    for algo in ("ppo", "grpo"):
+        if algo not in args.skip:
+            runs[algo] = work / algo
+            times[algo] = run(train_command(args, algo, checkpoint, runs[algo]))
 
-    table = []
     n = args.eval_episodes
-    start = rows["sft"][1][0][1] if rows["sft"][1] else math.nan
+    curves = {name: evaluations(path) for name, path in runs.items()}
+    start = curves["sft"][-1][1]
     print(
-        f"\n{args.task}, {args.demos} demos, seed {args.seed}: greedy success on {n} held-out scenes"
+        f"\n{args.task}, {args.policy}, {args.demos} demos, seed {args.seed}: "
+        f"greedy success on {n} held-out scenes"
     )
-    print(f"{'stage':<22}{'success':>9}{'95% interval':>18}{'minutes':>9}")
-    base = None
-    for name, (final, curve) in rows.items():
-        rate = float(final["eval/success_rate"])
+    print(f"{'stage':<22}{'success':>9}{'95% interval':>18}{'minutes':>9}   curve")
+    print(f"{'random init (step 0)':<22}{curves['sft'][0][1]:>9.3f}")
+    table = []
+    for name, curve in curves.items():
+        rate = curve[-1][1]
         lo, hi = wilson_interval(round(rate * n), n) or (math.nan, math.nan)
-        label = {"sft": f"sft ({steps} steps)"}.get(name, f"{name} from sft")
-        if name == "sft":
-            base = rate
-            print(f"{'random init (step 0)':<22}{start:>9.3f}{'':>18}{'':>9}")
-        delta = "" if name == "sft" else f"  ({100 * (rate - base):+.1f} points)"
+        label = f"sft ({steps} steps)" if name == "sft" else f"{name} from sft"
+        delta = "" if name == "sft" else f"{100 * (rate - start):+.1f} points"
+        shown = " ".join(f"{r:.2f}@{i}" for i, r in curve)
         print(
-            f"{label:<22}{rate:>9.3f}{f'[{lo:.2f}, {hi:.2f}]':>18}{times[name] / 60:>9.1f}{delta}"
+            f"{label:<22}{rate:>9.3f}{f'[{lo:.2f}, {hi:.2f}]':>18}"
+            f"{times.get(name, math.nan) / 60:>9.1f}   {shown}  {delta}"
         )
-        table.append(
-            {
-                "stage": name,
-                "success": rate,
-                "interval": [lo, hi],
-                "curve": curve,
-                "seconds": times[name],
-            }
-        )
+        row = {"stage": name, "success": rate, "interval": [lo, hi], "curve": curve}
+        row |= {"seconds": times.get(name), "run_dir": str(runs[name])}
+        if name != "sft":
+            row["gain_points"] = 100 * (rate - start)
+        table.append(row)
+        if args.plot:
+            cli.main(["plot", str(runs[name])])
     if "collect" in times:
         print(f"{'collect':<22}{'':>9}{'':>18}{times['collect'] / 60:>9.1f}")
     print(f"total {sum(times.values()) / 60:.1f} minutes")
     results.update(
         table=table,
         seconds=times,
-        machine={"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        machine={"cpus": os.cpu_count(), "platform": platform.platform()},
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
