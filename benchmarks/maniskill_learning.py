@@ -195,7 +195,7 @@ def main() -> None:
         args.work
         / f"{args.task}-{args.policy}-demos{args.demos}-sft{args.sft_steps}-seed{args.sft_seed}"
     )
-    work = args.work / f"{args.task}-{args.policy}-seed{args.seed}"
+    work = sft.with_name(f"{sft.name}-rl{args.seed}")
     results: dict[str, Any] = {
         "config": vars(args) | {"work": str(args.work), "out": str(args.out)}
     }
