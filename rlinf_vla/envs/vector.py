@@ -1,4 +1,5 @@
-"""Subprocess vectorisation: one single-env simulator ("core") per child process.
+"""Subprocess vectorisation: single-env simulators ("cores") in child processes, one or several
+per child.
 
 A core is any object built in the child by a picklable ``factory()`` with these methods:
 
@@ -13,9 +14,13 @@ An observation dict holds ``images: {camera: uint8 [H, W, 3]}``, ``state: float3
 
 :class:`SubprocEnvs` starts the children (``spawn`` context, one pipe each), sends a command to
 many children before waiting for any answer (so they run in parallel), and turns their answers
-into batched tensors. A child that dies (or does not answer within ``timeout_s``) is killed,
-started again and reported as crashed; an exception raised by a core is re-raised in the parent
-with the child's traceback. :meth:`SubprocEnvs.close` always joins or terminates every child.
+into batched tensors. A child may host several cores (``per_process``): it runs their commands
+one after another, and costs the simulator's libraries once instead of once per env (a
+ManiSkill child holds about 0.7 GB before its first env, a few MB for each further one). A
+child that dies (or does not answer within ``timeout_s``) is killed, started again and reported
+as crashed for the envs of the command; its other envs lost their episode too and report a crash
+until they are reset. An exception raised by a core is re-raised in the parent with the child's
+traceback. :meth:`SubprocEnvs.close` always joins or terminates every child.
 """
 
 from __future__ import annotations
@@ -43,11 +48,16 @@ class EnvWorkerError(RuntimeError):
     """A simulator core raised an exception in its subprocess (traceback in the message)."""
 
 
-def _worker_main(conn: Connection, factory: Callable[[], Any], env_vars: dict[str, str]) -> None:
+def _worker_main(
+    conn: Connection, factories: list[Callable[[], Any]], env_vars: dict[str, str]
+) -> None:
+    """A child: builds its cores, then answers ``(method, {slot: args})`` with
+    ``{slot: ("ok", result) | ("error", traceback)}`` until ``close``."""
     os.environ.update(env_vars)
-    core = None
+    cores: list[Any] = []
     try:
-        core = factory()
+        for factory in factories:
+            cores.append(factory())
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -55,14 +65,16 @@ def _worker_main(conn: Connection, factory: Callable[[], Any], env_vars: dict[st
         return
     while True:
         try:
-            method, args = conn.recv()
+            method, calls = conn.recv()
         except (EOFError, KeyboardInterrupt):
             break
-        try:
-            result = getattr(core, method)(*args)
-            conn.send(("ok", result))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
+        answers: dict[int, tuple[str, Any]] = {}
+        for slot, args in calls.items():
+            try:
+                answers[slot] = ("ok", getattr(cores[slot], method)(*args))
+            except BaseException:
+                answers[slot] = ("error", traceback.format_exc())
+        conn.send(answers)
         if method == "close":
             break
     conn.close()
@@ -75,7 +87,7 @@ class _Child:
 
 
 class SubprocEnvs:
-    """``n`` single-env cores in ``n`` subprocesses, stepped in parallel.
+    """``n`` single-env cores in subprocesses, stepped in parallel.
 
     Args:
         factories: one picklable zero-argument callable per env, building its core in the child.
@@ -83,6 +95,9 @@ class SubprocEnvs:
         env_vars: environment variables set in each child before the factory runs.
         timeout_s: seconds a child may take to start or to answer a command before it is
             considered hung, killed and restarted.
+        per_process: envs hosted by each child (envs ``[j * per_process, (j + 1) *
+            per_process)`` live in child ``j``; the last child may hold fewer). A child runs
+            its envs' commands one after another; children run in parallel.
     """
 
     def __init__(
@@ -91,63 +106,84 @@ class SubprocEnvs:
         name: str,
         env_vars: dict[str, str] | None = None,
         timeout_s: float = 600.0,
+        per_process: int = 1,
     ) -> None:
+        if per_process < 1:
+            raise ValueError(f"per_process must be >= 1, got {per_process}")
         self.name = name
         self.factories = factories
         self.env_vars = dict(env_vars or {})
         self.timeout_s = timeout_s
+        self.per_process = per_process
+        #: how often each env's child was restarted
         self.restarts = [0] * len(factories)
+        n = len(factories)
+        self._members = [list(range(j, min(n, j + per_process))) for j in range(0, n, per_process)]
         self._ctx = mp.get_context("spawn")
-        self._children: list[_Child | None] = [None] * len(factories)
+        self._children: list[_Child | None] = [None] * len(self._members)
+        self._stale: set[int] = set()  # envs whose child was restarted: no episode until reset
         self._closed = False
         try:
-            for i in range(len(factories)):
-                self._children[i] = self._spawn(i)
-            errors = [self._await_ready(i) for i in range(len(factories))]
+            for j in range(len(self._members)):
+                self._children[j] = self._spawn(j)
+            errors = [self._await_ready(j) for j in range(len(self._members))]
         except BaseException:
             self.close()
             raise
-        bad = [(i, e) for i, e in enumerate(errors) if e]
+        bad = [(j, e) for j, e in enumerate(errors) if e]
         if bad:
             self.close()
-            i, err = bad[0]
-            raise EnvWorkerError(f"{name} env {i} failed to start:\n{err}")
+            j, err = bad[0]
+            raise EnvWorkerError(f"{name} {self._label(j)} failed to start:\n{err}")
 
     def __len__(self) -> int:
         return len(self.factories)
 
+    @property
+    def num_processes(self) -> int:
+        return len(self._members)
+
+    def _child_of(self, i: int) -> int:
+        return i // self.per_process
+
+    def _label(self, j: int) -> str:
+        members = self._members[j]
+        if len(members) == 1:
+            return f"env {members[0]}"
+        return f"envs {members[0]}-{members[-1]}"
+
     # ------------------------------------------------------------------ processes
-    def _spawn(self, i: int) -> _Child:
+    def _spawn(self, j: int) -> _Child:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(child, self.factories[i], self.env_vars),
-            name=f"{self.name}-env-{i}",
+            args=(child, [self.factories[i] for i in self._members[j]], self.env_vars),
+            name=f"{self.name}-{self._label(j).replace(' ', '-')}",
             daemon=True,
         )
         proc.start()
         child.close()
         return _Child(proc, parent)
 
-    def _await_ready(self, i: int) -> str | None:
-        """``None`` when child ``i`` started, else its error text."""
-        child = self._children[i]
+    def _await_ready(self, j: int) -> str | None:
+        """``None`` when child ``j`` started, else its error text."""
+        child = self._children[j]
         assert child is not None
         try:
             if not child.conn.poll(self.timeout_s):
-                self._kill(i)
+                self._kill(j)
                 return f"no answer within {self.timeout_s} s"
             status, payload = child.conn.recv()
         except (EOFError, OSError):
-            self._kill(i)
+            self._kill(j)
             return f"the process died during start-up (exit code {child.process.exitcode})"
         return None if status == "ok" else payload
 
-    def _kill(self, i: int) -> None:
-        child = self._children[i]
+    def _kill(self, j: int) -> None:
+        child = self._children[j]
         if child is None:
             return
-        self._children[i] = None
+        self._children[j] = None
         with contextlib.suppress(OSError):
             child.conn.close()
         if child.process.is_alive():
@@ -155,72 +191,91 @@ class SubprocEnvs:
         child.process.join(timeout=10)
 
     def restart(self, i: int) -> None:
-        """Kill child ``i`` (if alive) and start a fresh one."""
-        self._kill(i)
-        self.restarts[i] += 1
-        self._children[i] = self._spawn(i)
-        err = self._await_ready(i)
+        """Kill the child of env ``i`` (if alive) and start a fresh one. The child's other envs
+        lose their episode too: until they are reset, every other command on them answers
+        :data:`CRASHED`."""
+        j = self._child_of(i)
+        self._kill(j)
+        for k in self._members[j]:
+            self.restarts[k] += 1
+            if k != i:
+                self._stale.add(k)
+        self._children[j] = self._spawn(j)
+        err = self._await_ready(j)
         if err:
-            raise EnvWorkerError(f"{self.name} env {i} failed to restart:\n{err}")
+            raise EnvWorkerError(f"{self.name} {self._label(j)} failed to restart:\n{err}")
 
     def process(self, i: int) -> mp.Process | None:
-        """The process of child ``i`` (for tests and monitoring)."""
-        child = self._children[i]
+        """The process of env ``i``'s child (for tests and monitoring)."""
+        child = self._children[self._child_of(i)]
         return None if child is None else child.process
 
     # ------------------------------------------------------------------ commands
     def call(self, method: str, args: dict[int, tuple]) -> dict[int, Any]:
-        """Call ``core.method(*args[i])`` in every child ``i`` of ``args``, in parallel.
+        """Call ``core.method(*args[i])`` for every env ``i`` of ``args``; children in parallel.
 
-        Returns each result, or :data:`CRASHED` for children that died (they are restarted).
+        Returns each result, or :data:`CRASHED` for envs whose child died (it is restarted)
+        and for envs that lost their episode to a restart and were not reset since.
         Raises :class:`EnvWorkerError` when a core raised (after all answers are collected).
         """
         if self._closed:
             raise RuntimeError(f"{self.name} envs are closed")
-        sent: list[int] = []
         results: dict[int, Any] = {}
+        calls: dict[int, dict[int, tuple]] = {}
         for i, a in args.items():
-            child = self._children[i]
+            if i in self._stale and method != "reset":
+                results[i] = CRASHED
+                continue
+            self._stale.discard(i)
+            calls.setdefault(self._child_of(i), {})[i % self.per_process] = a
+        sent: list[int] = []
+        crashed: list[int] = []
+        for j, slots in calls.items():
+            child = self._children[j]
             try:
                 assert child is not None
-                child.conn.send((method, a))
-                sent.append(i)
+                child.conn.send((method, slots))
+                sent.append(j)
             except (OSError, AssertionError):
-                results[i] = CRASHED
+                crashed.append(j)
         errors: list[tuple[int, str]] = []
-        for i in sent:
-            child = self._children[i]
+        for j in sent:
+            child = self._children[j]
             assert child is not None
             try:
                 if not child.conn.poll(self.timeout_s):
                     raise TimeoutError
-                status, payload = child.conn.recv()
+                answers = child.conn.recv()
             except (EOFError, OSError, TimeoutError):
-                results[i] = CRASHED
+                crashed.append(j)
                 continue
-            if status == "ok":
-                results[i] = payload
-            else:
-                errors.append((i, payload))
-        for i, r in results.items():
-            if r is CRASHED:
-                self.restart(i)
+            first = self._members[j][0]
+            for slot, (status, payload) in answers.items():
+                if status == "ok":
+                    results[first + slot] = payload
+                else:
+                    errors.append((first + slot, payload))
+        for j in crashed:
+            envs = [self._members[j][0] + slot for slot in calls[j]]
+            results.update(dict.fromkeys(envs, CRASHED))
+            self.restart(envs[0])
+            self._stale.difference_update(envs)  # reported now; the caller resets them
         if errors:
-            i, err = errors[0]
+            i, err = min(errors)
             raise EnvWorkerError(f"{self.name} env {i} raised in {method}():\n{err}")
         return results
 
     def close(self) -> None:
-        """Ask every child to close its core, then join; terminate those that do not exit."""
+        """Ask every child to close its cores, then join; terminate those that do not exit."""
         if self._closed:
             return
         self._closed = True
-        for child in self._children:
+        for j, child in enumerate(self._children):
             if child is None:
                 continue
             with contextlib.suppress(OSError):
-                child.conn.send(("close", ()))
-        for i, child in enumerate(self._children):
+                child.conn.send(("close", {s: () for s in range(len(self._members[j]))}))
+        for j, child in enumerate(self._children):
             if child is None:
                 continue
             try:
@@ -229,7 +284,7 @@ class SubprocEnvs:
             except (EOFError, OSError):
                 pass
             child.process.join(timeout=30)
-            self._kill(i)
+            self._kill(j)
 
 
 class SubprocBatch:

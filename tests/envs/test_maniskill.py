@@ -1,4 +1,4 @@
-"""ManiSkill3 on the CPU backend (one subprocess per env)."""
+"""ManiSkill3 on the CPU backend (envs in subprocesses)."""
 
 from __future__ import annotations
 
@@ -219,3 +219,43 @@ def test_default_robot_with_a_hand_camera_gives_the_wrist_image(maniskill) -> No
         env.close()
     assert set(obs.images) == {"main", "wrist"}
     assert obs.images["wrist"].shape == (1, 32, 32, 3)
+
+
+def test_envs_sharing_a_subprocess_run_the_same_episodes(maniskill) -> None:
+    # Two envs in one subprocess against one subprocess each: same scenes, same actions, the
+    # same states and pictures.
+    g = torch.Generator().manual_seed(0)
+    actions = [torch.rand(2, 4, 7, generator=g) * 2 - 1 for _ in range(3)]
+    runs = []
+    for per_process in (1, 2):
+        env = make_env(
+            "maniskill", task="PushCube-v1", num_envs=2, image_size=32, sim_backend="cpu",
+            state_mode="privileged", envs_per_process=per_process,
+        )  # fmt: skip
+        try:
+            assert env.workers.num_processes == 2 // per_process
+            obs = [env.reset([3, 7])]
+            obs += [env.chunk_step(a).obs for a in actions]
+        finally:
+            env.close()
+        runs.append(obs)
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a.state, b.state, atol=0, rtol=0)
+        assert torch.equal(a.images["main"], b.images["main"])
+    assert not torch.equal(runs[0][0].state[0], runs[0][0].state[1])  # two different scenes
+
+
+def test_envs_per_process_by_default_keeps_every_core_busy(monkeypatch) -> None:
+    from rlinf_vla.envs import env_config
+    from rlinf_vla.envs.maniskill import config as ms_config
+
+    monkeypatch.setattr(ms_config.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert env_config("maniskill", num_envs=10).envs_per_subprocess() == 5  # ceil(10 / 2)
+    assert env_config("maniskill", num_envs=9).envs_per_subprocess() == 5
+    assert env_config("maniskill", num_envs=1).envs_per_subprocess() == 1
+    monkeypatch.setattr(ms_config.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert env_config("maniskill", num_envs=10).envs_per_subprocess() == 1
+    assert env_config("maniskill", num_envs=40).envs_per_subprocess() == 3
+    assert env_config("maniskill", num_envs=40, envs_per_process=8).envs_per_subprocess() == 8
+    with pytest.raises(Exception, match="envs_per_process"):
+        env_config("maniskill", envs_per_process=0)

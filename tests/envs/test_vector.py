@@ -132,6 +132,61 @@ def test_call_reports_crash_without_raising() -> None:
     assert pool.process(0) is None and pool.process(1) is None
 
 
+def test_several_envs_per_child_give_the_same_episodes() -> None:
+    one, shared = (SubprocEnvs([CounterCore] * 5, name="counter", per_process=k) for k in (1, 2))
+    try:
+        pids = shared.call("pid", dict.fromkeys(range(5), ()))
+        # envs 0-1, 2-3 and 4 live in three children
+        assert [pids[0] == pids[1], pids[2] == pids[3], len(set(pids.values()))] == [
+            True,
+            True,
+            3,
+        ]
+        assert shared.num_processes == 3 and one.num_processes == 5
+        for pool in (one, shared):
+            pool.call("reset", {i: (i,) for i in range(5)})
+        steps = {i: ([float(i + 1)], True) for i in (0, 2, 3)}  # env 1 and 4 idle
+        a, b = one.call("step", steps), shared.call("step", steps)
+        assert set(b) == {0, 2, 3}
+        for i in steps:  # x = reset id + action: 1, 5, 7
+            assert a[i][0]["state"].tolist() == b[i][0]["state"].tolist() == [2 * i + 1.0]
+    finally:
+        one.close()
+        shared.close()
+
+
+def test_a_crashed_child_costs_all_its_envs_their_episode() -> None:
+    pool = SubprocEnvs([CounterCore] * 4, name="counter", per_process=2)
+    try:
+        pool.call("reset", {i: (1,) for i in range(4)})
+        old = pool.process(2)
+        assert pool.process(3).pid == old.pid
+        os.kill(old.pid, signal.SIGKILL)
+        old.join(timeout=10)
+        out = pool.call("step", {i: ([1.0], True) for i in (0, 1, 2)})  # env 3 idle
+        assert out[2] is CRASHED and out[0] is not CRASHED and out[1] is not CRASHED
+        assert pool.restarts == [0, 0, 1, 1]
+        assert pool.process(2).pid != old.pid and pool.process(3).pid == pool.process(2).pid
+        # env 3's child was replaced while it idled: it has no episode until it is reset
+        again = pool.call("step", {i: ([1.0], True) for i in range(4)})
+        assert again[3] is CRASHED and again[2] is not CRASHED  # the caller reset nothing yet
+        assert again[2][0]["state"].tolist() == [1.0]  # a fresh core: x = 0 + 1
+        pool.call("reset", {3: (4,)})
+        assert pool.call("step", {3: ([1.0], True)})[3][0]["state"].tolist() == [5.0]
+    finally:
+        pool.close()
+
+
+def test_a_core_error_names_its_env_in_a_shared_child() -> None:
+    pool = SubprocEnvs([CounterCore] * 4, name="counter", per_process=2)
+    try:
+        with pytest.raises(EnvWorkerError, match=r"counter env 3 raised in boom\(\)"):
+            pool.call("boom", {3: ()})
+        assert pool.call("pid", {2: ()})[2] == pool.process(2).pid  # the child lives on
+    finally:
+        pool.close()
+
+
 def test_close_terminates_children() -> None:
     pool = SubprocEnvs([CounterCore] * 2, name="counter")
     procs = [pool.process(i) for i in range(2)]

@@ -82,6 +82,9 @@ class LiberoEnvConfig(EnvConfig):
             ``task_ids`` selects. The official loops use 0 (OpenVLA, OpenVLA-OFT) and 7
             (openpi). ``None``: seed every reset with its reset id (the scene of a (task, init
             state) then changes with the position of the task in ``task_ids``).
+        envs_per_process: envs simulated by each worker subprocess, one after another
+            (subprocesses run in parallel); more than one saves the memory of the simulator's
+            libraries per env.
         worker_timeout_s: seconds a worker may take for one command (a task switch rebuilds
             its simulator) before it is considered hung and restarted.
         perturbation: ``None`` (the tasks as LIBERO defines them) or a LIBERO-PRO
@@ -105,6 +108,7 @@ class LiberoEnvConfig(EnvConfig):
     fast_render: bool = False
     render_backend: str = "egl"
     worker_timeout_s: float = 600.0
+    envs_per_process: int = 1
     scene_seed: int | None = 0
     perturbation: str | None = None
     perturbation_seed: int = 0
@@ -231,6 +235,7 @@ class LiberoEnvConfig(EnvConfig):
             f"must be one of {RENDER_BACKENDS}",
         )
         check_field(self, "worker_timeout_s", self.worker_timeout_s > 0, "must be > 0")
+        check_field(self, "envs_per_process", self.envs_per_process >= 1, "must be >= 1")
         if self.scene_seed is not None:
             self.scene_seed = int(self.scene_seed)
             check_field(

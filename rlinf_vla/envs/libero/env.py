@@ -541,6 +541,7 @@ class LiberoEnv(VectorEnv):
                 name="libero",
                 env_vars=env_vars,
                 timeout_s=config.worker_timeout_s,
+                per_process=config.envs_per_process,
             )
         )
         super().__init__(config, int(self._task_limits.max()))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +120,13 @@ class ManiSkillEnvConfig(EnvConfig):
             per image and within 1/255 of the full picture on average
             (:mod:`rlinf_vla.envs.maniskill.meshes`; on by default, off in ``rlinf-vla eval``).
             GPU rendering is fast and always draws the full meshes.
+        envs_per_process: CPU backend: envs simulated by each subprocess, one after another;
+            subprocesses run in parallel. A ManiSkill subprocess holds about 0.7 GB before its
+            first env and a few MB for each further one, and starts in several seconds.
+            ``None``: ``ceil(num_envs / cores)`` (the cores this process may use), which keeps
+            every core busy with the fewest subprocesses (10 envs on 2 cores: 2 subprocesses
+            of 5, 2.4 GB and 14 s to start instead of 11.9 GB and 57 s with one each, and
+            stepping as fast). Each env's episodes do not depend on it.
         worker_timeout_s: seconds a CPU worker may take for one command before it is
             considered hung and restarted.
         state_mode: ``"proprio"``: ``state`` is the robot's joint positions and TCP pose;
@@ -142,6 +151,7 @@ class ManiSkillEnvConfig(EnvConfig):
     shader: str = "minimal"
     fast_render: bool = True
     worker_timeout_s: float = 600.0
+    envs_per_process: int | None = None
     state_mode: str = "proprio"
 
     @property
@@ -151,6 +161,12 @@ class ManiSkillEnvConfig(EnvConfig):
         if self.robot is not None and not self.robot.startswith("panda"):
             return None
         return _PANDA_ACTION_DIMS.get(self.control_mode)
+
+    def envs_per_subprocess(self) -> int:
+        """Envs per subprocess of the CPU backend (``envs_per_process``, resolved)."""
+        if self.envs_per_process is not None:
+            return self.envs_per_process
+        return math.ceil(self.num_envs / usable_cpus())
 
     def describe(self) -> str:
         return self.task
@@ -259,5 +275,19 @@ class ManiSkillEnvConfig(EnvConfig):
         )
         check_field(self, "worker_timeout_s", self.worker_timeout_s > 0, "must be > 0")
         check_field(
+            self,
+            "envs_per_process",
+            self.envs_per_process is None or self.envs_per_process >= 1,
+            "must be >= 1 or null (as many as keep every core busy)",
+        )
+        check_field(
             self, "state_mode", self.state_mode in STATE_MODES, f"must be one of {STATE_MODES}"
         )
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1

@@ -494,6 +494,7 @@ class ManiSkillEnv(VectorEnv):
                     name="maniskill",
                     env_vars={"MS_SKIP_ASSET_DOWNLOAD_PROMPT": "1"},
                     timeout_s=config.worker_timeout_s,
+                    per_process=config.envs_per_subprocess(),
                 )
             )
             try:

@@ -125,6 +125,9 @@ class MetaWorldEnvConfig(EnvConfig):
         scene_seed: the 50 goal / object configurations of a task are those of
             ``metaworld.MT1(task, seed=scene_seed).train_tasks``, whatever the task set.
         render_backend: MuJoCo offscreen backend, ``"egl"`` or ``"osmesa"``.
+        envs_per_process: envs simulated by each worker subprocess, one after another
+            (subprocesses run in parallel); more than one saves the memory of the simulator's
+            libraries per env.
         worker_timeout_s: seconds a worker may take for one command (a task switch builds its
             simulator) before it is considered hung and restarted.
     """
@@ -140,6 +143,7 @@ class MetaWorldEnvConfig(EnvConfig):
     scene_seed: int = 0
     render_backend: str = "egl"
     worker_timeout_s: float = 600.0
+    envs_per_process: int = 1
 
     @property
     def action_dim(self) -> int:
@@ -233,3 +237,4 @@ class MetaWorldEnvConfig(EnvConfig):
             f"must be one of {RENDER_BACKENDS}",
         )
         check_field(self, "worker_timeout_s", self.worker_timeout_s > 0, "must be > 0")
+        check_field(self, "envs_per_process", self.envs_per_process >= 1, "must be >= 1")

@@ -224,6 +224,7 @@ class MetaWorldEnv(VectorEnv):
                 name="metaworld",
                 env_vars=env_vars,
                 timeout_s=config.worker_timeout_s,
+                per_process=config.envs_per_process,
             )
         )
         super().__init__(config, DEFAULT_MAX_STEPS)
