@@ -294,3 +294,41 @@ def test_greedy_sample_noise_is_standard_normal():
     # each observation its own draw: rows far apart (independent rows: distance ~ sqrt(64))
     dist = torch.cdist(x.flatten(1), x.flatten(1))
     assert dist[~torch.eye(64, dtype=torch.bool)].min() > 4
+
+
+def test_joint_flow_sde_scores_every_step_of_the_chain():
+    # Every step is the Flow-SDE transition; the log-prob is the mean of log N(x_0; 0, I) and
+    # the K transition densities, each computed here from the formula.
+    p = build("pi0", noise_method="flow_sde", num_steps=3, joint_logprob=True)
+    obs = make_obs(2, CAMERAS, 8)
+    torch.manual_seed(0)
+    out = p.act(obs)
+    chain = out.replay["chain"]
+    assert "denoise_index" not in out.replay
+    ts = [1.0, 2 / 3, 1 / 3, 0.0]
+    a = 0.5  # noise_level
+    for b in range(2):
+        single = obs.select([b])
+        terms = [torch.distributions.Normal(0.0, 1.0).log_prob(chain[b : b + 1, 0])]
+        for k in range(3):
+            t, delta = ts[k], ts[k] - ts[k + 1]
+            x = chain[b : b + 1, k]
+            v = p.velocity(single, x, torch.tensor([t]))
+            sigma = a * math.sqrt(t / (1 - (ts[1] if t == 1 else t)))
+            x0, x1 = x - t * v, x + (1 - t) * v
+            mean = x0 * (1 - t + delta) + x1 * (t - delta - sigma**2 * delta / (2 * t))
+            std = math.sqrt(delta) * sigma
+            # each step is stochastic: the next state is not the deterministic mean
+            assert (chain[b : b + 1, k + 1] - mean).abs().max() > 1e-3
+            terms.append(torch.distributions.Normal(mean, std).log_prob(chain[b : b + 1, k + 1]))
+        by_hand = torch.stack(terms).mean(0)[0, :2, :7].sum(-1)  # per action: over its dims
+        torch.testing.assert_close(out.logprob[b], by_hand, atol=1e-4, rtol=0)
+    again = p.evaluate(obs, out.replay)
+    torch.testing.assert_close(again.logprob, out.logprob, atol=1e-4, rtol=0)
+
+
+def test_joint_logprob_is_refused_where_it_means_nothing():
+    with pytest.raises(Exception, match="joint_logprob"):
+        build("pi0", noise_method="flow_noise", joint_logprob=True)
+    with pytest.raises(Exception, match="sde_ignore_last"):
+        build("pi0", joint_logprob=True, sde_ignore_last=True)

@@ -123,6 +123,12 @@ class Pi0Config(PolicyConfig):
             network, every step stochastic, log-prob averaged over the chain).
         noise_level: ``a`` in ``sigma_t = a sqrt(t / (1 - t))`` (Flow-SDE).
         sde_ignore_last: never pick the last denoising step for the SDE.
+        joint_logprob: Flow-SDE: make every denoising step stochastic (each with its
+            ``sigma_k``) and score the whole chain, its log-prob the mean of the transitions'
+            (and of the starting noise's) as Flow-Noise does, instead of one random step whose
+            log-prob is its own. With one step, the ODE steps before and after it also change
+            with the weights but no ratio covers them; with every step scored, the ratio is the
+            chain's. Flow-Noise always scores the whole chain.
         noise_std_range: the range of the learned std (Flow-Noise).
         noise_hidden_sizes: hidden sizes of the noise-std network.
         value_source: ``expert`` (mean of the expert's action outputs, π0) or ``prefix``
@@ -161,6 +167,7 @@ class Pi0Config(PolicyConfig):
     noise_method: Literal["flow_sde", "flow_noise"] = "flow_sde"
     noise_level: float = 0.5
     sde_ignore_last: bool = False
+    joint_logprob: bool = False
     noise_std_range: tuple[float, float] = (0.08, 0.16)
     noise_hidden_sizes: tuple[int, ...] = (128, 64)
     value_source: Literal["auto", "expert", "prefix"] = "auto"
@@ -225,6 +232,18 @@ class Pi0Config(PolicyConfig):
             "must be 'flow_sde' or 'flow_noise'",
         )
         check(self, "noise_level", self.noise_level > 0, "must be > 0")
+        check(
+            self,
+            "joint_logprob",
+            not self.joint_logprob or self.noise_method == "flow_sde",
+            "is Flow-SDE's (Flow-Noise always scores the whole chain)",
+        )
+        check(
+            self,
+            "sde_ignore_last",
+            not (self.sde_ignore_last and self.joint_logprob),
+            "picks Flow-SDE's one step; joint_logprob makes every step stochastic",
+        )
         check(
             self,
             "greedy_noise",

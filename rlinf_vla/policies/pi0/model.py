@@ -21,14 +21,15 @@ RL (RLinf / πRL; MODELS.md §4), with ``Δ = t_k - t_{k+1}``, ``x0 = x - t v``,
 - Flow-SDE: one step ``k*`` per sample is stochastic,
   ``sigma = a sqrt(t / (1 - t'))`` (``t' = t_1`` at ``t = 1``),
   ``mean = x0 (1 - t + Δ) + x1 (t - Δ - sigma² Δ / (2 t))``, ``std = sqrt(Δ) sigma``; other steps
-  are the ODE ``mean = x - Δ v``. The log-prob is ``log N(x_{k*+1}; mean, std²)``.
+  are the ODE ``mean = x - Δ v``. The log-prob is ``log N(x_{k*+1}; mean, std²)``. With
+  ``joint_logprob`` every step is that stochastic step, scored as Flow-Noise below.
 - Flow-Noise: every step ``x_{k+1} ~ N(x - Δ v, std_θ²)`` with a learned std in
   ``[0.08, 0.16]``; the log-prob is the mean over the ``K + 1`` terms ``log N(x_0; 0, I)`` and
   ``log N(x_{k+1}; mean_k, std_k²)``.
 
 Log-probs are per element of the executed actions ``[:, :K_exec, :A_env]``, then summed to the
 configured granularity. ``replay``: ``chain [B, K+1, H, D]`` (every denoising state) and, for
-Flow-SDE, ``denoise_index [B]``.
+one-step Flow-SDE, ``denoise_index [B]``.
 
 Greedy ``act`` integrates the ODE (no SDE / learned noise) from ``x_0``: by default
 (``greedy_noise="sample"``) a ``N(0, I)`` draw, as openpi's ``sample_actions`` starts from, taken
@@ -570,7 +571,8 @@ class Pi0Policy(Policy):
         else:
             x = torch.randn(shape, device=device)
         n_choices = cfg.num_steps - 1 if cfg.sde_ignore_last else cfg.num_steps
-        if cfg.noise_method == "flow_sde":
+        one_step = cfg.noise_method == "flow_sde" and not cfg.joint_logprob
+        if one_step:
             chosen = (
                 torch.zeros(b, dtype=torch.long, device=device)
                 if greedy
@@ -583,7 +585,7 @@ class Pi0Policy(Policy):
             ks = torch.full((b,), k, dtype=torch.long, device=device)
             if greedy:  # the plain ODE at every step (Flow-SDE's drift term left out too)
                 stochastic = torch.zeros(b, dtype=torch.bool, device=device)
-            elif cfg.noise_method == "flow_sde":
+            elif one_step:
                 stochastic = chosen == k
             else:
                 stochastic = ks >= 0
@@ -592,12 +594,12 @@ class Pi0Policy(Policy):
             x = mean if greedy else mean + std * torch.randn_like(mean)
             chain.append(x)
         replay = {"chain": torch.stack(chain, dim=1)}
-        if cfg.noise_method == "flow_sde":
+        if one_step:
             replay["denoise_index"] = chosen
             # Flow-SDE re-scores the chosen steps in one batched pass, exactly as ``evaluate``.
             scored = self._score(inputs, prefix, replay)
         else:
-            # Flow-Noise scores every step: the passes above are the ones ``evaluate`` runs.
+            # Every step scored: the passes above are the ones ``evaluate`` runs.
             scored = self._score(inputs, prefix, replay, steps)
         actions = self.processor.unnormalize_actions(x[:, : cfg.chunk_size].cpu()).to(device)
         return ActOutput(
@@ -628,7 +630,7 @@ class Pi0Policy(Policy):
         b = chain.shape[0]
         expert_value = self.value_head is not None and cfg.value_source == "expert"
         values = []
-        if cfg.noise_method == "flow_sde":
+        if cfg.noise_method == "flow_sde" and not cfg.joint_logprob:
             k = replay["denoise_index"].to(self.device).long()
             rows = torch.arange(b, device=chain.device)
             x, x_next = chain[rows, k], chain[rows, k + 1]
