@@ -32,6 +32,9 @@ BAD_CONFIGS = [
     (["train", "algo.warmup_iterations=-5"], ["algo.warmup_iterations"]),
     (["train", "algo.dual_clip=0.5"], ["algo.dual_clip"]),
     (["train", "algo.weight_decay=-1"], ["algo.weight_decay"]),
+    (["train", "algo.kl_coef=-1"], ["algo.kl_coef"]),
+    # a KL that train would not use: reinforce_pp's preset folds it into rewards
+    (["train", "algo=reinforce_pp", "algo.kl_coef=0.1"], ["algo.kl_coef", "kl_in_reward"]),
     (
         ["train", "algo.clip_low=-0.5", "algo.max_grad_norm=-1", "algo.weight_decay=-1"],
         ["algo.clip_low", "algo.max_grad_norm", "algo.weight_decay"],

@@ -8,6 +8,8 @@ of their final observation) and are broadcast to the policy's log-prob granulari
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +60,12 @@ class AlgoConfig(AlgorithmSection):
             follow it); ``None``: 4 for a group algorithm, else 1.
         value_coef, value_clip: weight and clipping range of the value loss (with a critic).
         entropy_coef: weight of the entropy bonus.
+        kl_coef: weight of a KL penalty to the policy the run started from (the
+            ``policy.checkpoint``, also after a resume), estimated per log-prob entry with
+            ``k3`` on the sampled chains and aggregated like the policy term; ``0``: none. The
+            actor keeps a frozen copy of the starting policy for it (twice the policy's
+            weights; offloaded with the policy). Not with ``kl_in_reward`` presets
+            (``reinforce_pp``), whose KL ``train`` does not fold into rewards.
         normalize_advantages: PPO: whiten the GAE advantages over the batch.
         update_epochs: passes over the rollout batch per iteration.
         minibatch_size: samples (env chunk steps) per optimizer step.
@@ -100,6 +108,7 @@ class AlgoConfig(AlgorithmSection):
     value_coef: float = 0.5
     value_clip: float | None = None
     entropy_coef: float = 0.0
+    kl_coef: float = 0.0
     normalize_advantages: bool = True
     update_epochs: int = 2
     minibatch_size: int = 32
@@ -122,6 +131,10 @@ class AlgoConfig(AlgorithmSection):
         **AlgorithmSection.CRITIC_KEYS,
         "critic_warmup_iterations": (lambda p: p.use_critic, "needs a critic (use_critic)"),
         "group_size": (lambda p: p.uses_groups, "only group advantages (grpo, rloo) use groups"),
+        "kl_coef": (
+            lambda p: not p.kl_in_reward,
+            "train does not fold the KL into rewards (the preset's kl_in_reward)",
+        ),
     }
 
     def __post_init__(self) -> None:
@@ -155,6 +168,7 @@ class AlgoConfig(AlgorithmSection):
                     "must be > 0 or null",
                 ),
                 ("value_coef", self.value_coef >= 0, "must be >= 0"),
+                ("kl_coef", self.kl_coef >= 0, "must be >= 0"),
                 ("max_grad_norm", self.max_grad_norm > 0, "must be > 0 (the gradient's norm cap)"),
                 ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
                 ("warmup_iterations", self.warmup_iterations >= 0, "must be >= 0"),
@@ -302,6 +316,11 @@ class ActorWorker(Worker, HasLearner):
         self._policy_name, self._policy_config = policy_name, policy_config
         self.algo = from_section(AlgoConfig, algo, "algo")
         self.policy = make_policy(policy_name, policy_config, device=str(self.device)).train()
+        # the KL penalty's reference: the starting weights, frozen (a resume loads the trained
+        # weights into self.policy later, so this stays the run's start)
+        self.reference = (
+            copy.deepcopy(self.policy).requires_grad_(False) if self.algo.kl_coef > 0 else None
+        )
         self.fsdp = False
         a = self.algo
         self.learner = Learner(
@@ -321,6 +340,8 @@ class ActorWorker(Worker, HasLearner):
         self.offload = offload and self.device.type == "cuda"
         if self.offload:
             offload_module(self.policy)
+            if self.reference is not None:
+                offload_module(self.reference)
 
     def shard(self) -> None:
         """Shard the policy and the optimizer state over the actor ranks with FSDP2.
@@ -532,7 +553,12 @@ class ActorWorker(Worker, HasLearner):
         # in source order, not arrival order: the update must not depend on which rollout
         # worker finished first (rlinf_vla.pipelines.routing)
         trajectories = sorted(channel.get_batch(key, num_trajectories), key=lambda t: t.source)
-        with resident(self.policy, self.device, self.optimizer, enabled=self.offload):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(
+                resident(self.policy, self.device, self.optimizer, enabled=self.offload)
+            )
+            if self.reference is not None:
+                stack.enter_context(resident(self.reference, self.device, enabled=self.offload))
             return self._train(trajectories, iteration, total_iterations)
 
     def _train(
@@ -622,6 +648,15 @@ class ActorWorker(Worker, HasLearner):
         logprob, entropy = out.logprob.float(), out.entropy.float()
         values = None if out.value is None else out.value.float()
         dev = logprob.device
+        ref_logprob = None
+        if self.reference is not None and settings.kl_coef:
+            with torch.no_grad(), autocast(self.device, self.algo.autocast):
+                ref = (
+                    self.reference.evaluate(mb.obs, replay)
+                    if features is None  # the frozen part is the same in both
+                    else self.reference.evaluate_features(features[idx], replay)
+                )
+            ref_logprob = ref.logprob.float()
         sample_mask = mb.mask.to(dev)
 
         def count(x: Tensor, agg: str) -> float:
@@ -646,6 +681,7 @@ class ActorWorker(Worker, HasLearner):
             old_values=None if values is None else mb.old_value.to(dev),
             returns=None if values is None else mb.returns.to(dev),
             value_mask=None if values is None else expand_like(sample_mask, values),
+            ref_logprob=ref_logprob,
         )
 
     def _frozen_features(self, batch: Batch) -> Tensor | None:

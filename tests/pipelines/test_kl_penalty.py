@@ -1,0 +1,109 @@
+"""``algo.kl_coef`` of ``rlinf-vla train``: a KL penalty to the policy the run started from,
+checked against the ``k3`` estimate written out by hand, and a reference that neither the
+updates nor a resume move."""
+
+import pytest
+import torch
+
+from rlinf_vla.pipelines import actor as actor_module
+from rlinf_vla.pipelines.actor import ActorWorker, Batch
+from tests.pipelines.actors import local_actor
+from tests.policies.conftest import make_obs
+
+N = 6
+KL_COEF = 0.5
+VALID = torch.tensor([True, True, False, True, True, False])
+
+
+def _actor(kl_coef: float, lr: float = 1e-3) -> ActorWorker:
+    algo = {
+        "name": "grpo",
+        "group_size": 2,
+        "update_epochs": 1,
+        "minibatch_size": N,
+        "micro_batch_size": 2,
+        "kl_coef": kl_coef,
+        "lr": lr,
+        "max_grad_norm": 1e9,
+        "skip_zero_advantage": False,
+    }
+    return local_actor("openvla", algo, preset="tiny", chunk_size=2, seed=0)
+
+
+def _batch(policy) -> Batch:
+    g = torch.Generator().manual_seed(3)
+    obs = make_obs(N, seed=2)
+    with torch.no_grad():
+        out = policy.act(obs)
+    return Batch(
+        obs=obs,
+        replay=out.replay,
+        old_logprob=out.logprob,
+        old_value=torch.zeros(N),
+        advantages=torch.randn(N, generator=g),
+        returns=torch.zeros(N),
+        mask=VALID,
+    )
+
+
+def _train(monkeypatch, actor: ActorWorker, batch: Batch) -> dict:
+    monkeypatch.setattr(actor_module, "build_batch", lambda trajectories, algo: batch)
+    return actor._train([], iteration=0, total_iterations=1)
+
+
+def test_kl_term_is_the_k3_estimate_to_the_starting_policy(monkeypatch):
+    actor = _actor(KL_COEF)
+    start = {n: p.detach().clone() for n, p in actor.policy.named_parameters()}
+    batch = _batch(actor.policy)
+    # At the start the policy is its reference: KL 0.
+    assert _train(monkeypatch, actor, batch)["train/kl"] == pytest.approx(0.0, abs=1e-7)
+    # Move the policy away from the start, then measure the KL of the next update by hand.
+    with torch.no_grad():
+        for p in actor.policy.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+        lp = actor.policy.evaluate(batch.obs, batch.replay).logprob
+        ref = actor.reference.evaluate(batch.obs, batch.replay).logprob
+    d = ref - lp
+    k3 = d.exp() - d - 1  # Schulman's k3 estimator of KL(policy || reference)
+    mask = VALID[:, None].expand_as(k3).float()
+    by_hand = float((k3 * mask).sum() / mask.sum())
+    assert by_hand > 1e-4  # the perturbation moved the policy
+    assert _train(monkeypatch, actor, batch)["train/kl"] == pytest.approx(by_hand, rel=1e-4)
+    # the reference is still the starting policy
+    for n, p in actor.reference.named_parameters():
+        assert torch.equal(p, start[n]), n
+        assert not p.requires_grad
+
+
+def test_kl_term_pulls_towards_the_start(monkeypatch):
+    # With advantages of 0 the KL term alone acts: a step must lower the KL to the start.
+    actor = _actor(KL_COEF, lr=1e-3)
+    batch = _batch(actor.policy)
+    batch.advantages = torch.zeros(N)
+    with torch.no_grad():
+        for p in actor.policy.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    first = _train(monkeypatch, actor, batch)["train/kl"]
+    second = _train(monkeypatch, actor, batch)["train/kl"]
+    assert 0 < second < first
+
+
+def test_a_resumed_actor_keeps_the_runs_start_as_reference(monkeypatch, tmp_path):
+    actor = _actor(KL_COEF, lr=1e-2)
+    batch = _batch(actor.policy)
+    for _ in range(3):
+        _train(monkeypatch, actor, batch)
+    actor.save(str(tmp_path / "actor"))
+    resumed = _actor(KL_COEF, lr=1e-2)
+    resumed.load(str(tmp_path / "actor"))
+    fresh = _actor(0.0)
+    for n, p in resumed.reference.named_parameters():
+        assert torch.equal(p, dict(fresh.policy.named_parameters())[n]), n
+    moved = [
+        n
+        for n, p in resumed.policy.named_parameters()
+        if not torch.equal(p, dict(fresh.policy.named_parameters())[n])
+    ]
+    assert moved  # the trained weights were loaded into the policy, not the reference
