@@ -22,6 +22,7 @@ from rlinf_vla.runtime import WorkerStalled
 from tests.faults.conftest import CliRun, process_gone, wait_until, worker_pids
 
 STALL_MIN_S = 10  # see test_train_faults.py
+SIGNAL_STALL_MIN_S = 60
 TRIALS = 60
 EVAL = [
     "env=toy",
@@ -59,8 +60,16 @@ def _assert_reports_hold_every_recorded_trial(folder: Path, recorded: int) -> No
 @pytest.mark.parametrize("sent", ["SIGTERM", "Ctrl-C"])
 def test_a_signal_stops_an_evaluation_hanging_on_a_stopped_worker_at_once(tmp_path, sent):
     out = tmp_path / "eval"
+    # a stall deadline the signal beats on a loaded machine too (the stop is what is tested)
     job = CliRun(
-        ["eval", *EVAL, "eval.progress=false", "cluster.num_cpus=2", f"eval.output_dir={out}"]
+        [
+            "eval",
+            *EVAL,
+            "eval.progress=false",
+            "cluster.num_cpus=2",
+            f"eval.output_dir={out}",
+            f"cluster.stall_min_s={SIGNAL_STALL_MIN_S}",
+        ]
     )
     pid = job.worker("eval_env", 0)
     wait_until(lambda: _recorded(out) >= 3, job.job, "3 recorded trials")

@@ -24,6 +24,8 @@ from tests.pipelines.test_checkpoints import SMALL
 #: Seconds a call may take at least before it counts as stalled, in these runs (the default
 #: is 120 s); every call of the toy run takes well under a second, 3 s under heavy load.
 STALL_MIN_S = 10
+#: ... and in the runs that a signal stops while a call hangs: longer than the signal takes
+SIGNAL_STALL_MIN_S = 60
 TRAIN = [
     "train",
     *SMALL,
@@ -41,8 +43,8 @@ def _resume_hint(err: str, run: Path) -> tuple[int, str]:
     return int(checkpoint.group(1).rsplit("_", 1)[1]), command.group(1)
 
 
-def _start(run: Path, resume: str | None, iterations: int = 1000) -> CliRun:
-    extra = [f"runner.output_dir={run}", f"runner.max_iterations={iterations}"]
+def _start(run: Path, resume: str | None, iterations: int = 1000, *more: str) -> CliRun:
+    extra = [f"runner.output_dir={run}", f"runner.max_iterations={iterations}", *more]
     return CliRun([*TRAIN, *extra, *([resume] if resume else [])])
 
 
@@ -91,7 +93,9 @@ def test_killed_stopped_and_interrupted_runs_resume_from_the_checkpoint_they_nam
     done, resume = _resume_hint(err, run)
 
     # 3. Continued again; Ctrl-C while a call hangs on a stopped worker stops the run at once.
-    job = _start(run, resume)
+    # (A later stall deadline: on a loaded machine the call may have begun well before the
+    # stop, and the stall must not end the run before the Ctrl-C does.)
+    job = _start(run, resume, 1000, f"cluster.stall_min_s={SIGNAL_STALL_MIN_S}")
     pid = job.worker("env")
     wait_until(lambda: checkpoint_done(run, done + 1), job.job, f"checkpoint {done + 1}")
     os.kill(pid, signal.SIGSTOP)
