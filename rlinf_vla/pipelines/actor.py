@@ -61,11 +61,16 @@ class AlgoConfig(AlgorithmSection):
         value_coef, value_clip: weight and clipping range of the value loss (with a critic).
         entropy_coef: weight of the entropy bonus.
         kl_coef: weight of a KL penalty to the policy the run started from (the
-            ``policy.checkpoint``, also after a resume), estimated per log-prob entry with
-            ``k3`` on the sampled chains and aggregated like the policy term; ``0``: none. The
+            ``policy.checkpoint``, also after a resume), estimated per log-prob entry on the
+            sampled actions (chains) and aggregated like the policy term; ``0``: none. The
             actor keeps a frozen copy of the starting policy for it (twice the policy's
             weights; offloaded with the policy). Not with ``kl_in_reward`` presets
             (``reinforce_pp``), whose KL ``train`` does not fold into rewards.
+        kl_estimator: ``k2`` (``(log π - log π_ref)² / 2``, the default here), ``k1`` or
+            ``k3`` (``exp(-d) + d - 1``, math-grpo's default). The log-probs of continuous
+            actions move by tens between nearby policies (a Gaussian of std 0.08 per entry),
+            where ``k3``'s exponential overflows: on PushCube it was ``inf`` in the first
+            iteration.
         normalize_advantages: PPO: whiten the GAE advantages over the batch.
         update_epochs: passes over the rollout batch per iteration.
         minibatch_size: samples (env chunk steps) per optimizer step.
@@ -109,6 +114,7 @@ class AlgoConfig(AlgorithmSection):
     value_clip: float | None = None
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k2"
     normalize_advantages: bool = True
     update_epochs: int = 2
     minibatch_size: int = 32

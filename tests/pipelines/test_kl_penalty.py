@@ -1,5 +1,5 @@
 """``algo.kl_coef`` of ``rlinf-vla train``: a KL penalty to the policy the run started from,
-checked against the ``k3`` estimate written out by hand, and a reference that neither the
+checked against the ``k2`` and ``k3`` estimates written out by hand, and a reference that neither the
 updates nor a resume move."""
 
 import pytest
@@ -15,7 +15,7 @@ KL_COEF = 0.5
 VALID = torch.tensor([True, True, False, True, True, False])
 
 
-def _actor(kl_coef: float, lr: float = 1e-3) -> ActorWorker:
+def _actor(kl_coef: float, lr: float = 1e-3, estimator: str = "k2") -> ActorWorker:
     algo = {
         "name": "grpo",
         "group_size": 2,
@@ -23,6 +23,7 @@ def _actor(kl_coef: float, lr: float = 1e-3) -> ActorWorker:
         "minibatch_size": N,
         "micro_batch_size": 2,
         "kl_coef": kl_coef,
+        "kl_estimator": estimator,
         "lr": lr,
         "max_grad_norm": 1e9,
         "skip_zero_advantage": False,
@@ -51,8 +52,9 @@ def _train(monkeypatch, actor: ActorWorker, batch: Batch) -> dict:
     return actor._train([], iteration=0, total_iterations=1)
 
 
-def test_kl_term_is_the_k3_estimate_to_the_starting_policy(monkeypatch):
-    actor = _actor(KL_COEF)
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_kl_term_is_the_estimate_to_the_starting_policy(monkeypatch, estimator):
+    actor = _actor(KL_COEF, estimator=estimator)
     start = {n: p.detach().clone() for n, p in actor.policy.named_parameters()}
     batch = _batch(actor.policy)
     # At the start the policy is its reference: KL 0.
@@ -65,9 +67,10 @@ def test_kl_term_is_the_k3_estimate_to_the_starting_policy(monkeypatch):
         lp = actor.policy.evaluate(batch.obs, batch.replay).logprob
         ref = actor.reference.evaluate(batch.obs, batch.replay).logprob
     d = ref - lp
-    k3 = d.exp() - d - 1  # Schulman's k3 estimator of KL(policy || reference)
-    mask = VALID[:, None].expand_as(k3).float()
-    by_hand = float((k3 * mask).sum() / mask.sum())
+    # Schulman's estimators of KL(policy || reference) from samples of the policy
+    kl = 0.5 * d**2 if estimator == "k2" else d.exp() - d - 1
+    mask = VALID[:, None].expand_as(kl).float()
+    by_hand = float((kl * mask).sum() / mask.sum())
     assert by_hand > 1e-4  # the perturbation moved the policy
     assert _train(monkeypatch, actor, batch)["train/kl"] == pytest.approx(by_hand, rel=1e-4)
     # the reference is still the starting policy
