@@ -655,7 +655,7 @@ class ActorWorker(Worker, HasLearner):
         values = None if out.value is None else out.value.float()
         dev = logprob.device
         ref_logprob = None
-        if self.reference is not None and settings.kl_coef:
+        if self.reference is not None:  # built exactly when kl_coef > 0
             with torch.no_grad(), autocast(self.device, self.algo.autocast):
                 ref = (
                     self.reference.evaluate(mb.obs, replay)

@@ -65,7 +65,8 @@ def test_kl_term_is_the_estimate_to_the_starting_policy(monkeypatch, estimator):
             if p.requires_grad:
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
         lp = actor.policy.evaluate(batch.obs, batch.replay).logprob
-        ref = actor.reference.evaluate(batch.obs, batch.replay).logprob
+        # the starting policy, built anew (not the actor's copy)
+        ref = _actor(0.0).policy.evaluate(batch.obs, batch.replay).logprob
     d = ref - lp
     # Schulman's estimators of KL(policy || reference) from samples of the policy
     kl = 0.5 * d**2 if estimator == "k2" else d.exp() - d - 1

@@ -265,6 +265,11 @@ class Pi0Config(PolicyConfig):
             )
 
     @property
+    def one_sde_step(self) -> bool:
+        """Flow-SDE with one stochastic (and scored) step per sample, the rest ODE."""
+        return self.noise_method == "flow_sde" and not self.joint_logprob
+
+    @property
     def image_size(self) -> int:
         return int(self.vision_config.get("image_size", 224))
 

@@ -571,7 +571,7 @@ class Pi0Policy(Policy):
         else:
             x = torch.randn(shape, device=device)
         n_choices = cfg.num_steps - 1 if cfg.sde_ignore_last else cfg.num_steps
-        one_step = cfg.noise_method == "flow_sde" and not cfg.joint_logprob
+        one_step = cfg.one_sde_step
         if one_step:
             chosen = (
                 torch.zeros(b, dtype=torch.long, device=device)
@@ -630,7 +630,7 @@ class Pi0Policy(Policy):
         b = chain.shape[0]
         expert_value = self.value_head is not None and cfg.value_source == "expert"
         values = []
-        if cfg.noise_method == "flow_sde" and not cfg.joint_logprob:
+        if cfg.one_sde_step:
             k = replay["denoise_index"].to(self.device).long()
             rows = torch.arange(b, device=chain.device)
             x, x_next = chain[rows, k], chain[rows, k + 1]
