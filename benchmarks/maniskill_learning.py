@@ -143,7 +143,7 @@ def train_command(args: argparse.Namespace, algo: str, checkpoint: Path, out: Pa
         rollout = chunks
         extra = [f"algo.group_size={args.group}", f"env.group_size={args.group}"]
     else:
-        rollout = 2 * chunks  # about 20 episodes per iteration with 10 envs
+        rollout = args.ppo_rollouts * chunks  # 2: about 20 episodes per iteration with 10 envs
         extra = []
     return [
         "train",
@@ -202,6 +202,9 @@ def main() -> None:
     p.add_argument("--grpo-iterations", type=int, default=60)
     p.add_argument("--envs", type=int, default=10, help="training envs (CPU processes)")
     p.add_argument("--group", type=int, default=5, help="GRPO: envs per group")
+    p.add_argument(
+        "--ppo-rollouts", type=int, default=2, help="PPO: episode lengths of chunks per iteration"
+    )
     p.add_argument("--epochs", type=int, default=4, help="update epochs per iteration")
     p.add_argument("--minibatch", type=int, default=65, help="chunk steps per optimizer step")
     p.add_argument("--eval-episodes", type=int, default=64)

@@ -198,6 +198,21 @@ def episode_scores(rewards: Tensor, dones: Tensor, gamma: float = 1.0) -> Tensor
     return (rewards * valid * discount[:, None]).sum(dim=0)
 
 
+def episode_weights(mask: Tensor) -> Tensor:
+    """Per-step loss weights under which every scored episode weighs the same, whatever its
+    length: ``w[t, b] = mean_length / length_b`` on the valid steps of env ``b``'s episode
+    (``length_b`` of them), 0 elsewhere. The weights average 1 over the valid steps, so a mean
+    over steps keeps its scale and becomes the mean over episodes of each episode's own mean.
+
+    Shapes: ``mask [T, B]`` bool (e.g. :func:`valid_until_first_done`) -> ``[T, B]`` float.
+    """
+    m = mask.float()
+    lengths = m.sum(dim=0)  # [B]
+    episodes = (lengths > 0).sum().clamp(min=1)
+    mean_length = m.sum() / episodes
+    return m * (mean_length / lengths.clamp(min=1.0))[None, :]
+
+
 def valid_until_first_done(dones: Tensor) -> Tensor:
     """Mask of the steps of each env's first episode: true up to and including the first done.
 

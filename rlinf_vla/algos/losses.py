@@ -142,6 +142,7 @@ def ppo_policy_loss(
     agg: str = "token-mean",
     max_log_ratio: float = 20.0,
     denominator: Tensor | float | None = None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
     """Clipped surrogate of PPO (Schulman et al., 2017), with DAPO's clip-higher and dual clip.
 
@@ -169,6 +170,9 @@ def ppo_policy_loss(
             for negative advantages, which ``dual_clip`` covers).
         denominator: the aggregation's count of the whole minibatch when this batch is one
             of its micro-batches (see :func:`aggregate`); ``None``: this batch's own.
+        weight: ``[N, ...]`` non-negative weight of each entry's ``L_t`` before the
+            aggregation (e.g. ``granularity.episode_weights``); ``None``: 1. The metrics
+            other than ``policy_loss`` stay unweighted means.
 
     Returns:
         ``loss`` 0-d and metrics: ``policy_loss``, ``clip_fraction`` (share of valid tokens where
@@ -194,7 +198,10 @@ def ppo_policy_loss(
         dual_clipped = (advantages < 0) & (pg_losses > dual_bound)
         pg_losses = torch.where(dual_clipped, dual_bound, pg_losses)
 
-    loss = aggregate(pg_losses, mask, agg, denominator)
+    if weight is not None:
+        _require_same_shape(logprob=logprob, weight=weight)
+    weighted = pg_losses if weight is None else pg_losses * weight
+    loss = aggregate(weighted, mask, agg, denominator)
 
     with torch.no_grad():
         # min / max over valid tokens without boolean indexing (which would sync the device)

@@ -101,6 +101,12 @@ class AlgoConfig(AlgorithmSection):
         autocast: mixed precision of the policy's forward passes in the rollout and the
             update: ``auto`` (bf16 on CUDA devices, off on CPU), ``bf16`` (also on CPU) or
             ``off``. Weights, optimizer state and losses stay float32.
+        episode_weight: group algorithms (GRPO, DAPO, RLOO), which score each env's first
+            episode: ``equal`` (the default, RLinf's weighting of such rollouts) weighs each
+            episode's chunk steps by ``mean length / its length`` in the policy term, so every
+            episode counts the same however many steps it ran; ``step``: every chunk step
+            counts the same, so long episodes (on success-terminated tasks, the failed ones)
+            carry more of the loss.
         skip_zero_advantage: a minibatch whose every sample has an advantage of exactly 0
             (GRPO groups whose episodes all scored the same) makes no optimizer step, on every
             rank alike, where the loss has no other term (no value, entropy or KL term): its
@@ -131,12 +137,17 @@ class AlgoConfig(AlgorithmSection):
     autocast: Literal["auto", "bf16", "off"] = "auto"
     fsdp: bool = False
     skip_zero_advantage: bool = True
+    episode_weight: Literal["equal", "step"] = "equal"
 
     #: trainer keys that change something only for some algorithms: key -> (test, why)
     CONDITIONAL: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
         **AlgorithmSection.CRITIC_KEYS,
         "critic_warmup_iterations": (lambda p: p.use_critic, "needs a critic (use_critic)"),
         "group_size": (lambda p: p.uses_groups, "only group advantages (grpo, rloo) use groups"),
+        "episode_weight": (
+            lambda p: p.uses_groups,
+            "only group advantages (grpo, rloo) score whole episodes",
+        ),
         "kl_coef": (
             lambda p: not p.kl_in_reward,
             "train does not fold the KL into rewards (the preset's kl_in_reward)",
@@ -209,6 +220,7 @@ class Batch:
     returns: Tensor  # [N]
     mask: Tensor  # bool [N]: the sample enters the loss
     features: Tensor | None = None  # [N, ...] frozen features sent by the rollout workers
+    weight: Tensor | None = None  # [N] the policy term's weight per sample (None: 1)
 
     def __len__(self) -> int:
         return self.old_value.shape[0]
@@ -223,6 +235,7 @@ class Batch:
             returns=self.returns[idx],
             mask=self.mask[idx],
             features=None if self.features is None else self.features[idx],
+            weight=None if self.weight is None else self.weight[idx],
         )
 
 
@@ -277,12 +290,18 @@ def _advantages(traj: Any, algo: AlgoConfig) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def build_batch(trajectories: list[Any], algo: AlgoConfig) -> Batch:
-    """Advantages per trajectory, then everything flattened to ``N = sum(T * b)`` samples."""
+    """Advantages per trajectory, then everything flattened to ``N = sum(T * b)`` samples;
+    with ``algo.episode_weight="equal"`` (group algorithms) the weights under which each
+    trajectory's scored episodes weigh the same (``granularity.episode_weights``)."""
+    from rlinf_vla.algos.granularity import episode_weights
     from rlinf_vla.envs.base import cat_obs
 
-    obs, replay, logprob, value, adv, ret, mask = [], [], [], [], [], [], []
+    weighted = estimator_kind(algo.advantage) == "group" and algo.episode_weight == "equal"
+    obs, replay, logprob, value, adv, ret, mask, weight = [], [], [], [], [], [], [], []
     for traj in trajectories:
         a, r, m = _advantages(traj, algo)
+        if weighted:
+            weight.append(episode_weights(m).flatten(0, 1))
         T = traj.num_steps
         obs.extend(traj.obs)
         replay.append({k: v.flatten(0, 1) for k, v in traj.replay.items()})
@@ -301,6 +320,7 @@ def build_batch(trajectories: list[Any], algo: AlgoConfig) -> Batch:
         returns=torch.cat(ret),
         mask=torch.cat(mask),
         features=torch.cat([t.features.flatten(0, 1) for t in trajectories]) if shipped else None,
+        weight=torch.cat(weight) if weighted else None,
     )
 
 
@@ -688,6 +708,7 @@ class ActorWorker(Worker, HasLearner):
             returns=None if values is None else mb.returns.to(dev),
             value_mask=None if values is None else expand_like(sample_mask, values),
             ref_logprob=ref_logprob,
+            weight=None if mb.weight is None else expand_like(mb.weight.to(dev), logprob),
         )
 
     def _frozen_features(self, batch: Batch) -> Tensor | None:

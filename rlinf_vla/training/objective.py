@@ -100,8 +100,10 @@ def objective(
     value_mask: Tensor | None = None,
     entropy_mask: Tensor | None = None,
     ref_logprob: Tensor | None = None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The micro-batch's share of the minibatch loss, and its share of the metrics.
+    """The micro-batch's share of the minibatch loss, and its share of the metrics;
+    ``weight`` (``logprob``'s shape, ``None``: 1) weighs the policy term's entries.
 
     Returns:
         ``loss`` 0-d (the micro-batches' losses add up to the minibatch's) and metrics whose
@@ -124,6 +126,7 @@ def objective(
         dual_clip=s.dual_clip,
         agg=s.agg,
         denominator=counts.policy,
+        weight=weight,
     )
     metrics = {"policy_loss": float(loss.detach())}
     for key in ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean"):
