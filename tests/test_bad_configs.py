@@ -35,6 +35,9 @@ BAD_CONFIGS = [
     (["train", "algo.kl_coef=-1"], ["algo.kl_coef"]),
     # a KL that train would not use: reinforce_pp's preset folds it into rewards
     (["train", "algo=reinforce_pp", "algo.kl_coef=0.1"], ["algo.kl_coef", "kl_in_reward"]),
+    # PPO's GAE batch has no scored episodes to weigh
+    (["train", "algo=ppo", "algo.episode_weight=step"], ["algo.episode_weight", "episodes"]),
+    (["train", "algo=grpo", "algo.episode_weight=sequence"], ["algo.episode_weight"]),
     (
         ["train", "algo.clip_low=-0.5", "algo.max_grad_norm=-1", "algo.weight_decay=-1"],
         ["algo.clip_low", "algo.max_grad_norm", "algo.weight_decay"],
