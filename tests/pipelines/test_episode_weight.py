@@ -74,10 +74,7 @@ def test_policy_loss_of_the_first_step_by_hand(monkeypatch, mode):
     monkeypatch.setattr(actor_module, "build_batch", lambda trajectories, algo: batch)
     metrics = actor._train([], iteration=0, total_iterations=1)
     # at the first step every ratio is 1, so each valid sample's loss is -A
-    if mode == "equal":
-        # each episode weighs the same: -(A_success + A_failure) / 2 = 0
-        by_hand = 0.0
-    else:
-        # each chunk step weighs the same: -(1 x 0.7071 - 3 x 0.7071) / 4
-        by_hand = 2 * 0.7071 / 4
+    # equal: each episode weighs the same, -(A_success + A_failure) / 2 = 0;
+    # step: each chunk step weighs the same, -(1 x 0.7071 - 3 x 0.7071) / 4
+    by_hand = 0.0 if mode == "equal" else 2 * 0.7071 / 4
     assert metrics["train/policy_loss"] == pytest.approx(by_hand, abs=1e-5)
