@@ -7,8 +7,8 @@ import torch
 
 from rlinf_vla.algos.granularity import episode_weights
 from rlinf_vla.pipelines import actor as actor_module
-from rlinf_vla.pipelines.actor import AlgoConfig, Batch, build_batch
-from tests.pipelines.actors import local_actor
+from rlinf_vla.pipelines.actor import AlgoConfig, build_batch
+from tests.pipelines.actors import one_step_grpo_actor, own_actions_batch
 from tests.pipelines.test_advantages import _episodes
 from tests.policies.conftest import make_obs
 
@@ -47,30 +47,9 @@ ADV = torch.tensor([0.7071, -0.7071, -0.7071, -0.7071, 0.0, 0.0])  # success, fa
 
 @pytest.mark.parametrize("mode", ["equal", "step"])
 def test_policy_loss_of_the_first_step_by_hand(monkeypatch, mode):
-    algo = {
-        "name": "grpo",
-        "group_size": 2,
-        "update_epochs": 1,
-        "minibatch_size": N,
-        "micro_batch_size": 2,
-        "skip_zero_advantage": False,
-        "episode_weight": mode,
-    }
-    actor = local_actor("openvla", algo, preset="tiny", chunk_size=2, seed=0)
-    obs = make_obs(N, seed=2)
-    with torch.no_grad():
-        out = actor.policy.act(obs)
+    actor = one_step_grpo_actor(N, episode_weight=mode)
     weight = torch.tensor([2.0, 2 / 3, 2 / 3, 2 / 3, 0.0, 0.0]) if mode == "equal" else None
-    batch = Batch(
-        obs=obs,
-        replay=out.replay,
-        old_logprob=out.logprob,
-        old_value=torch.zeros(N),
-        advantages=ADV,
-        returns=torch.zeros(N),
-        mask=VALID,
-        weight=weight,
-    )
+    batch = own_actions_batch(actor.policy, make_obs(N, seed=2), ADV, VALID, weight=weight)
     monkeypatch.setattr(actor_module, "build_batch", lambda trajectories, algo: batch)
     metrics = actor._train([], iteration=0, total_iterations=1)
     # at the first step every ratio is 1, so each valid sample's loss is -A

@@ -7,7 +7,7 @@ import torch
 
 from rlinf_vla.pipelines import actor as actor_module
 from rlinf_vla.pipelines.actor import ActorWorker, Batch
-from tests.pipelines.actors import local_actor
+from tests.pipelines.actors import one_step_grpo_actor, own_actions_batch
 from tests.policies.conftest import make_obs
 
 N = 6
@@ -16,35 +16,12 @@ VALID = torch.tensor([True, True, False, True, True, False])
 
 
 def _actor(kl_coef: float, lr: float = 1e-3, estimator: str = "k2") -> ActorWorker:
-    algo = {
-        "name": "grpo",
-        "group_size": 2,
-        "update_epochs": 1,
-        "minibatch_size": N,
-        "micro_batch_size": 2,
-        "kl_coef": kl_coef,
-        "kl_estimator": estimator,
-        "lr": lr,
-        "max_grad_norm": 1e9,
-        "skip_zero_advantage": False,
-    }
-    return local_actor("openvla", algo, preset="tiny", chunk_size=2, seed=0)
+    return one_step_grpo_actor(N, kl_coef=kl_coef, kl_estimator=estimator, lr=lr, max_grad_norm=1e9)
 
 
 def _batch(policy) -> Batch:
     g = torch.Generator().manual_seed(3)
-    obs = make_obs(N, seed=2)
-    with torch.no_grad():
-        out = policy.act(obs)
-    return Batch(
-        obs=obs,
-        replay=out.replay,
-        old_logprob=out.logprob,
-        old_value=torch.zeros(N),
-        advantages=torch.randn(N, generator=g),
-        returns=torch.zeros(N),
-        mask=VALID,
-    )
+    return own_actions_batch(policy, make_obs(N, seed=2), torch.randn(N, generator=g), VALID)
 
 
 def _train(monkeypatch, actor: ActorWorker, batch: Batch) -> dict:

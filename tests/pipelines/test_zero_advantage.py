@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rlinf_vla.pipelines import actor as actor_module
-from rlinf_vla.pipelines.actor import ActorWorker, Batch
-from tests.pipelines.actors import local_actor
+from rlinf_vla.pipelines.actor import ActorWorker
+from tests.pipelines.actors import local_actor, own_actions_batch
 from tests.policies.conftest import make_obs
 
 N = 4
@@ -29,17 +29,8 @@ def _actor(**algo) -> ActorWorker:
 def _update(monkeypatch, actor: ActorWorker, advantages: torch.Tensor) -> tuple[dict, float]:
     """One ``_train`` on a batch of the policy's own actions; returns its metrics and the
     largest change of any weight."""
-    obs = make_obs(N, seed=1)
-    with torch.no_grad():
-        out = actor.policy.act(obs)
-    batch = Batch(
-        obs=obs,
-        replay=out.replay,
-        old_logprob=out.logprob,
-        old_value=torch.zeros(N),
-        advantages=advantages,
-        returns=torch.zeros(N),
-        mask=torch.ones(N, dtype=torch.bool),
+    batch = own_actions_batch(
+        actor.policy, make_obs(N, seed=1), advantages, torch.ones(N, dtype=torch.bool)
     )
     before = {n: p.detach().clone() for n, p in actor.policy.named_parameters()}
     monkeypatch.setattr(actor_module, "build_batch", lambda trajectories, algo: batch)
