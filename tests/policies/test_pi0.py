@@ -332,3 +332,76 @@ def test_joint_logprob_is_refused_where_it_means_nothing():
         build("pi0", noise_method="flow_noise", joint_logprob=True)
     with pytest.raises(Exception, match="sde_ignore_last"):
         build("pi0", joint_logprob=True, sde_ignore_last=True)
+
+
+# -- the learned start of the chain (start_noise="learned") ------------------------------------
+def set_start(p, mean: float, std: float) -> None:
+    """The learned start's mean ``mean`` and std ``std`` everywhere, whatever the observation."""
+    last = p.start_head.mlp[-1]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.fill_(mean)
+        p.start_head.log_std.fill_(math.log(std))
+
+
+@pytest.mark.parametrize("name", ["pi0", "pi05"])
+def test_learned_start_begins_as_the_standard_normal_start(name):
+    standard, learned = build(name), build(name, start_noise="learned")
+    obs = make_obs(3, CAMERAS, 8)
+    # greedy: the same draw, the same ODE
+    torch.testing.assert_close(
+        learned.act(obs, greedy=True).actions, standard.act(obs, greedy=True).actions
+    )
+    # sampled: the same chain; its log-prob gains log N(x_0; 0, 1) of each executed entry
+    torch.manual_seed(0)
+    out = learned.act(obs)
+    x0 = out.replay["chain"][:, 0, :2, :7]
+    start = torch.distributions.Normal(0.0, 1.0).log_prob(x0)
+    torch.testing.assert_close(
+        out.logprob, standard.evaluate(obs, out.replay).logprob + start.sum(-1), atol=1e-4, rtol=0
+    )
+
+
+def test_learned_start_draws_scores_and_learns_its_start():
+    p = build("pi0", start_noise="learned", logprob_granularity="token")
+    standard = build("pi0", logprob_granularity="token")
+    set_start(p, mean=0.7, std=0.5)
+    obs = make_obs(2, CAMERAS, 8)
+    torch.manual_seed(0)
+    starts = torch.stack([p.act(obs).replay["chain"][:, 0] for _ in range(200)])
+    assert abs(starts.mean().item() - 0.7) < 0.02 and abs(starts.std().item() - 0.5) < 0.02
+    # greedy: from mean + std * the seeded draw
+    out = p.act(obs, greedy=True)
+    x0 = 0.7 + 0.5 * p.greedy_initial_noise(obs)
+    torch.testing.assert_close(out.replay["chain"][:, 0], x0, rtol=0, atol=1e-6)
+    # the log-prob of a sampled chain: its Flow-SDE step's and its start's
+    out = p.act(obs)
+    start = torch.distributions.Normal(0.7, 0.5).log_prob(out.replay["chain"][:, 0, :2, :7])
+    scored = p.evaluate(obs, out.replay)
+    torch.testing.assert_close(
+        scored.logprob, standard.evaluate(obs, out.replay).logprob + start, atol=1e-4, rtol=0
+    )
+    torch.testing.assert_close(scored.logprob, out.logprob, atol=1e-4, rtol=0)
+    # its gradient reaches the start's mean and std
+    scored.logprob.sum().backward()
+    assert p.start_head.mlp[-1].bias.grad.abs().max() > 0
+    assert p.start_head.log_std.grad.abs().max() > 0
+
+
+def test_learned_start_is_saved_beside_the_openpi_weights(tmp_path):
+    p = build("pi0", start_noise="learned")
+    set_start(p, mean=0.3, std=0.8)
+    p.save_pretrained(tmp_path)
+    assert not [k for k in load_file(str(tmp_path / "model.safetensors")) if "start" in k]
+    assert "start_head.log_std" in load_file(str(tmp_path / "rl_heads.safetensors"))
+    again = type(p).from_pretrained(tmp_path)  # its config.json asks for the learned start
+    assert again.start_head is not None
+    obs = make_obs(2, CAMERAS, 8)
+    torch.testing.assert_close(again.act(obs, greedy=True).actions, p.act(obs, greedy=True).actions)
+
+
+def test_learned_start_settings_are_checked():
+    with pytest.raises(Exception, match="start_std_range"):
+        build("pi0", start_noise="learned", start_std_range=(0.5, 0.9))
+    with pytest.raises(Exception, match="start_noise"):
+        build("pi0", start_noise="trained")
