@@ -79,7 +79,6 @@ TINY_PI0: dict[str, Any] = {
     "num_steps": 3,
     "value_hidden_sizes": (32,),
     "noise_hidden_sizes": (16,),
-    "start_hidden_sizes": (32,),
 }
 
 
@@ -132,18 +131,6 @@ class Pi0Config(PolicyConfig):
             chain's. Flow-Noise always scores the whole chain.
         noise_std_range: the range of the learned std (Flow-Noise).
         noise_hidden_sizes: hidden sizes of the noise-std network.
-        start_noise: where the chain starts. ``standard`` (openpi): ``x_0 ~ N(0, I)``, which no
-            log-prob scores. ``learned``: ``x_0 ~ N(mu(o), std²)`` per entry, ``mu`` an MLP
-            of the observation (the pooled VLM prefix and, for π0, the state) whose last layer
-            starts at zero and ``std`` a learned per-entry std starting at 1, so the policy
-            starts as the standard one; the start's log-prob is added to each entry's, so
-            that the policy gradient credits the start a rollout drew, not only the noise of
-            the denoising steps (a policy over the initial noise, as latent-noise steering
-            does). Greedy actions start from ``mu + std * z`` with ``z`` greedy_noise's draw.
-            Not openpi's: served by openpi, an exported checkpoint starts from ``N(0, I)``.
-        start_std_range: ``(low, high)`` bounds of the learned start's std (``low <= 1 <=
-            high``).
-        start_hidden_sizes: hidden sizes of the learned start's mean network.
         value_source: ``expert`` (mean of the expert's action outputs, π0) or ``prefix``
             (mean of the VLM prefix outputs, π0.5); ``auto`` picks by model.
         time_beta: ``(alpha, beta)`` of the training time distribution.
@@ -183,9 +170,6 @@ class Pi0Config(PolicyConfig):
     joint_logprob: bool = False
     noise_std_range: tuple[float, float] = (0.08, 0.16)
     noise_hidden_sizes: tuple[int, ...] = (128, 64)
-    start_noise: Literal["standard", "learned"] = "standard"
-    start_std_range: tuple[float, float] = (0.1, 1.5)
-    start_hidden_sizes: tuple[int, ...] = (128,)
     value_source: Literal["auto", "expert", "prefix"] = "auto"
     value_hidden_sizes: tuple[int, ...] = (512, 256, 128)
     time_beta: tuple[float, float] = (1.5, 1.0)
@@ -211,8 +195,6 @@ class Pi0Config(PolicyConfig):
         self.image_keys = tuple(self.image_keys)
         self.noise_std_range = tuple(float(x) for x in self.noise_std_range)
         self.noise_hidden_sizes = tuple(int(x) for x in self.noise_hidden_sizes)
-        self.start_std_range = tuple(float(x) for x in self.start_std_range)
-        self.start_hidden_sizes = tuple(int(x) for x in self.start_hidden_sizes)
         self.time_beta = tuple(float(x) for x in self.time_beta)
         if self.max_token_len is None:
             self.max_token_len = 200 if self.pi05 else 48
@@ -270,19 +252,6 @@ class Pi0Config(PolicyConfig):
         )
         lo, hi = self.noise_std_range
         check(self, "noise_std_range", 0 < lo < hi, "must be (low, high) with 0 < low < high")
-        check(
-            self,
-            "start_noise",
-            self.start_noise in ("standard", "learned"),
-            "must be 'standard' or 'learned'",
-        )
-        lo, hi = self.start_std_range
-        check(
-            self,
-            "start_std_range",
-            0 < lo <= 1 <= hi,
-            "must be (low, high) with 0 < low <= 1 <= high (the start's std begins at 1)",
-        )
         check(self, "image_keys", len(self.image_keys) >= 1, "must name at least one camera")
         check(self, "num_empty_cameras", self.num_empty_cameras >= 0, "must be >= 0")
         if isinstance(self.norm_stats, str | Path):

@@ -27,11 +27,6 @@ RL (RLinf / πRL; MODELS.md §4), with ``Δ = t_k - t_{k+1}``, ``x0 = x - t v``,
   ``[0.08, 0.16]``; the log-prob is the mean over the ``K + 1`` terms ``log N(x_0; 0, I)`` and
   ``log N(x_{k+1}; mean_k, std_k²)``.
 
-With ``start_noise="learned"`` the chain starts from ``x_0 ~ N(mu(o), std²)`` (a small
-network of the pooled prefix and the state, and a learned per-entry std; ``N(0, I)`` at first)
-and every log-prob above gains the start's ``log N(x_0; mu, std²)`` (Flow-SDE's one step: added
-to it; whole chains: the first of the averaged terms), so that the ratio covers the start too.
-
 Log-probs are per element of the executed actions ``[:, :K_exec, :A_env]``, then summed to the
 configured granularity. ``replay``: ``chain [B, K+1, H, D]`` (every denoising state) and, for
 one-step Flow-SDE, ``denoise_index [B]``.
@@ -172,41 +167,6 @@ class ExploreNoiseNet(nn.Module):
         y = torch.tanh(self.mlp(h.float()))
         logvar = self.logvar_min + (self.logvar_max - self.logvar_min) * (y + 1) / 2
         return torch.exp(0.5 * logvar)
-
-
-class StartNoiseNet(nn.Module):
-    """The learned start of the chain (``start_noise="learned"``): ``x_0 ~ N(mean, std²)`` per
-    entry of ``shape``, ``mean = MLP(tanh)(h)`` with its last layer zero (so 0 at first) and
-    ``std = exp(log_std)`` (a parameter, 1 at first) within ``std_range``
-    (``[..., D_in] -> ([..., *shape], [..., *shape])``)."""
-
-    def __init__(
-        self,
-        in_dim: int,
-        shape: tuple[int, int],
-        hidden: tuple[int, ...],
-        std_range: tuple[float, float],
-    ) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        d = in_dim
-        for h in hidden:
-            layers += [nn.Linear(d, h), nn.Tanh()]
-            d = h
-        last = nn.Linear(d, shape[0] * shape[1])
-        nn.init.zeros_(last.weight)
-        nn.init.zeros_(last.bias)
-        self.mlp = nn.Sequential(*layers, last)
-        self.shape = shape
-        self.log_std = nn.Parameter(torch.zeros(shape))
-        lo, hi = std_range
-        self.register_buffer("log_std_min", torch.tensor(math.log(lo)), persistent=False)
-        self.register_buffer("log_std_max", torch.tensor(math.log(hi)), persistent=False)
-
-    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
-        mean = self.mlp(h.float()).unflatten(-1, self.shape)
-        log_std = torch.clamp(self.log_std, self.log_std_min, self.log_std_max)
-        return mean, torch.exp(log_std).expand_as(mean)
 
 
 class _Expert(nn.Module):
@@ -401,7 +361,7 @@ class Pi0Policy(Policy):
 
     config_cls = Pi0Config
     config: Pi0Config
-    _rl_heads = ("value_head", "noise_head", "start_head")
+    _rl_heads = ("value_head", "noise_head")
 
     def __init__(
         self,
@@ -435,17 +395,6 @@ class Pi0Policy(Policy):
                     width, cfg.max_action_dim, cfg.noise_hidden_sizes, cfg.noise_std_range
                 )
                 if cfg.noise_method == "flow_noise"
-                else None
-            )
-            prefix_width = int(cfg.text_config["hidden_size"])
-            self.start_head = (
-                StartNoiseNet(
-                    prefix_width + (0 if cfg.pi05 else cfg.max_state_dim),
-                    (cfg.action_horizon, cfg.max_action_dim),
-                    cfg.start_hidden_sizes,
-                    cfg.start_std_range,
-                )
-                if cfg.start_noise == "learned"
                 else None
             )
         if tokenizer is None:
@@ -537,28 +486,13 @@ class Pi0Policy(Policy):
         )
         return self.action_out_proj(out).float()
 
-    @staticmethod
-    def _pooled_prefix(prefix: dict[str, Any]) -> Tensor:
-        """The mean of the VLM prefix outputs over its valid tokens ``[B, D_vlm]``."""
-        h, pad = prefix["out"], prefix["pad"].to(prefix["out"].dtype)
-        return (h * pad[..., None]).sum(1) / pad.sum(1, keepdim=True).clamp(min=1)
-
     def _prefix_value(self, prefix: dict[str, Any]) -> Tensor | None:
         if self.value_head is None:
             return None
-        h = self._pooled_prefix(prefix)
+        h, pad = prefix["out"], prefix["pad"].to(prefix["out"].dtype)
+        h = (h * pad[..., None]).sum(1) / pad.sum(1, keepdim=True).clamp(min=1)
         h = h.detach() if self.config.detach_value_input else h
         return self.value_head(h.float()).squeeze(-1)
-
-    def _start(self, inputs: Pi0Inputs, prefix: dict[str, Any]) -> tuple[Tensor, Tensor] | None:
-        """Mean and std ``[B, H, D]`` of the learned start ``x_0`` (``None``: ``N(0, I)``),
-        from the pooled prefix and, for π0, the (normalised) state."""
-        if self.start_head is None:
-            return None
-        h = self._pooled_prefix(prefix).float()
-        if not self.config.pi05:
-            h = torch.cat([h, inputs.state.to(h.device).float()], dim=-1)
-        return self.start_head(h)
 
     def _expert_value(self, suffix_out: Tensor) -> Tensor:
         h = suffix_out[:, : self.config.chunk_size].mean(1)
@@ -636,9 +570,6 @@ class Pi0Policy(Policy):
             x = self.greedy_initial_noise(obs).to(device)
         else:
             x = torch.randn(shape, device=device)
-        start = self._start(inputs, prefix)
-        if start is not None:
-            x = start[0] + start[1] * x
         n_choices = cfg.num_steps - 1 if cfg.sde_ignore_last else cfg.num_steps
         one_step = cfg.one_sde_step
         if one_step:
@@ -699,8 +630,6 @@ class Pi0Policy(Policy):
         b = chain.shape[0]
         expert_value = self.value_head is not None and cfg.value_source == "expert"
         values = []
-        x0 = chain[:, 0]
-        start = self._start(inputs, prefix)
         if cfg.one_sde_step:
             k = replay["denoise_index"].to(self.device).long()
             rows = torch.arange(b, device=chain.device)
@@ -708,17 +637,12 @@ class Pi0Policy(Policy):
             mean, std, out = self._transition(inputs, prefix, x, k, k >= 0)
             logp = gaussian_logprob(x_next, mean, std)
             entropy = gaussian_entropy(std)
-            if start is not None:  # the start is part of the scored sample too
-                logp = logp + gaussian_logprob(x0, *start)
-                entropy = entropy + gaussian_entropy(start[1])
             if expert_value:
                 values.append(self._expert_value(out))
         else:
-            if start is None:
-                terms = [gaussian_logprob(x0, torch.zeros_like(x0), torch.ones_like(x0))]
-                ents = []
-            else:
-                terms, ents = [gaussian_logprob(x0, *start)], [gaussian_entropy(start[1])]
+            x0 = chain[:, 0]
+            terms = [gaussian_logprob(x0, torch.zeros_like(x0), torch.ones_like(x0))]
+            ents = []
             for step in range(cfg.num_steps):
                 if steps is not None:
                     mean, std, out = steps[step]
@@ -837,9 +761,8 @@ class Pi0Policy(Policy):
           config's ``asset_id`` (a loaded openpi checkpoint's own, or the dataset's name after
           ``rlinf-vla sft``), else :data:`DEFAULT_ASSET_ID`; openpi's serving reads the asset id
           of its training config, so set ``asset_id`` to that one;
-        - the tokenizer files, ``rl_heads.safetensors`` (value head, noise net, learned start)
-          and with LoRA ``lora_adapter/``; openpi ignores these (and so starts the chain from
-          ``N(0, I)`` whatever ``start_noise``).
+        - the tokenizer files, ``rl_heads.safetensors`` (value head, noise net) and with LoRA
+          ``lora_adapter/``; openpi ignores these.
         """
         cfg = self.config
         path = Path(path)
