@@ -150,7 +150,7 @@ def train_command(args: argparse.Namespace, algo: str, checkpoint: Path, out: Pa
         rollout = chunks
         extra = [f"algo.group_size={args.group}", f"env.group_size={args.group}"]
     else:
-        rollout = args.ppo_rollouts * chunks  # one episode length: ~60 episodes with 40 envs
+        rollout = args.ppo_rollouts * chunks  # one episode length: ~120 episodes with 80 envs
         extra = []
     return [
         "train",
@@ -210,14 +210,14 @@ def main() -> None:
     p.add_argument("--ppo-iterations", type=int, default=40)
     p.add_argument("--grpo-iterations", type=int, default=40)
     p.add_argument(
-        "--envs", type=int, default=40, help="training envs (in as many processes as cores)"
+        "--envs", type=int, default=80, help="training envs (in as many processes as cores)"
     )
     p.add_argument("--group", type=int, default=5, help="GRPO: envs per group")
     p.add_argument(
         "--ppo-rollouts", type=int, default=1, help="PPO: episode lengths of chunks per iteration"
     )
     p.add_argument("--epochs", type=int, default=2, help="update epochs per iteration")
-    p.add_argument("--minibatch", type=int, default=260, help="chunk steps per optimizer step")
+    p.add_argument("--minibatch", type=int, default=520, help="chunk steps per optimizer step")
     p.add_argument("--eval-episodes", type=int, default=64)
     p.add_argument("--eval-envs", type=int, default=4, help="envs of the greedy evaluation")
     p.add_argument("--eval-every", type=int, default=20, help="iterations between evaluations")
