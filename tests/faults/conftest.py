@@ -84,8 +84,18 @@ def checkpoint_done(run: Path, iteration: int) -> bool:
     return (run / "checkpoints" / f"iter_{iteration}" / "COMPLETE").exists()
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """In the child, before it runs the CLI: SIGINT's default action, as a terminal's foreground
+    command has it. A shell without job control starts a background command (``cmd &``,
+    ``nohup``) with SIGINT ignored, its children inherit that, and Python then installs no
+    ``KeyboardInterrupt`` handler: with the suite started that way every Ctrl-C these tests
+    send would be ignored (the runs then end at their stall deadline, exit 1)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class CliRun:
-    """``rlinf-vla <args>`` in a new session; :meth:`finish` waits for it."""
+    """``rlinf-vla <args>`` in a new session, SIGINT handled as in a terminal's foreground
+    command; :meth:`finish` waits for it."""
 
     def __init__(self, args: list[str]) -> None:
         self.args = args
@@ -95,6 +105,7 @@ class CliRun:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            preexec_fn=_sigint_as_in_a_terminal,
         )
         self.pid = self.job.pid
 
