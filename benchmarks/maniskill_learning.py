@@ -86,6 +86,13 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
+# Training envs per algorithm (``--envs`` sets both). GRPO learns from the groups whose episodes
+# differ, and 16 groups per update gained 19-25 points at two RL seeds where 8 gained 3-13; PPO
+# with 80 envs gained more at two seeds and lost 14 at the third on the check, where 40 gained
+# 9-16 at all three (docs/experiments/2026-11-28-maniskill-learning-9.md).
+ENVS = {"ppo": 40, "grpo": 80}
+
+
 def env_args(args: argparse.Namespace, num_envs: int) -> list[str]:
     return [
         "env=maniskill",
@@ -150,11 +157,13 @@ def train_command(args: argparse.Namespace, algo: str, checkpoint: Path, out: Pa
         rollout = chunks
         extra = [f"algo.group_size={args.group}", f"env.group_size={args.group}"]
     else:
-        rollout = args.ppo_rollouts * chunks  # one episode length: ~120 episodes with 80 envs
+        rollout = args.ppo_rollouts * chunks  # one episode length: ~60 episodes with 40 envs
         extra = []
+    envs = args.envs or ENVS[algo]
+    minibatch = args.minibatch or envs * rollout // 2
     return [
         "train",
-        *env_args(args, args.envs),
+        *env_args(args, envs),
         *RECIPES[args.policy]["policy"],
         f"policy.checkpoint={checkpoint}",
         f"algo={algo}",
@@ -162,8 +171,8 @@ def train_command(args: argparse.Namespace, algo: str, checkpoint: Path, out: Pa
         *recipe[algo],
         *extra,
         f"algo.update_epochs={args.epochs}",
-        f"algo.minibatch_size={args.minibatch}",
-        f"algo.micro_batch_size={args.minibatch}",
+        f"algo.minibatch_size={minibatch}",
+        f"algo.micro_batch_size={minibatch}",
         f"runner.rollout_chunks={rollout}",
         f"runner.max_iterations={iterations}",
         f"runner.eval_interval={args.eval_every}",
@@ -210,14 +219,22 @@ def main() -> None:
     p.add_argument("--ppo-iterations", type=int, default=40)
     p.add_argument("--grpo-iterations", type=int, default=40)
     p.add_argument(
-        "--envs", type=int, default=80, help="training envs (in as many processes as cores)"
+        "--envs",
+        type=int,
+        default=None,
+        help="training envs (in as many processes as cores); default: PPO 40, GRPO 80",
     )
     p.add_argument("--group", type=int, default=5, help="GRPO: envs per group")
     p.add_argument(
         "--ppo-rollouts", type=int, default=1, help="PPO: episode lengths of chunks per iteration"
     )
     p.add_argument("--epochs", type=int, default=2, help="update epochs per iteration")
-    p.add_argument("--minibatch", type=int, default=520, help="chunk steps per optimizer step")
+    p.add_argument(
+        "--minibatch",
+        type=int,
+        default=None,
+        help="chunk steps per optimizer step; default: half of an iteration's",
+    )
     p.add_argument("--eval-episodes", type=int, default=64)
     p.add_argument("--eval-envs", type=int, default=4, help="envs of the greedy evaluation")
     p.add_argument("--eval-every", type=int, default=20, help="iterations between evaluations")
