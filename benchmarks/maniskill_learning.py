@@ -86,10 +86,10 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
-# Training envs per algorithm (``--envs`` sets both). GRPO learns from the groups whose episodes
-# differ, and 16 groups per update gained 19-25 points at two RL seeds where 8 gained 3-13; PPO
-# with 80 envs gained more at two seeds and lost 14 at the third on the check, where 40 gained
-# 9-16 at all three (docs/experiments/2026-11-28-maniskill-learning-9.md).
+# Training envs per algorithm (``--envs`` sets both). GRPO learns from the groups whose
+# episodes differ: 16 groups per update gained 19-25 points at RL seeds 0 and 1, where 8 gained
+# -5 to 17. PPO with 80 envs gained more at two seeds and lost 14 at the third on the check,
+# where 40 gained 9-16 at all three (docs/experiments/2026-11-28-maniskill-learning-9.md).
 ENVS = {"ppo": 40, "grpo": 80}
 
 
