@@ -108,6 +108,12 @@ class AlgoConfig(AlgorithmSection):
             episode counts the same however many steps it ran; ``step``: every chunk step
             counts the same, so long episodes (on success-terminated tasks, the failed ones)
             carry more of the loss.
+        bootstrap_truncated: GAE: an episode the env's time limit cut continues from V of its
+            final observation (``True``, the default: the limit is not part of the task's
+            state, as in an infinite-horizon MDP); ``False``: the time limit is terminal, so an
+            episode that reaches it without success is worth 0 from there on, as an evaluation
+            that counts success within the limit scores it. Episodes the rollout's end cuts
+            are bootstrapped either way.
         skip_zero_advantage: a minibatch whose every sample has an advantage of exactly 0
             (GRPO groups whose episodes all scored the same) makes no optimizer step, on every
             rank alike, where the loss has no other term (no value, entropy or KL term): its
@@ -139,11 +145,16 @@ class AlgoConfig(AlgorithmSection):
     fsdp: bool = False
     skip_zero_advantage: bool = True
     episode_weight: Literal["equal", "step"] = "equal"
+    bootstrap_truncated: bool = True
 
     #: trainer keys that change something only for some algorithms: key -> (test, why)
     CONDITIONAL: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
         **AlgorithmSection.CRITIC_KEYS,
         "critic_warmup_iterations": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "bootstrap_truncated": (
+            lambda p: estimator_kind(p.advantage) == "critic",
+            "only a critic's advantages (GAE) bootstrap",
+        ),
         "group_size": (lambda p: p.uses_groups, "only group advantages (grpo, rloo) use groups"),
         "episode_weight": (
             lambda p: p.uses_groups,
@@ -263,7 +274,7 @@ def _advantages(traj: Any, algo: AlgoConfig) -> tuple[Tensor, Tensor, Tensor]:
         adv, ret = estimate(
             algo.advantage,
             values=traj.value,
-            final_values=traj.final_value,
+            final_values=traj.final_value if algo.bootstrap_truncated else None,
             gamma=algo.gamma,
             lam=algo.lam,
             **chunks,

@@ -57,6 +57,24 @@ def test_ppo_gae_over_chunks_by_hand():
     assert mask.all()
 
 
+def test_ppo_gae_with_the_time_limit_terminal():
+    # The same rollout with algo.bootstrap_truncated=false: chunk 1, cut by the time limit,
+    # continues from 0 instead of final_value; chunks 0 and 2 as before.
+    reward = torch.tensor([[[1.0, 0.5]], [[0.0, 2.0]], [[1.0, 1.0]]])
+    truncated = torch.zeros(3, 1, 2, dtype=torch.bool)
+    truncated[1, 0, 0] = True
+    terminated = torch.zeros(3, 1, 2, dtype=torch.bool)
+    value = torch.tensor([[0.5], [1.0], [0.25], [4.0]])
+    final_value = torch.tensor([[0.0], [3.0], [0.0]])
+    algo = AlgoConfig(gamma=0.5, lam=0.5, bootstrap_truncated=False)
+    adv, ret, _ = _advantages(_trajectory(reward, terminated, truncated, value, final_value), algo)
+    # chunk 2: 3.75 as before; the rollout's end still bootstraps from values[3] = 4
+    # chunk 1: delta = 2 + 0.5 * 0 - 1 = 1
+    # chunk 0: delta = 1.5, plus 0.25 * 1 = 1.75
+    assert torch.allclose(adv[:, 0], torch.tensor([1.75, 1.0, 3.75]))
+    assert torch.allclose(ret[:, 0], torch.tensor([2.25, 2.0, 4.0]))
+
+
 def test_grpo_scores_first_episode_per_group():
     # 4 envs in 2 groups of 2, T=3 chunks of K=1. Env 0 succeeds at chunk 1 (reward 1), then
     # a second episode earns another reward that must not count; env 1 never succeeds; env 2
