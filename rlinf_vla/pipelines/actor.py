@@ -87,8 +87,7 @@ class AlgoConfig(AlgorithmSection):
         critic_warmup_iterations: with a critic: for the first N iterations only the value head
             learns (the policy's learning rate is 0), so the first policy updates use
             advantages from a critic fitted to the starting policy's returns rather than from
-            a random one. The value head then learns at its full rate from the first
-            iteration (``warmup_iterations`` ramps the policy's rate, starting after these N).
+            a random one.
         fsdp: with several actor workers, shard the policy, its gradients and the optimizer
             state over them with FSDP2 (``False``: every worker holds a replica and gradients
             are all-reduced).

@@ -39,26 +39,20 @@ class Schedule:
             steps (``0``: none).
         decay: ``constant``, or ``linear`` to 0 at ``total`` steps (after the warm-up).
         critic_warmup: for the first N steps only the second parameter group (the value
-            head) learns, at its full rate (only the decay applies to it, then and after); the
-            policy's rate is 0, and its warm-up starts at step N.
+            head) learns; the policy's rate is 0.
     """
 
     warmup: int = 0
     decay: Literal["constant", "linear"] = "constant"
     critic_warmup: int = 0
 
-    def scale(self, step: int, total: int, *, critic: bool = False) -> float:
-        """The factor on the base learning rate at ``step`` (0-based) of ``total``, of the
-        policy's groups or (``critic``) of the value head's."""
-        decay = max(0.0, 1.0 - step / max(1, total)) if self.decay == "linear" else 1.0
-        if self.critic_warmup and critic:
-            return decay
-        policy_step = step - self.critic_warmup
-        if policy_step < 0:
-            return 0.0
-        if self.warmup and policy_step < self.warmup:
-            return (policy_step + 1) / self.warmup
-        return decay
+    def scale(self, step: int, total: int) -> float:
+        """The factor on the base learning rate at ``step`` (0-based) of ``total``."""
+        if self.warmup and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.decay == "linear":
+            return max(0.0, 1.0 - step / max(1, total))
+        return 1.0
 
 
 class Learner:
@@ -145,8 +139,10 @@ class Learner:
     def set_lr(self, step: int, total: int = 0) -> float:
         """Set each group's rate for ``step`` of ``total`` (read by the linear decay only);
         returns the main group's."""
+        scale = self.schedule.scale(step, total)
+        main = 0.0 if step < self.schedule.critic_warmup else scale
         for group, (_, critic) in zip(self.optimizer.param_groups, self._group_rates, strict=True):
-            group["lr"] = group["base_lr"] * self.schedule.scale(step, total, critic=critic)
+            group["lr"] = group["base_lr"] * (scale if critic else main)
         return self.optimizer.param_groups[0]["lr"]
 
     # ----------------------------------------------------------------- accumulation
