@@ -67,6 +67,10 @@ RECIPES: dict[str, dict[str, Any]] = {
             "algo.lr_schedule=linear",
             "algo.warmup_iterations=5",
             "algo.critic_warmup_iterations=3",
+            # the time limit is terminal: a push stuck until it scores 0, as GRPO scores it,
+            # instead of the critic's value of the stuck state; PPO then learns to recover
+            # (seeds 0-2: +12.0 / +12.5 on average -> +12.5 / +15.1; experiments/...-learning-10)
+            "algo.bootstrap_truncated=false",
         ],
         "grpo": ["algo.lr=1e-4", "algo.lr_schedule=linear", "algo.warmup_iterations=5"],
     },
