@@ -36,19 +36,20 @@ def _trajectory(reward, terminated, truncated, value, final_value):
     )
 
 
-def test_ppo_gae_over_chunks_by_hand():
-    # One env, T=3 chunks of K=2 steps; truncated inside chunk 1, so chunk 1 bootstraps from
-    # final_value and chunk 0's recursion stops there.
+def _time_limit_rollout():
+    """One env, T=3 chunks of K=2 steps, cut by the time limit inside chunk 1 (final value 3)."""
     reward = torch.tensor([[[1.0, 0.5]], [[0.0, 2.0]], [[1.0, 1.0]]])  # chunk rewards 1.5, 2, 2
     truncated = torch.zeros(3, 1, 2, dtype=torch.bool)
     truncated[1, 0, 0] = True
     terminated = torch.zeros(3, 1, 2, dtype=torch.bool)
     value = torch.tensor([[0.5], [1.0], [0.25], [4.0]])
     final_value = torch.tensor([[0.0], [3.0], [0.0]])
-    algo = AlgoConfig(gamma=0.5, lam=0.5)
-    adv, ret, mask = _advantages(
-        _trajectory(reward, terminated, truncated, value, final_value), algo
-    )
+    return _trajectory(reward, terminated, truncated, value, final_value)
+
+
+def test_ppo_gae_over_chunks_by_hand():
+    # Chunk 1 bootstraps from final_value and chunk 0's recursion stops there.
+    adv, ret, mask = _advantages(_time_limit_rollout(), AlgoConfig(gamma=0.5, lam=0.5))
     # chunk 2: delta = 2 + 0.5 * 4 - 0.25 = 3.75
     # chunk 1 (truncated): delta = 2 + 0.5 * 3 - 1 = 2.5, no carry from chunk 2
     # chunk 0: delta = 1.5 + 0.5 * 1 - 0.5 = 1.5, plus 0.25 * 2.5 = 2.125
@@ -60,14 +61,8 @@ def test_ppo_gae_over_chunks_by_hand():
 def test_ppo_gae_with_the_time_limit_terminal():
     # The same rollout with algo.bootstrap_truncated=false: chunk 1, cut by the time limit,
     # continues from 0 instead of final_value; chunks 0 and 2 as before.
-    reward = torch.tensor([[[1.0, 0.5]], [[0.0, 2.0]], [[1.0, 1.0]]])
-    truncated = torch.zeros(3, 1, 2, dtype=torch.bool)
-    truncated[1, 0, 0] = True
-    terminated = torch.zeros(3, 1, 2, dtype=torch.bool)
-    value = torch.tensor([[0.5], [1.0], [0.25], [4.0]])
-    final_value = torch.tensor([[0.0], [3.0], [0.0]])
     algo = AlgoConfig(gamma=0.5, lam=0.5, bootstrap_truncated=False)
-    adv, ret, _ = _advantages(_trajectory(reward, terminated, truncated, value, final_value), algo)
+    adv, ret, _ = _advantages(_time_limit_rollout(), algo)
     # chunk 2: 3.75 as before; the rollout's end still bootstraps from values[3] = 4
     # chunk 1: delta = 2 + 0.5 * 0 - 1 = 1
     # chunk 0: delta = 1.5, plus 0.25 * 1 = 1.75
