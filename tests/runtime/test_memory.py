@@ -72,16 +72,27 @@ def test_pages_a_forked_child_shares_count_once():
 
 @linux
 def test_the_memory_of_subprocesses_counts_towards_their_parent():
-    code = "import time; x = b'\\x01' * (300 * 2**20); print('ready', flush=True); time.sleep(30)"
-    before = process_tree_rss()
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    """A bare interpreter starts a subprocess that holds 300 MiB: the parent's own resident
+    set stays small, its tree holds the 300 MiB. (A parent of its own, not this test process,
+    whose other children and heap move while the test runs.)"""
+    holder = "import time; x = b'\\x01' * (300 * 2**20); print('ready', flush=True); time.sleep(30)"
+    code = (
+        "import subprocess, sys, time\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {holder!r}], stdout=subprocess.PIPE, text=True)\n"
+        "assert c.stdout.readline().strip() == 'ready'\n"
+        "print(c.pid, flush=True); time.sleep(30)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
     try:
-        assert child.stdout.readline().strip() == "ready"
-        held = _vm_rss_gib(child.pid)
-        assert held > 300 / 1024  # the 300 MiB it wrote, and the interpreter
-        assert process_tree_rss() - before == pytest.approx(held, abs=0.05)
+        assert _vm_rss_gib(parent.pid) < 100 / 1024
+        assert _vm_rss_gib(child) > 300 / 1024  # the 300 MiB it wrote, and the interpreter
+        own = process_tree_rss(parent.pid) - process_tree_rss(child)
+        assert 0 < own < 100 / 1024  # the parent's share of its own pages
+        assert process_tree_rss(parent.pid) > 300 / 1024
     finally:
-        child.kill()
+        parent.kill()
+        os.kill(child, signal.SIGKILL)
 
 
 def test_the_metrics_take_the_largest_value_of_each_groups_ranks():
