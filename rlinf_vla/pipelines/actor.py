@@ -113,6 +113,13 @@ class AlgoConfig(AlgorithmSection):
             episode that reaches it without success is worth 0 from there on, as an evaluation
             that counts success within the limit scores it. Episodes the rollout's end cuts
             are bootstrapped either way.
+        target_kl: stop an iteration's update early: before each optimizer step the
+            minibatch's ``approx_kl`` (the mean over every rank's samples of the k3 estimate of
+            KL(π_old || π_θ), where the epochs have taken the policy so far) is compared with
+            ``1.5 * target_kl``; above it, that step and every later one of the iteration are
+            left out (``train/kl_stopped``: 1, ``train/update_steps``: the steps taken). Keeps
+            one iteration's move of the policy bounded when its advantages pull hard. ``None``
+            (the default): every epoch runs.
         skip_zero_advantage: a minibatch whose every sample has an advantage of exactly 0
             (GRPO groups whose episodes all scored the same) makes no optimizer step, on every
             rank alike, where the loss has no other term (no value, entropy or KL term): its
@@ -145,6 +152,7 @@ class AlgoConfig(AlgorithmSection):
     skip_zero_advantage: bool = True
     episode_weight: Literal["equal", "step"] = "equal"
     bootstrap_truncated: bool = True
+    target_kl: float | None = None
 
     #: trainer keys that change something only for some algorithms: key -> (test, why)
     CONDITIONAL: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
@@ -197,6 +205,7 @@ class AlgoConfig(AlgorithmSection):
                 ),
                 ("value_coef", self.value_coef >= 0, "must be >= 0"),
                 ("kl_coef", self.kl_coef >= 0, "must be >= 0"),
+                ("target_kl", self.target_kl is None or self.target_kl > 0, "must be > 0 or null"),
                 ("max_grad_norm", self.max_grad_norm > 0, "must be > 0 (the gradient's norm cap)"),
                 ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
                 ("warmup_iterations", self.warmup_iterations >= 0, "must be >= 0"),
@@ -614,11 +623,14 @@ class ActorWorker(Worker, HasLearner):
         sums: dict[str, float] = {}
         steps = skipped = zero = 0  # optimizer steps: minibatches with a sample in the loss
         grad_norm_sum = 0.0
+        kl_stopped = False
         # a policy term alone: its gradient is 0 where every advantage is
         skip_zero = a.skip_zero_advantage and not (
             settings.value_coef or settings.entropy_coef or settings.kl_coef
         )
         for _ in range(a.update_epochs):
+            if kl_stopped:
+                break
             order = torch.randperm(n, generator=self.generator)
             for start in range(0, n, a.minibatch_size):
                 mb_idx = order[start : start + a.minibatch_size]
@@ -634,6 +646,7 @@ class ActorWorker(Worker, HasLearner):
                         zero += 1  # no signal on any rank: no step (and no momentum)
                         continue
                 self.learner.zero_grad()
+                minibatch: dict[str, float] = {}  # this rank's shares of the minibatch's values
                 for m_start in range(0, len(mb_idx), a.micro_batch_size):
                     idx = mb_idx[m_start : m_start + a.micro_batch_size]
                     mb = batch.select(idx)
@@ -641,8 +654,16 @@ class ActorWorker(Worker, HasLearner):
                         continue  # adds 0 (FSDP's collectives need every rank in every pass)
                     loss, metrics = self._micro_loss(mb, idx, features, settings, valid)
                     self.learner.backward(loss)
-                    for k, v in metrics.items():  # shares of the minibatch's values
-                        sums[k] = sums.get(k, 0.0) + v
+                    for k, v in metrics.items():
+                        minibatch[k] = minibatch.get(k, 0.0) + v
+                if a.target_kl is not None:  # the same sum, so the same decision, on every rank
+                    kl = self.learner.global_sum(minibatch.get("approx_kl", 0.0))
+                    if kl > 1.5 * a.target_kl:
+                        self.learner.zero_grad()
+                        kl_stopped = True
+                        break
+                for k, v in minibatch.items():
+                    sums[k] = sums.get(k, 0.0) + v
                 grad_norm = self.learner.step()
                 skipped += not math.isfinite(grad_norm)
                 grad_norm_sum += grad_norm
@@ -653,6 +674,9 @@ class ActorWorker(Worker, HasLearner):
         result["train/grad_norm"] = grad_norm_sum / max(steps, 1)
         result["train/skipped_updates"] = float(skipped)
         result["train/skipped_zero_advantage"] = float(zero)
+        result["train/update_steps"] = float(steps)
+        if a.target_kl is not None:
+            result["train/kl_stopped"] = float(kl_stopped)
         result["train/nan_streak"] = float(self.nan_streak)
         result["train/lr"] = lr
         result["train/advantage_mean"] = float(batch.advantages.mean())
