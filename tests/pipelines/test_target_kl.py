@@ -7,23 +7,15 @@ import torch
 from rlinf_vla.config import ConfigError
 from rlinf_vla.pipelines import actor as actor_module
 from rlinf_vla.pipelines.actor import ActorWorker, AlgoConfig
-from tests.pipelines.actors import local_actor, own_actions_batch
+from tests.pipelines.actors import one_step_grpo_actor, own_actions_batch
 from tests.policies.conftest import make_obs
 
 N = 2  # one minibatch per epoch
 
 
 def _actor(**algo) -> ActorWorker:
-    algo = {
-        "name": "grpo",
-        "group_size": 2,
-        "update_epochs": 3,
-        "minibatch_size": N,
-        "micro_batch_size": 1,
-        "lr": 1e-2,  # one step moves the policy well past any small target
-        **algo,
-    }
-    return local_actor("openvla", algo, preset="tiny", seed=0)
+    # one step moves the policy well past any small target at this rate
+    return one_step_grpo_actor(N, **{"update_epochs": 3, "micro_batch_size": 1, "lr": 1e-2, **algo})
 
 
 def _update(monkeypatch, actor: ActorWorker) -> tuple[dict, dict]:
