@@ -20,7 +20,10 @@ _GROUPS = ("env", "rollout", "reward", "actor")
 
 # (panel title, metrics drawn in it)
 PANELS: list[tuple[str, list[str]]] = [
-    ("success rate", ["env/success_rate", "eval/success_rate"]),
+    (
+        "success rate",
+        ["env/success_rate", "env/first_episode_success_rate", "eval/success_rate"],
+    ),
     ("episode return", ["env/episode_return", "eval/episode_return"]),
     ("policy loss", ["train/policy_loss"]),
     ("value loss", ["train/value_loss"]),

@@ -170,10 +170,13 @@ class EnvWorker(Worker):
         )
         self.obs: list[Observation | None] = [None] * num_stages
         self.episode_return = [torch.zeros(env.num_envs) for env in self.envs]
+        # envs still in the first episode of the rollout (set at each reset)
+        self.in_first_episode = [torch.zeros(env.num_envs, dtype=torch.bool) for env in self.envs]
 
     def interact(self, channel: Channel, num_chunks: int) -> dict[str, list[float]]:
         """Run ``num_chunks`` chunk steps of every stage; returns finished episodes' stats
-        (``return``, ``success``, ``invalid``: one entry per episode) and each stage's
+        (``return``, ``success``, ``invalid``: one entry per episode; ``first_success``: one
+        entry per valid episode that was its env's first of the rollout) and each stage's
         seconds in its reset (``reset_s``) and in its chunk steps (``step_s``).
 
         Stages whose simulators run in subprocesses (:attr:`VectorEnv.workers`: LIBERO,
@@ -185,7 +188,7 @@ class EnvWorker(Worker):
         # Every rollout starts fresh episodes from the envs' reset-id cursors, so the state
         # of the envs between rollouts is just the cursors (see get_state / set_state).
         stages = range(len(self.envs))
-        keys = ("return", "success", "invalid", "reset_s", "step_s")
+        keys = ("return", "success", "first_success", "invalid", "reset_s", "step_s")
         stats: list[dict[str, list[float]]] = [{k: [] for k in keys} for _ in stages]
         if len(self.envs) > 1 and all(env.workers is not None for env in self.envs):
             pool = ThreadPoolExecutor(len(self.envs), thread_name_prefix="env-stage")
@@ -237,6 +240,7 @@ class EnvWorker(Worker):
         t0 = time.perf_counter()
         self.obs[s] = self.envs[s].reset()
         self.episode_return[s].zero_()
+        self.in_first_episode[s].fill_(True)
         stats["reset_s"].append(time.perf_counter() - t0)
         stats["step_s"].append(0.0)
 
@@ -258,8 +262,10 @@ class EnvWorker(Worker):
         )
 
     def _record(self, stage: int, result: Any, stats: dict[str, list[float]]) -> None:
-        """Accumulate returns; log the episodes that ended in this chunk (invalid ones apart)."""
+        """Accumulate returns; log the episodes that ended in this chunk (invalid ones apart),
+        and apart the first episode of each env in the rollout."""
         ret = self.episode_return[stage]
+        first = self.in_first_episode[stage]
         ret += result.reward.sum(dim=1)
         done = result.info["done"]
         for i in torch.nonzero(done).flatten().tolist():
@@ -268,7 +274,10 @@ class EnvWorker(Worker):
             if not invalid:
                 stats["return"].append(float(ret[i]))
                 stats["success"].append(float(result.success[i]))
+                if first[i]:
+                    stats["first_success"].append(float(result.success[i]))
         ret[done] = 0.0
+        first[done] = False
 
     def get_state(self) -> list[Tensor]:
         """The reset-id cursor of every stage (episodes started per env)."""

@@ -258,8 +258,11 @@ class EmbodiedRunner:
             "iteration": it + 1,
             "env_steps": env_steps * (it + 1),
             "env/success_rate": _mean(stats["success"]),
+            # each env's first episode of the rollout: not weighted towards quick episodes
+            "env/first_episode_success_rate": _mean(stats["first_success"]),
             "env/episode_return": _mean(stats["return"]),
             "env/episodes": len(stats["success"]),
+            "env/first_episodes": len(stats["first_success"]),
             "env/invalid_episodes": sum(stats["invalid"]),
             **train_metrics,
             "time/sync_s": t1 - t0,

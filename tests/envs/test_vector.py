@@ -238,6 +238,7 @@ def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[di
     worker.envs = envs
     worker.obs = [None] * len(envs)
     worker.episode_return = [torch.zeros(env.num_envs) for env in envs]
+    worker.in_first_episode = [torch.zeros(env.num_envs, dtype=torch.bool) for env in envs]
     intervals: list[tuple[int, float, float]] = []
     for s, env in enumerate(envs):
         step = env.chunk_step
@@ -262,7 +263,7 @@ def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[di
     thread = threading.Thread(target=rollout)
     thread.start()
     if turns:
-        keys = ("return", "success", "invalid", "reset_s", "step_s")
+        keys = ("return", "success", "first_success", "invalid", "reset_s", "step_s")
         per_stage = [{k: [] for k in keys} for _ in envs]
         worker._take_turns(channel, chunks, per_stage)
         stats = {k: [v for st in per_stage for v in st[k]] for k in keys}
@@ -270,6 +271,37 @@ def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[di
         stats = worker.interact(channel, chunks)
     thread.join(timeout=60)
     return stats, received, intervals
+
+
+class _ScriptedStarts(CounterEnv):
+    """Env 0's first episode starts at 0: 10 steps to success, so an 8-step limit ends it as
+    a failure. Every other episode starts at 4 and succeeds after 6 steps."""
+
+    def next_reset_ids(self, env_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if env_ids is None:
+            env_ids = torch.arange(self.num_envs)
+        first_of_env_0 = (env_ids == 0) & (self._episodes[env_ids] == 0)
+        return torch.where(first_of_env_0, 0, 4)
+
+
+def test_the_first_episode_of_each_env_is_counted_apart() -> None:
+    """Two envs, 8 chunks of 2 steps (16 steps), an 8-step limit. Env 1 succeeds at steps 6
+    and 12; env 0 fails at its limit (step 8), then succeeds at step 14. The rollout ends 4
+    episodes, 3 of them successes (in the order they ended: chunks 3, 4, 6, 7), but only
+    one of the two envs' first episodes succeeded. The next rollout starts fresh episodes."""
+    env = _ScriptedStarts(EnvConfig(num_envs=2, max_episode_steps=8))
+    try:
+        stats, received, _ = _run_env_worker([env], chunks=8, turns=False)
+        assert received[0][0] == [0.0, 4.0]  # the starts above
+        assert stats["success"] == [1.0, 0.0, 1.0, 1.0]
+        assert stats["first_success"] == [1.0, 0.0]
+        # a second rollout: both envs start episodes at 4 and succeed at steps 6 and 12
+        again, received, _ = _run_env_worker([env], chunks=8, turns=False)
+        assert received[0][0] == [4.0, 4.0]
+        assert again["success"] == [1.0] * 4
+        assert again["first_success"] == [1.0, 1.0]
+    finally:
+        env.close()
 
 
 def test_stages_in_subprocesses_step_at_the_same_time() -> None:

@@ -12,6 +12,7 @@ REQUIRED = {
     "iteration",
     "env_steps",
     "env/success_rate",
+    "env/first_episode_success_rate",
     "env/episode_return",
     "train/policy_loss",
     "train/value_loss",
@@ -133,6 +134,9 @@ def test_grpo_two_iterations(tmp_path, capsys):
     assert "placement collocated: env 0, rollout 0, actor 0 on 1 cpu slot" in err
     # Envs reset every rollout: each of the 4 envs ends exactly one 8-step episode in 4 chunks of 2.
     assert all(r["env/episodes"] == 4 for r in rows)
+    # ... each its env's first of the rollout: the two success rates are one
+    assert all(r["env/first_episodes"] == 4 for r in rows)
+    assert all(r["env/first_episode_success_rate"] == r["env/success_rate"] for r in rows)
 
 
 @pytest.mark.slow
