@@ -377,7 +377,8 @@ def _runner_state(path: Path, placement: Any) -> dict[str, Any]:
 
 
 def _status(metrics: dict[str, Any]) -> str:
-    success = metrics["env/success_rate"]
+    # the first episodes' rate: env/success_rate over-counts quick successes
+    success = metrics["env/first_episode_success_rate"]
     rate = "-" if success is None else f"{success:.2f}"
     return f"{metrics['throughput/env_steps_per_s']:.0f} env steps/s  success {rate}"
 
