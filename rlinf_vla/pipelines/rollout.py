@@ -156,6 +156,9 @@ class EnvWorker(Worker):
         num_stages: pipeline stages ``S`` per worker.
     """
 
+    #: the lists :meth:`interact` returns
+    STATS = ("return", "success", "first_success", "invalid", "reset_s", "step_s")
+
     def __init__(self, env_name: str, env_config: EnvConfig, num_stages: int) -> None:
         from rlinf_vla.envs import for_device, make_stage_envs
 
@@ -188,8 +191,7 @@ class EnvWorker(Worker):
         # Every rollout starts fresh episodes from the envs' reset-id cursors, so the state
         # of the envs between rollouts is just the cursors (see get_state / set_state).
         stages = range(len(self.envs))
-        keys = ("return", "success", "first_success", "invalid", "reset_s", "step_s")
-        stats: list[dict[str, list[float]]] = [{k: [] for k in keys} for _ in stages]
+        stats: list[dict[str, list[float]]] = [{k: [] for k in self.STATS} for _ in stages]
         if len(self.envs) > 1 and all(env.workers is not None for env in self.envs):
             pool = ThreadPoolExecutor(len(self.envs), thread_name_prefix="env-stage")
             futures = [

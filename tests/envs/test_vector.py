@@ -263,10 +263,9 @@ def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[di
     thread = threading.Thread(target=rollout)
     thread.start()
     if turns:
-        keys = ("return", "success", "first_success", "invalid", "reset_s", "step_s")
-        per_stage = [{k: [] for k in keys} for _ in envs]
+        per_stage = [{k: [] for k in EnvWorker.STATS} for _ in envs]
         worker._take_turns(channel, chunks, per_stage)
-        stats = {k: [v for st in per_stage for v in st[k]] for k in keys}
+        stats = {k: [v for st in per_stage for v in st[k]] for k in EnvWorker.STATS}
     else:
         stats = worker.interact(channel, chunks)
     thread.join(timeout=60)
