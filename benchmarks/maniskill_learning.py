@@ -80,8 +80,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "openvla_oft": {
         "policy": ["policy=openvla_oft"],
         "sft_envs": 8,
-        # 1000 steps: 0.20; 1500: 0.48 (in the issue's range of 0.1-0.7); 3000 steps pass 0.95
-        # at step 1500 (docs/experiments/2026-11-28-maniskill-learning-13.md)
+        # greedy 0.20 after 1000 steps, 0.48 after 1500 (room left for RL); a 3000-step run
+        # passed 0.95 by its step 1500 (docs/experiments/2026-11-28-maniskill-learning-13.md)
         "sft_steps": 1500,
         "rl": [
             "policy.clip_greedy=true",  # evaluate the greedy action as the env executes it
@@ -99,10 +99,11 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
-# Training envs per algorithm (``--envs`` sets both). GRPO learns from the groups whose
-# episodes differ: 16 groups per update gained 19-25 points at RL seeds 0 and 1, where 8 gained
-# -5 to 17. PPO with 80 envs gained more at two seeds and lost 14 at the third on the check,
-# where 40 gained 9-16 at all three (docs/experiments/2026-11-28-maniskill-learning-9.md).
+# Training envs per algorithm (``--envs`` sets both), chosen on π0's runs. GRPO learns from
+# the groups whose episodes differ: 16 groups per update gained 19-25 points at RL seeds 0 and
+# 1, where 8 gained -5 to 17. PPO with 80 envs gained more at two seeds and lost 14 at the
+# third on the check, where 40 gained 9-16 at all three
+# (docs/experiments/2026-11-28-maniskill-learning-9.md).
 ENVS = {"ppo": 40, "grpo": 80}
 
 
