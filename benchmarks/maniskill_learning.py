@@ -229,9 +229,8 @@ def main() -> None:
     p.add_argument("--sft-seed", type=int, default=0, help="seed of the SFT warm start")
     p.add_argument("--image-size", type=int, default=64, help="camera image side")
     p.add_argument("--chunk", type=int, default=4, help="actions per policy call")
-    p.add_argument(
-        "--sft-steps", type=int, default=None, help="default: the policy's (OFT 1500, π0 1000)"
-    )
+    own = ", ".join(f"{name} {recipe['sft_steps']}" for name, recipe in RECIPES.items())
+    p.add_argument("--sft-steps", type=int, default=None, help=f"default: the policy's ({own})")
     p.add_argument("--ppo-iterations", type=int, default=40)
     p.add_argument("--grpo-iterations", type=int, default=40)
     p.add_argument(
