@@ -84,6 +84,28 @@ class Row:
     env_steps_per_s: float
     vs_sync: float
     of_bound: float
+    #: where a rollout's seconds went (:data:`PARTS`), medians over the timed iterations
+    breakdown: dict[str, float] | None = None
+
+
+#: The parts of a rollout's wall time the breakdown table shows, and the metric each is read
+#: from (``rlinf_vla.pipelines.runner.rollout_breakdown``); ``rest`` is the wall time minus
+#: all of them: channel hops, waiting and bookkeeping (negative where parts overlapped).
+PARTS = {
+    "wall": "time/rollout_s",
+    "reset": "time/rollout/env_reset_s",
+    "sim": "time/rollout/env_sim_s",
+    "policy": "time/rollout/policy_s",
+    "serialise": "time/rollout/serialise_s",
+    "copies": "time/rollout/copy_s",
+    "hand-off": "time/rollout/finish_s",
+}
+
+
+def with_rest(parts: dict[str, float]) -> dict[str, float]:
+    """``parts`` and ``rest``: the wall time none of the parts accounts for."""
+    rest = parts["wall"] - sum(v for k, v in parts.items() if k != "wall")
+    return {**parts, "rest": rest}
 
 
 def env_overrides(w: Workload) -> list[str]:
@@ -150,8 +172,9 @@ def sync_loop(
 
 def mode_rate(
     w: Workload, mode: list[str], policy_args: list[str], devices: int, iterations: int, out: Path
-) -> float:
-    """Median rollout env steps/s of ``rlinf-vla train`` in ``mode`` (iterations after the first)."""
+) -> tuple[float, dict[str, float]]:
+    """Median rollout env steps/s of ``rlinf-vla train`` in ``mode`` (iterations after the
+    first), and the median of each part of the rollout's time (:data:`PARTS`)."""
     args = [
         "train",
         *env_overrides(w),
@@ -168,8 +191,9 @@ def mode_rate(
     ]
     if cli.main(args) != 0:
         raise RuntimeError(f"train failed: {' '.join(args)}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["throughput/env_steps_per_s"] for r in rows[1:])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    parts = {name: statistics.median(r[key] for r in rows) for name, key in PARTS.items()}
+    return statistics.median(r["throughput/env_steps_per_s"] for r in rows), with_rest(parts)
 
 
 def main() -> int:
@@ -230,6 +254,10 @@ def main() -> int:
         # one device: CPU simulators in their processes beside inference on it
         "collocated S=2": ["placement=collocated", "placement.stages=2"],
         "collocated S=4": ["placement=collocated", "placement.stages=4"],
+        # one process, no Ray: threads and in-process hand-offs (rlinf_vla.runtime.local)
+        "local S=1": ["placement=local", "placement.stages=1"],
+        "local S=2": ["placement=local", "placement.stages=2"],
+        "local S=4": ["placement=local", "placement.stages=4"],
     }
     if args.modes:
         chosen = [m.strip() for m in args.modes.split(",")]
@@ -286,12 +314,32 @@ def main() -> int:
             "env_reset_s": reset,
             "config": w.env_config,
         }
-        results.append(Row(w.name, "sync loop", round(sync, 1), 1.0, round(sync / bound, 3)))
+        loop_parts = with_rest(
+            {
+                "wall": reset + w.chunks * (e + i),
+                "reset": reset,
+                "sim": w.chunks * e,
+                "policy": w.chunks * i,
+                "serialise": 0.0,
+                "copies": 0.0,
+                "hand-off": 0.0,
+            }
+        )
+        results.append(
+            Row(
+                w.name,
+                "sync loop",
+                round(sync, 1),
+                1.0,
+                round(sync / bound, 3),
+                {k: round(v, 4) for k, v in loop_parts.items()},
+            )
+        )
         print(f"{w.name}: sync loop {sync:.1f} env steps/s, overlap bound {bound:.1f}", flush=True)
         write()
         for mode, overrides in modes.items():
             devices = d + 1 if mode == "disaggregated" else d
-            if not mode.startswith("collocated") and d < 2:
+            if not mode.startswith(("collocated", "local")) and d < 2:
                 skipped[mode] = "needs env and rollout on different devices (--devices 2)"
             elif gpus is not None and devices > gpus:
                 skipped[mode] = f"needs {devices} GPUs, the machine has {gpus}"
@@ -299,9 +347,18 @@ def main() -> int:
                 print(f"{w.name}: {mode} skipped: {skipped[mode]}", flush=True)
                 continue
             with tempfile.TemporaryDirectory() as tmp:
-                rate = mode_rate(w, overrides, policy_args, devices, args.iterations, Path(tmp))
+                rate, parts = mode_rate(
+                    w, overrides, policy_args, devices, args.iterations, Path(tmp)
+                )
             results.append(
-                Row(w.name, mode, round(rate, 1), round(rate / sync, 2), round(rate / bound, 3))
+                Row(
+                    w.name,
+                    mode,
+                    round(rate, 1),
+                    round(rate / sync, 2),
+                    round(rate / bound, 3),
+                    {k: round(v, 4) for k, v in parts.items()},
+                )
             )
             print(f"{w.name}: {mode} {rate:.1f} env steps/s", flush=True)
             write()
@@ -313,6 +370,15 @@ def main() -> int:
             f"{r.workload:<20} {r.mode:<15} {r.env_steps_per_s:>11.1f} {r.vs_sync:>7.2f} "
             f"{r.of_bound:>8.0%}"
         )
+    names = [*PARTS, "rest"]
+    print(f"\nwhere a rollout's seconds go ({', '.join(names[1:])}: see PARTS)")
+    print(f"{'workload':<20} {'mode':<15}" + "".join(f" {n:>9}" for n in names))
+    for r in results:
+        if r.breakdown is not None:
+            print(
+                f"{r.workload:<20} {r.mode:<15}"
+                + "".join(f" {r.breakdown[n]:>9.3f}" for n in names)
+            )
     for name, m in meta.items():
         print(
             f"{name}: env chunk {m['env_chunk_s'] * 1e3:.1f} ms, inference "

@@ -29,6 +29,11 @@ when ``f = 0``):
   ``T * (e / N + f + (i - f) / N) + u / N``
 - disaggregated (disjoint ``E + R + A = N``; env and inference alternate):
   ``T * (e / E + b + o) + u / A``
+- local with ``S`` stages (every component in one process on device 0, no Ray workers and no
+  channel hops; stage ``s`` simulates, in its subprocesses or while sleeping, as the process
+  computes stage ``s - 1``'s actions): ``T * (e + i) + u`` with ``S = 1`` (the plain loop), else
+  ``T * max(e, b) + min(e, b) / S + u`` with ``b`` the busy time of one rollout worker serving
+  ``S`` batches;
 - hybrid with ``S`` stages (disjoint ``E + R = N``; env stage ``s`` steps while the rollout
   computes stage ``s - 1``, so the two overlap after the pipeline fills; actor on ``A`` of the
   ``N`` devices, all of them when the ``E * S`` trajectories share evenly, else the most that
@@ -131,6 +136,16 @@ def candidate_plans(
                 costs.update_s(n),
             )
         )
+    i = costs.infer_chunk_s
+    stages = 1
+    while stages <= max_stages:
+        if num_groups % stages == 0:
+            b = costs.rollout_busy_s(stages, 1)
+            # one process: no channel hops; stage s simulates while stage s - 1 infers
+            rollout = t * (e + i) if stages == 1 else t * max(e, b) + min(e, b) / stages
+            components = {"actor": "0", "env": "0", "rollout": "0"}
+            plans.append(Plan("local", components, stages, rollout, costs.update_s(1)))
+        stages *= 2
     for env_devices in range(1, n):
         rollout_devices = n - env_devices
         a = e / env_devices
@@ -172,7 +187,7 @@ def candidate_plans(
     return plans
 
 
-_SIMPLICITY = {"collocated": 0, "hybrid": 1, "disaggregated": 2}
+_SIMPLICITY = {"collocated": 0, "local": 1, "hybrid": 2, "disaggregated": 3}
 
 
 def choose(plans: list[Plan]) -> Plan:

@@ -36,21 +36,23 @@ class TrainPlacementConfig(PlacementConfig):
     """The ``placement`` section: the runtime's placement plus the pipeline stage count.
 
     Attributes:
-        mode: ``collocated``, ``disaggregated``, ``hybrid``, or ``auto`` (profile the workload
+        mode: ``collocated``, ``disaggregated``, ``hybrid``, ``local`` (every component in
+            this process on one device, no Ray: :mod:`rlinf_vla.runtime.local`), or ``auto``
+            (profile the workload
             at start, then pick the mode, the device split and ``stages``; see
             :mod:`rlinf_vla.pipelines.auto`).
         stages: pipeline stages ``S`` per env worker (``hybrid``: env stage ``s`` steps while
             the rollout computes stage ``s - 1``).
         max_stages: ``auto`` only: the largest stage count it considers (1, 2, 4, ...).
         profile_chunks: ``auto`` only: chunk steps it times.
-        offload: collocated on GPUs only: the policy copy that is idle (the actor's while the
+        offload: collocated and local on GPUs only: the policy copy that is idle (the actor's while the
             rollout runs, the rollout's while the actor trains) waits in host memory, so that
             each has the GPU's memory to itself. ``false`` keeps both on the GPU when they fit
             together (a 7B policy with LoRA: about 76 GiB of peaks on one GPU), which saves
             moving the weights to and from the GPU twice per iteration.
     """
 
-    mode: Literal["collocated", "disaggregated", "hybrid", "auto"] = "collocated"
+    mode: Literal["collocated", "disaggregated", "hybrid", "local", "auto"] = "collocated"
     stages: int = 1
     max_stages: int = 4
     profile_chunks: int = 3
@@ -273,6 +275,11 @@ def validate(cfg: Any) -> TrainJob:
                 Costs(1.0, 1.0, 1.0), devices, groups, 1, job.placement.max_stages
             )
             choose(plans)
+        elif job.placement.mode == "local" and job.cluster.address is not None:
+            raise ConfigError(
+                f"placement=local runs in this process on this machine; cluster.address="
+                f"{job.cluster.address!r} names a Ray cluster (use another placement there)"
+            )
         elif devices is not None:
             job.resolved = resolve_placement(job.placement, devices)
             check_env_split(job, len(job.resolved.of("env")), len(job.resolved.of("actor")))

@@ -21,6 +21,7 @@ bootstraps the value of the state the rollout stopped in. Envs keep running acro
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from rlinf_vla.pipelines.actor import autocast
-from rlinf_vla.runtime import Channel, Worker, offload_module, resident
+from rlinf_vla.runtime import Channel, Worker, offload_module, onload_module
 from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
 from rlinf_vla.types import Observation
 
@@ -156,8 +157,21 @@ class EnvWorker(Worker):
         num_stages: pipeline stages ``S`` per worker.
     """
 
-    #: the lists :meth:`interact` returns
-    STATS = ("return", "success", "first_success", "invalid", "reset_s", "step_s")
+    #: the lists :meth:`interact` returns: per episode (``return``, ``success``,
+    #: ``first_success``, ``invalid``), per stage (``reset_s``, ``step_s``, ``wait_s``,
+    #: ``wall_s``) and per worker (``send_s``, ``fetch_s``)
+    STATS = (
+        "return",
+        "success",
+        "first_success",
+        "invalid",
+        "reset_s",
+        "step_s",
+        "wait_s",
+        "wall_s",
+        "send_s",
+        "fetch_s",
+    )
 
     def __init__(self, env_name: str, env_config: EnvConfig, num_stages: int) -> None:
         from rlinf_vla.envs import for_device, make_stage_envs
@@ -179,8 +193,11 @@ class EnvWorker(Worker):
     def interact(self, channel: Channel, num_chunks: int) -> dict[str, list[float]]:
         """Run ``num_chunks`` chunk steps of every stage; returns finished episodes' stats
         (``return``, ``success``, ``invalid``: one entry per episode; ``first_success``: one
-        entry per valid episode that was its env's first of the rollout) and each stage's
-        seconds in its reset (``reset_s``) and in its chunk steps (``step_s``).
+        entry per valid episode that was its env's first of the rollout), each stage's
+        seconds in its reset (``reset_s``), in its chunk steps (``step_s``), in channel calls
+        (``wait_s``: sending observations and waiting for actions) and in all (``wall_s``),
+        and this worker's seconds serialising what it sent (``send_s``) and fetching the
+        payloads it received from the object store (``fetch_s``), both inside ``wait_s``.
 
         Stages whose simulators run in subprocesses (:attr:`VectorEnv.workers`: LIBERO,
         MetaWorld, ManiSkill's CPU backend) step at the same time, one thread each: while one
@@ -192,6 +209,7 @@ class EnvWorker(Worker):
         # of the envs between rollouts is just the cursors (see get_state / set_state).
         stages = range(len(self.envs))
         stats: list[dict[str, list[float]]] = [{k: [] for k in self.STATS} for _ in stages]
+        channel.take_timers()  # from here on
         if len(self.envs) > 1 and all(env.workers is not None for env in self.envs):
             pool = ThreadPoolExecutor(len(self.envs), thread_name_prefix="env-stage")
             futures = [
@@ -206,18 +224,23 @@ class EnvWorker(Worker):
                     raise f.exception()
         else:
             self._take_turns(channel, num_chunks, stats)
+        timers = channel.take_timers()
+        stats[0]["send_s"].append(timers["send_s"])
+        stats[0]["fetch_s"].append(timers["fetch_s"])
         return {k: [v for st in stats for v in st[k]] for k in stats[0]}
 
     def _run_stage(
         self, channel: Channel, num_chunks: int, s: int, stats: dict[str, list[float]]
     ) -> None:
         """Stage ``s`` alone: reset, then ``num_chunks`` request/response rounds."""
+        start = time.perf_counter()
         self._reset(s, stats)
         pending = (obs_key(self.rank, s), EnvMessage(obs=self.obs[s]))
         for _ in range(num_chunks):
-            actions = channel.exchange(*pending, act_key(self.rank, s))
+            actions = _timed(stats, channel.exchange, *pending, act_key(self.rank, s))
             pending = (obs_key(self.rank, s), self._step(s, actions, stats))
-        channel.put(*pending)
+        _timed(stats, channel.put, *pending)
+        stats["wall_s"].append(time.perf_counter() - start)
 
     def _take_turns(
         self, channel: Channel, num_chunks: int, stats: list[dict[str, list[float]]]
@@ -225,17 +248,22 @@ class EnvWorker(Worker):
         """Every stage in turn. Each chunk step of a stage is a request/response: send the
         observation, receive the actions; the put of one stage and the get of the next go in
         one channel call."""
+        start = time.perf_counter()
         pending: tuple[str, EnvMessage] | None = None
+        last = stats[-1]  # the stage whose message is pending when a channel call is made
         for s in range(len(self.envs)):
             self._reset(s, stats[s])
             if pending is not None:
-                channel.put(*pending)
-            pending = (obs_key(self.rank, s), EnvMessage(obs=self.obs[s]))
+                _timed(last, channel.put, *pending)
+            pending, last = (obs_key(self.rank, s), EnvMessage(obs=self.obs[s])), stats[s]
         for _ in range(num_chunks):
             for s in range(len(self.envs)):
-                actions = channel.exchange(*pending, act_key(self.rank, s))
-                pending = (obs_key(self.rank, s), self._step(s, actions, stats[s]))
-        channel.put(*pending)
+                actions = _timed(last, channel.exchange, *pending, act_key(self.rank, s))
+                pending, last = (obs_key(self.rank, s), self._step(s, actions, stats[s])), stats[s]
+        _timed(last, channel.put, *pending)
+        wall = time.perf_counter() - start  # the stages share one clock: each reports it
+        for st in stats:
+            st["wall_s"].append(wall)
 
     def _reset(self, s: int, stats: dict[str, list[float]]) -> None:
         """Fresh episodes for stage ``s``; its seconds go to ``stats["reset_s"]``."""
@@ -245,6 +273,7 @@ class EnvWorker(Worker):
         self.in_first_episode[s].fill_(True)
         stats["reset_s"].append(time.perf_counter() - t0)
         stats["step_s"].append(0.0)
+        stats["wait_s"].append(0.0)
 
     def _step(self, s: int, actions: Tensor, stats: dict[str, list[float]]) -> EnvMessage:
         """One chunk step of stage ``s``; the message for the rollout. Its seconds add to
@@ -292,6 +321,15 @@ class EnvWorker(Worker):
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+def _timed(stats: dict[str, list[float]], call: Any, *args: Any) -> Any:
+    """``call(*args)``, its seconds added to the stage's ``stats["wait_s"]``."""
+    t0 = time.perf_counter()
+    try:
+        return call(*args)
+    finally:
+        stats["wait_s"][-1] += time.perf_counter() - t0
 
 
 class RolloutWorker(Worker):
@@ -386,9 +424,24 @@ class RolloutWorker(Worker):
     def set_rng_state(self, state: dict[str, Any] | Tensor) -> None:
         set_rng_state(state, self.device)
 
-    def _resident(self) -> Any:
-        """The policy on the worker's device for the block (offloaded after it)."""
-        return resident(self.policy, self.device, enabled=self.offload)
+    @contextlib.contextmanager
+    def _resident(self, times: dict[str, float] | None = None) -> Any:
+        """The policy on the worker's device for the block (offloaded after it); the seconds
+        of both copies add to ``times["copy_s"]``."""
+        if not self.offload:
+            yield
+            return
+        t0 = time.perf_counter()
+        onload_module(self.policy, self.device)
+        copied = time.perf_counter() - t0
+        try:
+            yield
+        finally:
+            t0 = time.perf_counter()
+            offload_module(self.policy)
+            copied += time.perf_counter() - t0
+            if times is not None:
+                times["copy_s"] += copied
 
     def generate(
         self,
@@ -397,14 +450,29 @@ class RolloutWorker(Worker):
         sources: list[tuple[int, int]],
         destinations: list[str],
         greedy: bool = False,
-    ) -> int:
+    ) -> dict[str, float]:
         """Serve ``sources`` (``(env_rank, stage)`` pairs) for ``num_chunks`` chunk steps.
 
         Puts the :class:`Trajectory` of ``sources[i]`` on ``channel`` under
-        ``destinations[i]``; returns the number of trajectories.
+        ``destinations[i]``. Returns where the call's seconds went: ``wall_s`` in all,
+        ``copy_s`` moving an offloaded policy to the device and back, ``policy_s`` computing
+        actions and values, ``wait_s`` in channel calls for the observations (sending the
+        previous actions, waiting, receiving), ``finish_s`` building and sending the
+        trajectories after the last observation, and ``send_s`` / ``fetch_s`` serialising
+        what it sent and fetching what it received (both inside ``wait_s`` and
+        ``finish_s``); ``trajectories``: how many it sent.
         """
-        with self._resident(), torch.no_grad():
-            return self._generate(channel, num_chunks, sources, destinations, greedy)
+        start = time.perf_counter()
+        channel.take_timers()
+        times = dict.fromkeys(("copy_s", "policy_s", "wait_s", "finish_s"), 0.0)
+        with self._resident(times), torch.no_grad():
+            n = self._generate(channel, num_chunks, sources, destinations, greedy, times)
+        return {
+            **times,
+            **channel.take_timers(),
+            "wall_s": time.perf_counter() - start,
+            "trajectories": n,
+        }
 
     def _generate(
         self,
@@ -413,16 +481,21 @@ class RolloutWorker(Worker):
         sources: list[tuple[int, int]],
         destinations: list[str],
         greedy: bool,
+        times: dict[str, float],
     ) -> int:
         builders = {src: _TrajectoryBuilder(src) for src in sources}
         pending: tuple[str, Tensor] | None = None  # actions to send with the next get
+        clock = time.perf_counter
         for t in range(num_chunks + 1):
             for src in sources:
+                t0 = clock()
                 if pending is None:
                     msg: EnvMessage = channel.get(obs_key(*src))
                 else:
                     msg = channel.exchange(*pending, obs_key(*src))
                     pending = None
+                t1 = clock()
+                times["wait_s"] += t1 - t0
                 b = builders[src]
                 if t > 0:
                     b.reward.append(msg.reward)
@@ -431,6 +504,7 @@ class RolloutWorker(Worker):
                     b.invalid.append(msg.invalid)
                     b.final_value.append(self._final_values(msg))
                 if t < num_chunks:
+                    t1 = clock()
                     with autocast(self.device, self.autocast):
                         if self.features and not greedy:
                             out, features = self.policy.act_with_features(msg.obs)
@@ -446,10 +520,13 @@ class RolloutWorker(Worker):
                     b.value.append(_value_or_zeros(out.value, msg.obs))
                 else:
                     b.value.append(self._values(msg.obs))
+                times["policy_s"] += clock() - t1
+        t0 = clock()
         if pending is not None:
             channel.put(*pending)
         for src, key in zip(sources, destinations, strict=True):
             channel.put(key, builders[src].build(self.version))
+        times["finish_s"] += clock() - t0
         return len(sources)
 
     def _values(self, obs: Observation) -> Tensor:

@@ -45,6 +45,8 @@ from rlinf_vla.runtime import (
     wait_all,
     wait_started,
 )
+from rlinf_vla.runtime.local import LocalChannel, LocalCluster, LocalGroup
+from rlinf_vla.runtime.threads import torch_threads
 from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
 from rlinf_vla.training.objective import merge_ranks
 
@@ -78,17 +80,20 @@ class EmbodiedRunner:
         sharded = job.algo.fsdp and len(placement.of("actor")) > 1
         # Collocated on GPUs: the policy copies that are idle (the actor's while the rollout
         # runs, the rollout's while the actor trains) wait in host memory (placement.offload).
-        offload = placement.mode == "collocated" and job.placement.offload
+        offload = placement.mode in ("collocated", "local") and job.placement.offload
         self.offloads = offload and any(d.kind == "cuda" for d in cluster.devices)
         self.output_dir = self._output_dir()
         seed = job.runner.seed
         policy = job.policy_config.replace(seed=seed)
-        self.channel = Channel.create(f"embodied-{id(self)}")
+        # placement=local: the same workers in threads of this process, no Ray (runtime.local)
+        local = placement.mode == "local"
+        Group = LocalGroup if local else WorkerGroup
+        self.channel = (LocalChannel if local else Channel).create(f"embodied-{id(self)}")
         self._synced: int | None = None  # the weights version the rollout workers hold
         self._sync_bytes = 0  # bytes the syncs of the current iteration sent
         self._memory: dict[str, list[dict[str, float]]] = {}  # the last memory readings
         try:
-            self.env = WorkerGroup(
+            self.env = Group(
                 cluster,
                 EnvWorker,
                 "env",
@@ -96,7 +101,7 @@ class EmbodiedRunner:
                 args=(job.env_name, job.env_config, job.placement.stages),
                 wait=False,
             )
-            self.rollout = WorkerGroup(
+            self.rollout = Group(
                 cluster,
                 RolloutWorker,
                 "rollout",
@@ -110,7 +115,7 @@ class EmbodiedRunner:
                 },
                 wait=False,
             )
-            self.actor = WorkerGroup(
+            self.actor = Group(
                 cluster,
                 ActorWorker,
                 "actor",
@@ -226,7 +231,7 @@ class EmbodiedRunner:
             calls.append(
                 self.rollout.generate(self.channel, r.rollout_chunks, mine, dests, ranks=[w])
             )
-        env_stats, *_ = wait_all(calls)
+        env_stats, *served = wait_all(calls)
         t2 = time.perf_counter()
         train = wait_all(
             [
@@ -271,6 +276,7 @@ class EmbodiedRunner:
             # the busiest env stage's seconds in its simulators (reset, then chunk steps)
             "time/env_reset_s": max(stats["reset_s"]),
             "time/env_step_s": max(stats["step_s"]),
+            **rollout_breakdown(stats, [r[0] for r in served]),
             "time/train_s": t3 - t2,
             "throughput/env_steps_per_s": env_steps / (t2 - t1),
             **group_memory_metrics(self._memory),
@@ -352,6 +358,35 @@ class EmbodiedRunner:
         self.channel.close()
 
 
+def rollout_breakdown(
+    env: dict[str, list[float]], rollout: list[dict[str, float]]
+) -> dict[str, float]:
+    """Where a rollout's seconds went, from the workers' own clocks (``time/rollout/*``).
+
+    ``env``: the env workers' :meth:`EnvWorker.interact` stats (per-stage lists); ``rollout``:
+    each rollout worker's :meth:`RolloutWorker.generate` times. The env side is read on the
+    stage that ran longest (the one the rollout waited for): its reset, chunk steps
+    (``env_sim_s``), channel calls (``env_wait_s``: sending observations, waiting for
+    actions) and wall time; the rollout side on the busiest worker: policy compute, waiting
+    for observations, offload copies and the trajectories' hand-off after the last chunk.
+    ``serialise_s`` adds every worker's serialisation and object-store fetches.
+    """
+    stage = max(range(len(env["wall_s"])), key=env["wall_s"].__getitem__)
+    busiest = max(rollout, key=lambda r: r["policy_s"])
+    return {
+        "time/rollout/env_reset_s": env["reset_s"][stage],
+        "time/rollout/env_sim_s": env["step_s"][stage],
+        "time/rollout/env_wait_s": env["wait_s"][stage],
+        "time/rollout/env_wall_s": env["wall_s"][stage],
+        "time/rollout/policy_s": busiest["policy_s"],
+        "time/rollout/rollout_wait_s": busiest["wait_s"],
+        "time/rollout/copy_s": max(r["copy_s"] for r in rollout),
+        "time/rollout/finish_s": max(r["finish_s"] for r in rollout),
+        "time/rollout/serialise_s": sum(env["send_s"]) + sum(env["fetch_s"])
+        + sum(r["send_s"] + r["fetch_s"] for r in rollout),
+    }
+
+
 def _runner_state(path: Path, placement: Any) -> dict[str, Any]:
     """A checkpoint's ``runner.pt``, checked to fit the placement's env and actor workers.
 
@@ -409,12 +444,17 @@ def run(job: TrainJob) -> Path:
     """``rlinf-vla train``: start the cluster, train, print where the outputs are."""
     # A resume's config and checkpoint are checked before anything starts.
     checkpoint = prepare_resume(job.runner.resume, job.raw, "iter", _say)
-    with Cluster(job.cluster) as cluster:
+    # placement=local needs no Ray (runtime.local); auto may still choose it
+    local = job.placement.mode == "local"
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context((LocalCluster if local else Cluster)(job.cluster))
         if job.placement.mode == "auto":
             from rlinf_vla.pipelines.auto import resolve_auto
 
             job = resolve_auto(job, cluster)
             job.raw["placement"] = _placement_dict(job)
+        if job.placement.mode == "local":  # the workers compute here, with the device's threads
+            stack.enter_context(torch_threads(cluster.device(0).threads))
         runner = EmbodiedRunner(job, cluster, checkpoint)
         try:
             out = runner.run()

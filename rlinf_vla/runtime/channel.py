@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 import uuid
 from collections import defaultdict, deque
 from typing import Any
@@ -127,6 +128,7 @@ class Channel:
         self._seq = 0
         self._last_put: Any = None
         self._lock = threading.Lock()
+        self._timers = {"send_s": 0.0, "fetch_s": 0.0}
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -188,12 +190,14 @@ class Channel:
         Without ``ack`` the call creates no return object (``num_returns=0``), which saves a
         good part of a put's cost; :meth:`flush` still knows when it was applied.
         """
+        t0 = time.perf_counter()
         payload = self._payload(item)
         with self._lock:
             packet = (key, self._producer, self._seq, payload)
             ref = self._remote_put.remote(packet) if ack else self._remote_put_noack.remote(packet)
             self._seq += 1
             previous, self._last_put = self._last_put, ref
+        self._timers["send_s"] += time.perf_counter() - t0
         return previous, ref
 
     def put(self, key: str, item: Any, timeout: float | None = None) -> None:
@@ -235,17 +239,18 @@ class Channel:
         """
         import ray
 
+        t0 = time.perf_counter()
         payload = self._payload(item)
         with self._lock:
             packet = (put_key, self._producer, self._seq, payload)
             ref = self._remote_exchange.remote((packet, (get_key, 1, timeout)))
             self._seq += 1
+        self._timers["send_s"] += time.perf_counter() - t0
         payloads = _check_timeout(self, get_key, ray.get(ref), timeout)
         with self._lock:
             if self._seq == packet[2] + 1:  # every put of this handle so far is applied
                 self._last_put = None
-        refs = [value[0] for kind, value in payloads if kind == "r"]
-        return _merge(payloads, ray.get(refs) if refs else [])[0]
+        return self._fetch(payloads)[0]
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every item put through this handle was accepted.
@@ -278,8 +283,28 @@ class Channel:
         payloads = _check_timeout(
             self, key, ray.get(self._remote_get.remote((key, n, timeout))), timeout
         )
+        return self._fetch(payloads)
+
+    def _fetch(self, payloads: list[tuple[str, Any]]) -> list[Any]:
+        """The items of ``payloads``, the object-store ones fetched (timed in ``fetch_s``)."""
+        import ray
+
         refs = [value[0] for kind, value in payloads if kind == "r"]
-        return _merge(payloads, ray.get(refs) if refs else [])
+        if not refs:
+            return _merge(payloads, [])
+        t0 = time.perf_counter()
+        fetched = ray.get(refs)
+        self._timers["fetch_s"] += time.perf_counter() - t0
+        return _merge(payloads, fetched)
+
+    def take_timers(self) -> dict[str, float]:
+        """Seconds this handle spent since the previous call (or its creation) serialising
+        and submitting what it sent (``send_s``, Ray serialises a call's arguments when it is
+        made) and fetching object-store payloads it received (``fetch_s``); then zeroes them.
+        The rest of a put, get or exchange is the channel's round trip and the wait for items.
+        """
+        out, self._timers = self._timers, {"send_s": 0.0, "fetch_s": 0.0}
+        return out
 
     async def async_get(self, key: str = DEFAULT_KEY, timeout: float | None = None) -> Any:
         return (await self.async_get_batch(key, 1, timeout))[0]

@@ -208,6 +208,13 @@ def create_collective(
         raise ValueError(f"collective {name!r} needs at least two members, got {len(flat)}")
     if len(set((id(g), r) for g, r in flat)) != len(flat):
         raise ValueError(f"collective {name!r} lists a worker twice")
+    from rlinf_vla.runtime.local import LocalGroup, create_local_collective
+
+    if all(isinstance(g, LocalGroup) for g, _ in flat):
+        if as_default:
+            raise ValueError(f"collective {name!r}: local groups have no default process group")
+        create_local_collective(name, flat, timeout_s)
+        return
     if backend == "auto":
         backend = auto_backend([g.devices[r] for g, r in flat])
     import ray

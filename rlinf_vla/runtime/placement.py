@@ -8,6 +8,8 @@ overlap:
 - ``disaggregated``: every component on its own devices (no two share a device).
 - ``hybrid``: ``env`` and ``rollout`` on disjoint devices (so they can run in a pipeline);
   other components (the actor) anywhere, typically on all devices.
+- ``local``: every component on one device, in one process (threads instead of Ray workers,
+  :mod:`rlinf_vla.runtime.local`).
 
 :func:`resolve_placement` checks a :class:`PlacementConfig` against the device count and
 returns a :class:`Placement`. It is pure: nothing is launched.
@@ -22,7 +24,7 @@ from typing import Literal
 from rlinf_vla.config import ConfigError
 
 DeviceSpec = str | int | list[int]
-MODES = ("collocated", "disaggregated", "hybrid")
+MODES = ("collocated", "disaggregated", "hybrid", "local")
 
 
 @dataclass
@@ -35,7 +37,7 @@ class PlacementConfig:
             "rollout": "4-7"}``.
     """
 
-    mode: Literal["collocated", "disaggregated", "hybrid"] = "collocated"
+    mode: Literal["collocated", "disaggregated", "hybrid", "local"] = "collocated"
     components: dict[str, str | int | list[int]] = field(default_factory=dict)
 
 
@@ -122,7 +124,14 @@ def resolve_placement(cfg: PlacementConfig, num_devices: int) -> Placement:
         name: parse_devices(spec, num_devices, f"placement.components.{name}")
         for name, spec in cfg.components.items()
     }
-    if cfg.mode == "collocated":
+    if cfg.mode == "local":
+        if len({tuple(d) for d in devices.values()}) != 1 or len(next(iter(devices.values()))) != 1:
+            raise ConfigError(
+                "placement: mode 'local' runs every component in one process on one device, but "
+                + ", ".join(f"placement.components.{n}={d}" for n, d in devices.items())
+                + " are not one and the same device"
+            )
+    elif cfg.mode == "collocated":
         first, *rest = devices
         differ = [n for n in rest if devices[n] != devices[first]]
         if differ:

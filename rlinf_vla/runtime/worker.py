@@ -34,6 +34,8 @@ import socket
 import time
 import traceback
 from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -198,6 +200,12 @@ class Worker:
 
     def collective(self, name: str):
         """The :class:`~rlinf_vla.runtime.collective.Collective` named ``name`` this worker joined."""
+        local = self.__dict__.get("_local_collectives")
+        if local is not None:  # a worker of a local group (rlinf_vla.runtime.local)
+            if name not in local:
+                known = ", ".join(sorted(local)) or "none"
+                raise KeyError(f"this worker is not in a collective named {name!r} (joined: {known})")
+            return local[name]
         from rlinf_vla.runtime import collective
 
         return collective.get(name)
@@ -232,11 +240,7 @@ class _WorkerHost:
         return _guarded(f"{cls.__name__}.__init__", build)
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        def run() -> Any:
-            result = getattr(self.worker, method)(*args, **kwargs)
-            return asyncio.run(_await(result)) if inspect.isawaitable(result) else result
-
-        return _guarded(method, run)
+        return _guarded(method, invoke, self.worker, method, args, kwargs)
 
     def join_collective(self, *args: Any) -> Any:
         from rlinf_vla.runtime import collective
@@ -250,6 +254,12 @@ class _WorkerHost:
         with socket.socket() as s:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def invoke(worker: Worker, method: str, args: tuple, kwargs: dict) -> Any:
+    """``worker.method(*args, **kwargs)``; a coroutine method is run to completion."""
+    result = getattr(worker, method)(*args, **kwargs)
+    return asyncio.run(_await(result)) if inspect.isawaitable(result) else result
 
 
 def _guarded(label: str, fn: Any, *args: Any) -> Any:
@@ -288,6 +298,8 @@ class GroupResult:
         self.issued = time.monotonic()
 
     def done(self) -> bool:
+        if self.refs and isinstance(self.refs[0], Future):  # a local group's
+            return all(f.done() for f in self.refs)
         import ray
 
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
@@ -323,8 +335,6 @@ def wait_all(results: Sequence[GroupResult], timeout: float | None = None) -> li
         WorkerStalled: a call ran past its deadline; names every worker not yet answered.
         TimeoutError: ``timeout`` seconds passed; names the calls still running.
     """
-    import ray
-
     owner: dict[Any, tuple[GroupResult, int]] = {}
     for result in results:
         for rank, ref in zip(result.ranks, result.refs, strict=True):
@@ -336,7 +346,7 @@ def wait_all(results: Sequence[GroupResult], timeout: float | None = None) -> li
         # Short waits: a stalled call is noticed, and Ctrl-C handled, within POLL_S.
         wait_s = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
         try:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            ready, pending = _wait_one(pending, wait_s)
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM in Ray's disguise
             raise raised_by_signal(e) from None
         now = time.monotonic()
@@ -360,6 +370,21 @@ def wait_all(results: Sequence[GroupResult], timeout: float | None = None) -> li
         values[ref] = _unwrap(result, rank, ref)
         result.group._observe(result.method, now - result.issued)
     return [[values[ref] for ref in result.refs] for result in results]
+
+
+def _wait_one(pending: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
+    """At most one finished call of ``pending`` (Ray object refs, or the futures of local
+    groups) within ``timeout`` seconds: ``(ready, still pending)``."""
+    local = [ref for ref in pending if isinstance(ref, Future)]
+    if not local:
+        import ray
+
+        return ray.wait(pending, num_returns=1, timeout=timeout)
+    if len(local) != len(pending):
+        raise TypeError("wait_all: cannot wait on Ray and local worker groups together")
+    done, _ = futures_wait(local, timeout=timeout, return_when=FIRST_COMPLETED)
+    first = next((ref for ref in pending if ref in done), None)
+    return ([], pending) if first is None else ([first], [r for r in pending if r is not first])
 
 
 def _stalled(
@@ -427,11 +452,16 @@ def wait_started(groups: Sequence[WorkerGroup], timeout: float | None = None) ->
 
 
 def _unwrap(result: GroupResult, rank: int, ref: Any) -> Any:
+    group = result.group
+    node = group.devices[rank].node_ip
+    if isinstance(ref, Future):  # a local group's call: it returns a value or a _Failure
+        value = ref.result()
+        if isinstance(value, _Failure):
+            raise WorkerError(group.name, rank, node, value.method, value.traceback)
+        return value
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
-    group = result.group
-    node = group.devices[rank].node_ip
     try:
         value = ray.get(ref)
     except RayActorError as e:

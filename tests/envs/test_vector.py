@@ -6,12 +6,10 @@ import dataclasses
 import functools
 import itertools
 import os
-import queue
 import signal
 import threading
 import time
 import types
-from collections import defaultdict
 
 import pytest
 import torch
@@ -212,26 +210,13 @@ def test_auto_simulation_follows_the_device_of_the_worker_that_builds_the_env():
 
 
 # ------------------------------------------------------------------ pipeline stages
-class _LocalChannel:
-    """The two calls the env worker makes on a channel, in this process (queues per key)."""
-
-    def __init__(self) -> None:
-        self.queues: dict[str, queue.Queue] = defaultdict(queue.Queue)
-
-    def put(self, key: str, item) -> None:
-        self.queues[key].put(item)
-
-    def exchange(self, put_key: str, item, get_key: str):
-        self.put(put_key, item)
-        return self.queues[get_key].get(timeout=60)
-
-
 def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[dict, list, list]:
     """An env worker's rollout of ``chunks`` chunk steps over ``envs`` (its stages), answered
     by a thread that plays the rollout worker (action 1 for every env, 2 steps a chunk).
     Returns the stats, the observations the rollout received, and each chunk step's interval
     ``(stage, start, end)``."""
     from rlinf_vla.pipelines.rollout import EnvWorker, act_key, obs_key
+    from rlinf_vla.runtime.local import LocalChannel
 
     worker = EnvWorker.__new__(EnvWorker)  # its state, without a Ray actor around it
     worker._ctx = types.SimpleNamespace(rank=0)
@@ -250,13 +235,13 @@ def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[di
             return out
 
         env.chunk_step = timed
-    channel = _LocalChannel()
+    channel = LocalChannel("stages")
     received: list[list[float]] = [[] for _ in envs]
 
     def rollout() -> None:
         for _ in range(chunks + 1):
             for s, env in enumerate(envs):
-                msg = channel.queues[obs_key(0, s)].get(timeout=60)
+                msg = channel.get(obs_key(0, s), timeout=60)
                 received[s].append(msg.obs.state.flatten().tolist())
                 channel.put(act_key(0, s), torch.ones(env.num_envs, 2, 1))
 
@@ -265,6 +250,8 @@ def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[di
     if turns:
         per_stage = [{k: [] for k in EnvWorker.STATS} for _ in envs]
         worker._take_turns(channel, chunks, per_stage)
+        for k in ("send_s", "fetch_s"):  # per worker, as interact() adds them
+            per_stage[0][k].append(0.0)
         stats = {k: [v for st in per_stage for v in st[k]] for k in EnvWorker.STATS}
     else:
         stats = worker.interact(channel, chunks)
@@ -340,3 +327,13 @@ def test_stages_in_subprocesses_step_at_the_same_time() -> None:
         timed = sum(end - start for stage, start, end in intervals if stage == s)
         assert timed <= stats["step_s"][s] < timed + 0.05
     assert len(stats["reset_s"]) == 2 and all(t > 0 for t in stats["reset_s"])
+    # where each stage's seconds went: reset, chunk steps and channel calls are its whole wall
+    # time but for the bookkeeping between them (milliseconds here)
+    for s in (0, 1):
+        parts = stats["reset_s"][s] + stats["step_s"][s] + stats["wait_s"][s]
+        assert stats["wait_s"][s] > 0
+        assert parts <= stats["wall_s"][s] < parts + 0.05
+    # taking turns, the stages share one clock, and one stage waits while the other steps
+    assert turns_stats["wall_s"][0] == turns_stats["wall_s"][1]
+    together = sum(turns_stats[k][s] for k in ("reset_s", "step_s", "wait_s") for s in (0, 1))
+    assert together <= turns_stats["wall_s"][0] < together + 0.05

@@ -1,0 +1,415 @@
+"""Single-process execution: worker groups, channels and collectives in threads of this process.
+
+The same objects as the Ray runtime, without Ray: :class:`LocalCluster` lists this machine's
+devices, :class:`LocalGroup` builds each worker of a group in this process and runs its calls
+in a thread of its own (in order, like a Ray actor), :class:`LocalChannel` hands items from one
+thread to another by reference (nothing is serialised or copied) and a local collective lends
+the source's tensors to the receivers. Code written against :class:`~rlinf_vla.runtime.Worker`,
+``WorkerGroup`` and ``Channel`` runs unchanged::
+
+    with LocalCluster(ClusterConfig()) as cluster:
+        group = LocalGroup(cluster, Doubler, "doubler", [0], args=(2,))
+        group.run(10).wait()                 # [20]
+
+What it saves against Ray on one machine: the actor processes (each with its own torch,
+simulator libraries and memory), and for every message a serialisation, an object-store copy
+and a round trip through the channel actor. What it gives up: workers cannot be on other nodes,
+every worker shares this process's torch threads and global random state, and a worker that
+crashes the process (a segfault) takes the run with it (a simulator subprocess that dies is
+still restarted by its env, :mod:`rlinf_vla.envs.vector`). Threads overlap where the work leaves
+Python: torch kernels, waits on simulator subprocesses, sleeps.
+
+Calls return the same :class:`~rlinf_vla.runtime.worker.GroupResult` futures as Ray groups, so
+:func:`~rlinf_vla.runtime.worker.wait_all` reports the first exception with the worker's name
+and traceback, and applies the same deadlines.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from rlinf_vla.runtime.channel import DEFAULT_KEY
+from rlinf_vla.runtime.cluster import ClusterConfig, Device
+from rlinf_vla.runtime.stall import Process, StallPolicy
+
+LOCAL_NODE = "local"
+
+
+class LocalCluster:
+    """This machine's devices, without Ray: its GPUs, or CPU slots when it has none.
+
+    Numbered as :class:`~rlinf_vla.runtime.Cluster` numbers a single node's devices
+    (``cluster.devices_per_node`` caps the GPUs, or sets the CPU slots; a CPU slot computes
+    with ``cores / slots`` torch threads). ``cluster.address`` must be unset: a local cluster
+    has no other nodes.
+    """
+
+    def __init__(self, config: ClusterConfig | None = None) -> None:
+        import torch
+
+        config = config or ClusterConfig()
+        if config.address is not None:
+            raise ValueError(
+                f"cluster.address={config.address!r}: the single-process executor runs on this "
+                "machine only (use a Ray placement to run on a cluster)"
+            )
+        self.config = config
+        self.stall = StallPolicy(config.stall_factor, config.stall_min_s, config.start_timeout_s)
+        cap = config.devices_per_node
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if config.num_gpus is not None:
+            gpus = min(gpus, config.num_gpus)
+        cpus = config.num_cpus or os.cpu_count() or 1
+        threads = None
+        if gpus > 0:
+            kind, count = "cuda", gpus if cap is None else min(cap, gpus)
+        else:
+            kind, count = "cpu", cap if cap is not None else cpus
+            threads = max(1, cpus // count)
+            omp = os.environ.get("OMP_NUM_THREADS", "")
+            if omp.isdigit() and int(omp) > 0:
+                threads = min(threads, int(omp))
+        ip = "127.0.0.1"
+        self.devices = [
+            Device(rank=k, node_rank=0, node_id=LOCAL_NODE, node_ip=ip, local_index=k, kind=kind,
+                   threads=threads)
+            for k in range(count)
+        ]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_nodes(self) -> int:
+        return 1
+
+    def device(self, rank: int) -> Device:
+        if not 0 <= rank < len(self.devices):
+            raise IndexError(f"device {rank} does not exist; the cluster has {len(self.devices)}")
+        return self.devices[rank]
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the groups end with their :meth:`LocalGroup.shutdown`."""
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"LocalCluster(devices={self.num_devices}, kind={self.devices[0].kind})"
+
+
+class ChannelClosed(RuntimeError):
+    """A local channel was closed while a thread waited on it."""
+
+
+class LocalChannel:
+    """The :class:`~rlinf_vla.runtime.Channel` interface between threads of one process.
+
+    Items are handed over by reference: a consumer receives the very object the producer put
+    (do not modify an item after putting it). ``close`` wakes every waiting thread with
+    :class:`ChannelClosed`, so the threads of a failed run end.
+    """
+
+    def __init__(self, name: str, maxsize: int = 0) -> None:
+        if maxsize < 0:
+            raise ValueError(f"maxsize must be >= 0, got {maxsize}")
+        self.name, self.maxsize = name, maxsize
+        self._queues: dict[str, deque[Any]] = defaultdict(deque)
+        self._cond = threading.Condition()
+        self._closed = False
+
+    @classmethod
+    def create(cls, name: str, maxsize: int = 0) -> LocalChannel:
+        return cls(name, maxsize)
+
+    def _wait(self, ready: Any, timeout: float | None) -> bool:
+        """Wait (holding the condition) until ``ready()``; ``False`` after ``timeout``."""
+        ok = self._cond.wait_for(lambda: self._closed or ready(), timeout)
+        if self._closed:
+            raise ChannelClosed(f"channel {self.name!r} was closed")
+        return ok
+
+    def put(self, key: str, item: Any, timeout: float | None = None) -> None:
+        queue = self._queues[key]
+        with self._cond:
+            if not self._wait(lambda: self.maxsize <= 0 or len(queue) < self.maxsize, timeout):
+                raise TimeoutError(f"channel {self.name!r} stayed full for {timeout} s")
+            queue.append(item)
+            self._cond.notify_all()
+
+    def get(self, key: str = DEFAULT_KEY, timeout: float | None = None) -> Any:
+        return self.get_batch(key, 1, timeout)[0]
+
+    def get_batch(self, key: str, n: int, timeout: float | None = None) -> list[Any]:
+        if n < 1:
+            raise ValueError(f"batch size must be >= 1, got {n}")
+        if self.maxsize and n > self.maxsize:
+            raise ValueError(
+                f"cannot get {n} items from channel {self.name!r} bounded to {self.maxsize}"
+            )
+        queue = self._queues[key]
+        with self._cond:
+            if not self._wait(lambda: len(queue) >= n, timeout):
+                raise TimeoutError(f"channel {self.name!r}: nothing under key {key!r} for {timeout} s")
+            out = [queue.popleft() for _ in range(n)]
+            self._cond.notify_all()
+            return out
+
+    def exchange(self, put_key: str, item: Any, get_key: str, timeout: float | None = None) -> Any:
+        self.put(put_key, item)
+        return self.get(get_key, timeout)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Puts are applied when they return: nothing to wait for."""
+
+    def qsize(self, key: str = DEFAULT_KEY) -> int:
+        with self._cond:
+            return len(self._queues[key]) if key in self._queues else 0
+
+    def sizes(self) -> dict[str, int]:
+        with self._cond:
+            return {k: len(q) for k, q in self._queues.items() if q}
+
+    def take_timers(self) -> dict[str, float]:
+        """Seconds spent serialising and fetching payloads: none in one process."""
+        return {"send_s": 0.0, "fetch_s": 0.0}
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._queues.clear()
+            self._cond.notify_all()
+
+    def __repr__(self) -> str:
+        return f"LocalChannel({self.name!r}, maxsize={self.maxsize})"
+
+
+class _Host(threading.Thread):
+    """One worker's thread: runs its calls one after another, answering futures."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__(name=label, daemon=True)
+        self.calls: deque[tuple[Any, Future] | None] = deque()
+        self.ready = threading.Semaphore(0)
+        self.start()
+
+    def submit(self, fn: Any) -> Future:
+        future: Future = Future()
+        self.calls.append((fn, future))
+        self.ready.release()
+        return future
+
+    def stop(self) -> None:
+        self.calls.append(None)
+        self.ready.release()
+
+    def run(self) -> None:
+        while True:
+            self.ready.acquire()
+            call = self.calls.popleft()
+            if call is None:
+                return
+            fn, future = call
+            future.set_result(fn())
+
+
+class LocalGroup:
+    """The :class:`~rlinf_vla.runtime.WorkerGroup` interface, its workers in this process.
+
+    The workers are built one after another in the calling thread (in rank order, so their
+    random state is the same from run to run); each then answers its calls in a thread of its
+    own. ``wait`` is accepted for the interface and changes nothing. The workers compute
+    with this process's torch threads: the caller sets them (on a CPU slot, its ``threads``;
+    :func:`~rlinf_vla.runtime.torch_threads`).
+    """
+
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        worker_cls: type,
+        name: str,
+        devices: Iterable[int],
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        env_vars: dict[str, str] | None = None,
+        max_concurrency: int = 1,
+        timeout: float | None = None,
+        wait: bool = True,
+    ) -> None:
+        from rlinf_vla.runtime.worker import GroupResult, Worker, WorkerContext, _guarded
+
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"{worker_cls!r} is not a subclass of rlinf_vla.runtime.Worker")
+        if env_vars:
+            raise ValueError(f"worker group {name!r}: env_vars need worker processes (Ray)")
+        self.name, self.worker_cls = name, worker_cls
+        self.devices: list[Device] = [cluster.device(i) for i in devices]
+        if not self.devices:
+            raise ValueError(f"worker group {name!r} has no devices")
+        self.stall: StallPolicy = cluster.stall
+        self._longest: dict[str, float] = {}
+        self._workers: list[Any] = []
+        self._hosts: list[_Host] = []
+        self._result_cls = GroupResult
+        futures = []
+        for rank, device in enumerate(self.devices):
+            ctx = WorkerContext(name, rank, len(self.devices), device)
+
+            def build(ctx: WorkerContext = ctx) -> Process:
+                worker = worker_cls.__new__(worker_cls)
+                worker._ctx = ctx
+                worker._local_collectives = {}
+                worker.__init__(*args, **(kwargs or {}))
+                self._workers.append(worker)
+                return Process.this()
+
+            future: Future = Future()
+            future.set_result(_guarded(f"{worker_cls.__name__}.__init__", build))
+            futures.append(future)
+            self._hosts.append(_Host(f"{name}[{rank}]"))
+        self._processes: list[Process] | None = None
+        self._starting = GroupResult(self, "__init__", list(range(len(futures))), futures)
+        self._wait_started()
+
+    @property
+    def world_size(self) -> int:
+        return len(self._hosts)
+
+    def call(
+        self, method: str, *args: Any, ranks: Iterable[int] | None = None, **kwargs: Any
+    ) -> Any:
+        from rlinf_vla.runtime.worker import _guarded, invoke
+
+        self._check_method(method)
+        chosen = list(range(self.world_size)) if ranks is None else list(ranks)
+        bad = [r for r in chosen if not 0 <= r < self.world_size]
+        if bad:
+            raise IndexError(
+                f"worker group {self.name!r} has ranks 0-{self.world_size - 1}, not {bad}"
+            )
+        futures = []
+        for r in chosen:
+            worker = self._workers[r]
+
+            def run(worker: Any = worker) -> Any:
+                return _guarded(method, invoke, worker, method, args, kwargs)
+
+            futures.append(self._hosts[r].submit(run))
+        return self._result_cls(
+            self, method, chosen, futures, limit_s=self.stall.limit(self._longest.get(method))
+        )
+
+    def scatter(
+        self, method: str, *items: Sequence[Any], args: tuple = (), **kwargs: Any
+    ) -> list[Any]:
+        from rlinf_vla.runtime.worker import WorkerGroup
+
+        return WorkerGroup.scatter(self, method, *items, args=args, **kwargs)  # type: ignore[arg-type]
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_") or "worker_cls" not in self.__dict__:
+            raise AttributeError(method)
+        self._check_method(method)
+
+        def bound(*args: Any, ranks: Iterable[int] | None = None, **kwargs: Any) -> Any:
+            return self.call(method, *args, ranks=ranks, **kwargs)
+
+        bound.__name__ = method
+        return bound
+
+    def _check_method(self, method: str) -> None:
+        if method.startswith("_") or not callable(getattr(self.worker_cls, method, None)):
+            raise AttributeError(f"{self.worker_cls.__name__} has no public method {method!r}")
+
+    def _wait_started(self) -> None:
+        from rlinf_vla.runtime.worker import wait_started
+
+        if self._starting is not None:
+            wait_started([self])  # type: ignore[list-item]
+
+    def process(self, rank: int) -> Process | None:
+        return None if self._processes is None else self._processes[rank]
+
+    def _observe(self, method: str, seconds: float) -> None:
+        if method != "__init__":
+            self._longest[method] = max(seconds, self._longest.get(method, 0.0))
+
+    def worker(self, rank: int) -> Any:
+        """The worker object of ``rank`` (this process holds it)."""
+        return self._workers[rank]
+
+    def shutdown(self) -> None:
+        """Stop the threads once their current call returns. A call blocked on a channel
+        ends when the channel is closed; the threads are daemons, so none keeps the process
+        alive."""
+        for host in self._hosts:
+            host.stop()
+        self._hosts, self._workers = [], []
+        self._starting = None
+
+    def __repr__(self) -> str:
+        return f"LocalGroup({self.name!r}, {self.worker_cls.__name__}, devices={[d.rank for d in self.devices]})"
+
+
+class LocalCollective:
+    """A collective's view from one member: broadcasts lend the source's objects."""
+
+    def __init__(self, name: str, rank: int, shared: _Rendezvous) -> None:
+        self.name, self.rank, self._shared = name, rank, shared
+        self.world_size = shared.world_size
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self._shared.exchange(obj if self.rank == src else None, self.rank == src)
+
+    def broadcast_tensors(self, tensors: Any, src: int = 0) -> Any:
+        """The source's tensors themselves (receivers copy what they keep, e.g. with
+        ``load_state_dict``)."""
+        return self.broadcast_object(tensors, src)
+
+    def barrier(self) -> None:
+        self._shared.exchange(None, self.rank == 0)
+
+
+class _Rendezvous:
+    """Members meet; the source's value is handed to all of them."""
+
+    def __init__(self, world_size: int, timeout_s: float) -> None:
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self._barrier = threading.Barrier(world_size, timeout=timeout_s)
+        self._value: Any = None
+
+    def exchange(self, value: Any, is_source: bool) -> Any:
+        if is_source:
+            self._value = value
+        self._barrier.wait()  # the value is set
+        out = self._value
+        self._barrier.wait()  # everyone has read it: the next exchange may overwrite it
+        return out
+
+
+def create_local_collective(
+    name: str, members: Sequence[tuple[LocalGroup, int]], timeout_s: float = 300.0
+) -> None:
+    """Form the collective ``name`` from ``(group, rank)`` pairs of local groups."""
+    shared = _Rendezvous(len(members), timeout_s)
+    for i, (group, rank) in enumerate(members):
+        group.worker(rank)._local_collectives[name] = LocalCollective(name, i, shared)
+
+
+__all__ = [
+    "ChannelClosed",
+    "LocalChannel",
+    "LocalCluster",
+    "LocalCollective",
+    "LocalGroup",
+    "create_local_collective",
+]
