@@ -159,7 +159,8 @@ class EnvWorker(Worker):
 
     #: the lists :meth:`interact` returns: per episode (``return``, ``success``,
     #: ``first_success``, ``invalid``), per stage (``reset_s``, ``step_s``, ``wait_s``,
-    #: ``wall_s``) and per worker (``send_s``, ``fetch_s``)
+    #: ``wall_s``) and per worker (``send_s``, ``fetch_s``, and the same four parts on the
+    #: worker's critical path: ``path_reset_s``... ``path_wall_s``)
     STATS = (
         "return",
         "success",
@@ -171,6 +172,10 @@ class EnvWorker(Worker):
         "wall_s",
         "send_s",
         "fetch_s",
+        "path_reset_s",
+        "path_step_s",
+        "path_wait_s",
+        "path_wall_s",
     )
 
     def __init__(self, env_name: str, env_config: EnvConfig, num_stages: int) -> None:
@@ -198,6 +203,8 @@ class EnvWorker(Worker):
         (``wait_s``: sending observations and waiting for actions) and in all (``wall_s``),
         and this worker's seconds serialising what it sent (``send_s``) and fetching the
         payloads it received from the object store (``fetch_s``), both inside ``wait_s``.
+        ``path_*``: the reset, step, wait and wall seconds of the worker's critical path (the
+        longest stage when stages step at the same time, every stage when they take turns).
 
         Stages whose simulators run in subprocesses (:attr:`VectorEnv.workers`: LIBERO,
         MetaWorld, ManiSkill's CPU backend) step at the same time, one thread each: while one
@@ -210,7 +217,8 @@ class EnvWorker(Worker):
         stages = range(len(self.envs))
         stats: list[dict[str, list[float]]] = [{k: [] for k in self.STATS} for _ in stages]
         channel.take_timers()  # from here on
-        if len(self.envs) > 1 and all(env.workers is not None for env in self.envs):
+        concurrent = len(self.envs) > 1 and all(env.workers is not None for env in self.envs)
+        if concurrent:
             pool = ThreadPoolExecutor(len(self.envs), thread_name_prefix="env-stage")
             futures = [
                 pool.submit(self._run_stage, channel, num_chunks, s, stats[s]) for s in stages
@@ -227,7 +235,14 @@ class EnvWorker(Worker):
         timers = channel.take_timers()
         stats[0]["send_s"].append(timers["send_s"])
         stats[0]["fetch_s"].append(timers["fetch_s"])
-        return {k: [v for st in stats for v in st[k]] for k in stats[0]}
+        out = {k: [v for st in stats for v in st[k]] for k in self.STATS if not k.startswith("path_")}
+        # this worker's critical path: the longest stage, or all of them when they took turns
+        longest = max(stages, key=lambda s: stats[s]["wall_s"][0])
+        path = [stats[longest]] if concurrent else stats
+        for part in ("reset_s", "step_s", "wait_s"):
+            out[f"path_{part}"] = [sum(st[part][0] for st in path)]
+        out["path_wall_s"] = [stats[longest]["wall_s"][0]]
+        return out
 
     def _run_stage(
         self, channel: Channel, num_chunks: int, s: int, stats: dict[str, list[float]]

@@ -365,19 +365,19 @@ def rollout_breakdown(
 
     ``env``: the env workers' :meth:`EnvWorker.interact` stats (per-stage lists); ``rollout``:
     each rollout worker's :meth:`RolloutWorker.generate` times. The env side is read on the
-    stage that ran longest (the one the rollout waited for): its reset, chunk steps
-    (``env_sim_s``), channel calls (``env_wait_s``: sending observations, waiting for
-    actions) and wall time; the rollout side on the busiest worker: policy compute, waiting
+    critical path of the env worker that ran longest (its longest stage, or all its stages
+    when they took turns): reset, chunk steps (``env_sim_s``), channel calls (``env_wait_s``:
+    sending observations, waiting for actions) and wall time; the rollout side on the busiest worker: policy compute, waiting
     for observations, offload copies and the trajectories' hand-off after the last chunk.
     ``serialise_s`` adds every worker's serialisation and object-store fetches.
     """
-    stage = max(range(len(env["wall_s"])), key=env["wall_s"].__getitem__)
+    worker = max(range(len(env["path_wall_s"])), key=env["path_wall_s"].__getitem__)
     busiest = max(rollout, key=lambda r: r["policy_s"])
     return {
-        "time/rollout/env_reset_s": env["reset_s"][stage],
-        "time/rollout/env_sim_s": env["step_s"][stage],
-        "time/rollout/env_wait_s": env["wait_s"][stage],
-        "time/rollout/env_wall_s": env["wall_s"][stage],
+        "time/rollout/env_reset_s": env["path_reset_s"][worker],
+        "time/rollout/env_sim_s": env["path_step_s"][worker],
+        "time/rollout/env_wait_s": env["path_wait_s"][worker],
+        "time/rollout/env_wall_s": env["path_wall_s"][worker],
         "time/rollout/policy_s": busiest["policy_s"],
         "time/rollout/rollout_wait_s": busiest["wait_s"],
         "time/rollout/copy_s": max(r["copy_s"] for r in rollout),

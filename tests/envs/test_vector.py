@@ -250,9 +250,7 @@ def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[di
     if turns:
         per_stage = [{k: [] for k in EnvWorker.STATS} for _ in envs]
         worker._take_turns(channel, chunks, per_stage)
-        for k in ("send_s", "fetch_s"):  # per worker, as interact() adds them
-            per_stage[0][k].append(0.0)
-        stats = {k: [v for st in per_stage for v in st[k]] for k in EnvWorker.STATS}
+        stats = {k: [v for st in per_stage for v in st[k]] for k in per_stage[0]}
     else:
         stats = worker.interact(channel, chunks)
     thread.join(timeout=60)

@@ -38,6 +38,20 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _assert_breakdown_adds_up(row):
+    """The rollout's time, as its workers clocked it: the env worker's critical path is its
+    reset, chunk steps and channel calls (and milliseconds of bookkeeping); the rollout is that
+    path plus the trajectories' hand-off after it and the calls' dispatch."""
+    env = (row[f"time/rollout/env_{k}_s"] for k in ("reset", "sim", "wait"))
+    parts = sum(env)
+    assert 0 < parts <= row["time/rollout/env_wall_s"] <= parts + 0.05
+    path = row["time/rollout/env_wall_s"] + row["time/rollout/finish_s"]
+    assert path <= row["time/rollout_s"] <= path + 0.25
+    # the env waited for actions at least as long as the policy computed them, less what
+    # overlapped with its own stepping (none with one stage)
+    assert row["time/rollout/policy_s"] > 0 and row["time/rollout/env_wait_s"] > 0
+
+
 def _assert_same_steps(rows_a, rows_b):
     """Two runs took the same rollouts and optimizer steps, up to float rounding."""
     for a, b in zip(rows_a, rows_b, strict=True):
@@ -57,8 +71,9 @@ def _assert_same_steps(rows_a, rows_b):
         ["placement=collocated", "cluster.devices_per_node=1"],
         ["placement=hybrid", "cluster.devices_per_node=2"],
         ["placement=disaggregated", "cluster.devices_per_node=3"],
+        ["placement=local", "cluster.devices_per_node=1"],
     ],
-    ids=["collocated", "hybrid", "disaggregated"],
+    ids=["collocated", "hybrid", "disaggregated", "local"],
 )
 @pytest.mark.ray
 def test_two_iterations_in_each_mode(tmp_path, placement):
@@ -88,6 +103,7 @@ def test_two_iterations_in_each_mode(tmp_path, placement):
     assert [r["env_steps"] for r in rows] == [32, 64]
     for r in rows:  # the simulators' part of the rollout
         assert 0 < r["time/env_reset_s"] + r["time/env_step_s"] < r["time/rollout_s"]
+        _assert_breakdown_adds_up(r)
     ckpt = tmp_path / "checkpoints" / "iter_2"
     assert (ckpt / "COMPLETE").exists()
     assert (ckpt / "policy").is_dir()
@@ -164,6 +180,33 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
     starts = provenance.read(part)
     assert [r["start"] for r in starts] == [0, 2]
     assert [r["devices"] for r in starts] == [["cpu:0@node0"]] * 2
+
+
+@pytest.mark.slow
+def test_a_local_run_resumes_as_if_uninterrupted_and_starts_no_ray(tmp_path, monkeypatch):
+    """placement=local: two stages in this process; a run resumed from its checkpoint takes
+    the same rollouts and updates as one that ran through, and neither used Ray."""
+    from rlinf_vla.pipelines import runner
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("placement=local used a Ray cluster, worker group or channel")
+
+    for name in ("Cluster", "WorkerGroup", "Channel"):
+        monkeypatch.setattr(runner, name, no_ray)
+    common = ["placement=local", *SMALL, "runner.save_interval=2", "runner.seed=3"]
+    common += ["runner.eval_interval=0"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert cli.main(["train", *common, "runner.max_iterations=3", f"runner.output_dir={full}"]) == 0
+    assert cli.main(["train", *common, "runner.max_iterations=2", f"runner.output_dir={part}"]) == 0
+    again = ["runner.max_iterations=3", f"runner.resume={part}", f"runner.output_dir={part}"]
+    assert cli.main(["train", *common, *again]) == 0
+    expected, resumed = _metrics(full), _metrics(part)
+    assert [r["iteration"] for r in resumed] == [1, 2, 3]
+    _assert_same_steps(expected, resumed)
+    assert expected[-1]["train/policy_loss"] != expected[0]["train/policy_loss"]
+    for r in resumed:
+        _assert_breakdown_adds_up(r)
+        assert r["time/rollout/serialise_s"] == 0.0  # nothing crosses a process
 
 
 @pytest.mark.slow
@@ -392,6 +435,7 @@ MODES = {
         "cluster.devices_per_node=2",
     ],
     "disaggregated": ["placement=disaggregated", "cluster.devices_per_node=3"],
+    "local": ["placement=local", "placement.stages=1", "cluster.devices_per_node=1"],
 }
 
 
