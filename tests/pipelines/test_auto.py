@@ -38,6 +38,12 @@ def test_estimates_match_the_formulas_by_hand():
     assert dis.components["actor"] == "2"
     assert dis.rollout_s == pytest.approx(10 * (0.3 + 0.1 + 0.01))
     assert dis.train_s == pytest.approx(2.0)
+    # local: one process on device 0; S=1 is the plain loop, S >= 2 overlaps stages without
+    # channel hops (b = 0.1 per chunk step however the batch is cut: no fixed cost here)
+    assert plans[("local", "0", "0", 1)].rollout_s == pytest.approx(10 * (0.3 + 0.1))
+    assert plans[("local", "0", "0", 2)].rollout_s == pytest.approx(10 * 0.3 + 0.1 / 2)
+    assert plans[("local", "0", "0", 4)].rollout_s == pytest.approx(10 * 0.3 + 0.1 / 4)
+    assert plans[("local", "0", "0", 2)].train_s == pytest.approx(2.0)
 
 
 def test_a_fixed_cost_per_call_is_paid_by_every_stage():
@@ -54,6 +60,8 @@ def test_a_fixed_cost_per_call_is_paid_by_every_stage():
     # S=4: 4 * (0.1 + 0.1 / 4) = 0.5 per chunk step: more stages cost more
     h4 = plans[("hybrid", "0", "1", 4)]
     assert h4.rollout_s == pytest.approx(10 * 0.5 + 0.2 / 4)
+    # local S=2 pays the fixed cost twice too, and trains on one device: 10 * 0.3 + 0.1 + 1
+    assert plans[("local", "0", "0", 2)].iteration_s == pytest.approx(4.1)
     assert choose(list(plans.values())).mode == "collocated"
 
 
@@ -66,14 +74,23 @@ def test_choice_prefers_overlap_when_env_and_inference_are_balanced():
     # collocated 20 * 0.4 / 2 = 4.0 s; hybrid S=4: 20 * (0.2 + 0.004) + 0.2 / 4 = 4.13 s
     assert best.mode == "collocated"
     costs = Costs(env_chunk_s=0.2, infer_chunk_s=0.05, train_s=0.1, overhead_s=0.0)
-    # one device: nothing but collocated fits
-    assert [p.mode for p in candidate_plans(costs, 1, 4, 20)] == ["collocated"]
+    # one device: collocated and local fit; local overlaps the slow env with inference
+    # (20 * 0.2 + 0.05 / 2 + 0.1 = 4.125 s against collocated's 20 * 0.25 + 0.1 = 5.1 s; S=4
+    # is 1 % faster still, within the 2 % that goes to the simpler plan)
+    one = candidate_plans(costs, 1, 4, 20)
+    assert [(p.mode, p.stages) for p in one] == [
+        ("collocated", 1),
+        ("local", 1),
+        ("local", 2),
+        ("local", 4),
+    ]
+    assert (choose(one).mode, choose(one).stages) == ("local", 2)
 
 
 def test_only_plans_that_split_whole_groups_are_considered():
     # one GRPO group cannot be split over two collocated env workers or two stages
     plans = candidate_plans(Costs(1, 1, 1), num_devices=2, num_groups=1, chunks=1)
-    assert [(p.mode, p.stages) for p in plans] == [("hybrid", 1)]
+    assert [(p.mode, p.stages) for p in plans] == [("local", 1), ("hybrid", 1)]
     with pytest.raises(ConfigError, match="no placement splits the env batch"):
         choose([])
 
@@ -107,7 +124,7 @@ def test_auto_profiles_prints_its_choice_and_trains(tmp_path, capsys, monkeypatc
     assert "placement=auto: profiling" in out and "on device cpu:0@node0" in out
     assert "<- chosen" in out
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["placement"]
-    assert saved["mode"] in ("collocated", "hybrid", "disaggregated")
+    assert saved["mode"] in ("collocated", "hybrid", "disaggregated", "local")
     assert saved["mode"] in out.split("<- chosen")[0].splitlines()[-1]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1]
