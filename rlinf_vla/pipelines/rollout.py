@@ -235,7 +235,9 @@ class EnvWorker(Worker):
         timers = channel.take_timers()
         stats[0]["send_s"].append(timers["send_s"])
         stats[0]["fetch_s"].append(timers["fetch_s"])
-        out = {k: [v for st in stats for v in st[k]] for k in self.STATS if not k.startswith("path_")}
+        out = {
+            k: [v for st in stats for v in st[k]] for k in self.STATS if not k.startswith("path_")
+        }
         # this worker's critical path: the longest stage, or all of them when they took turns
         longest = max(stages, key=lambda s: stats[s]["wall_s"][0])
         path = [stats[longest]] if concurrent else stats

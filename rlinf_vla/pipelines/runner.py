@@ -46,8 +46,8 @@ from rlinf_vla.runtime import (
     wait_started,
 )
 from rlinf_vla.runtime.local import LocalChannel, LocalCluster, LocalGroup
-from rlinf_vla.runtime.threads import torch_threads
 from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
+from rlinf_vla.runtime.threads import torch_threads
 from rlinf_vla.training.objective import merge_ranks
 
 WEIGHTS = "weights"
@@ -382,7 +382,8 @@ def rollout_breakdown(
         "time/rollout/rollout_wait_s": busiest["wait_s"],
         "time/rollout/copy_s": max(r["copy_s"] for r in rollout),
         "time/rollout/finish_s": max(r["finish_s"] for r in rollout),
-        "time/rollout/serialise_s": sum(env["send_s"]) + sum(env["fetch_s"])
+        "time/rollout/serialise_s": sum(env["send_s"])
+        + sum(env["fetch_s"])
         + sum(r["send_s"] + r["fetch_s"] for r in rollout),
     }
 

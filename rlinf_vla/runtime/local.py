@@ -76,8 +76,15 @@ class LocalCluster:
                 threads = min(threads, int(omp))
         ip = "127.0.0.1"
         self.devices = [
-            Device(rank=k, node_rank=0, node_id=LOCAL_NODE, node_ip=ip, local_index=k, kind=kind,
-                   threads=threads)
+            Device(
+                rank=k,
+                node_rank=0,
+                node_id=LOCAL_NODE,
+                node_ip=ip,
+                local_index=k,
+                kind=kind,
+                threads=threads,
+            )
             for k in range(count)
         ]
 
@@ -159,7 +166,9 @@ class LocalChannel:
         queue = self._queues[key]
         with self._cond:
             if not self._wait(lambda: len(queue) >= n, timeout):
-                raise TimeoutError(f"channel {self.name!r}: nothing under key {key!r} for {timeout} s")
+                raise TimeoutError(
+                    f"channel {self.name!r}: nothing under key {key!r} for {timeout} s"
+                )
             out = [queue.popleft() for _ in range(n)]
             self._cond.notify_all()
             return out

@@ -204,7 +204,9 @@ class Worker:
         if local is not None:  # a worker of a local group (rlinf_vla.runtime.local)
             if name not in local:
                 known = ", ".join(sorted(local)) or "none"
-                raise KeyError(f"this worker is not in a collective named {name!r} (joined: {known})")
+                raise KeyError(
+                    f"this worker is not in a collective named {name!r} (joined: {known})"
+                )
             return local[name]
         from rlinf_vla.runtime import collective
 

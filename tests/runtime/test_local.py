@@ -209,7 +209,9 @@ def test_a_local_collective_broadcasts_the_sources_tensors(cluster):
     rollout = LocalGroup(cluster, Echo, "rollout", [0, 1], args=(1,))
     try:
         create_collective("weights", [(actor, [0]), (rollout, None)])
-        sent, received = wait_all([actor.send_weights("weights"), rollout.receive_weights("weights")])
+        sent, received = wait_all(
+            [actor.send_weights("weights"), rollout.receive_weights("weights")]
+        )
         assert sent == [12.0]  # (0 + 1 + 2 + 3) * 2
         assert received == [[0.0, 2.0, 4.0, 6.0]] * 2
         # a second broadcast over the same collective
