@@ -218,6 +218,17 @@ def _omp_threads() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
+def node_devices(gpus: int, cpus: int, cap: int | None) -> tuple[str, int, int | None]:
+    """The kind, count and torch threads of one node's devices: its GPUs (at most ``cap``),
+    or, without GPUs, ``cap`` CPU slots (default: one per core) sharing its ``cpus`` cores
+    evenly (at least 1, at most ``OMP_NUM_THREADS`` when set; see :class:`Device`)."""
+    if gpus > 0:
+        return "cuda", gpus if cap is None else min(cap, gpus), None
+    count = cap if cap is not None else cpus
+    threads = max(1, cpus // count)
+    return "cpu", count, min(threads, _omp_threads() or threads)
+
+
 class Cluster:
     """A Ray cluster and its devices.
 
@@ -301,13 +312,7 @@ class Cluster:
             resources = node.get("Resources", {})
             gpus = int(resources.get("GPU", 0))
             cpus = max(1, int(resources.get("CPU", 1)))
-            threads = None
-            if gpus > 0:
-                kind, count = "cuda", gpus if cap is None else min(cap, gpus)
-            else:
-                kind, count = "cpu", cap if cap is not None else cpus
-                threads = max(1, cpus // count)
-                threads = min(threads, _omp_threads() or threads)
+            kind, count, threads = node_devices(gpus, cpus, cap)
             for local in range(count):
                 devices.append(
                     Device(

@@ -34,8 +34,16 @@ from concurrent.futures import Future
 from typing import Any
 
 from rlinf_vla.runtime.channel import DEFAULT_KEY
-from rlinf_vla.runtime.cluster import ClusterConfig, Device
+from rlinf_vla.runtime.cluster import ClusterConfig, Device, node_devices
 from rlinf_vla.runtime.stall import Process, StallPolicy
+from rlinf_vla.runtime.worker import (
+    GroupBase,
+    GroupResult,
+    Worker,
+    WorkerContext,
+    _guarded,
+    invoke,
+)
 
 LOCAL_NODE = "local"
 
@@ -60,20 +68,11 @@ class LocalCluster:
             )
         self.config = config
         self.stall = StallPolicy(config.stall_factor, config.stall_min_s, config.start_timeout_s)
-        cap = config.devices_per_node
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if config.num_gpus is not None:
             gpus = min(gpus, config.num_gpus)
         cpus = config.num_cpus or os.cpu_count() or 1
-        threads = None
-        if gpus > 0:
-            kind, count = "cuda", gpus if cap is None else min(cap, gpus)
-        else:
-            kind, count = "cpu", cap if cap is not None else cpus
-            threads = max(1, cpus // count)
-            omp = os.environ.get("OMP_NUM_THREADS", "")
-            if omp.isdigit() and int(omp) > 0:
-                threads = min(threads, int(omp))
+        kind, count, threads = node_devices(gpus, cpus, config.devices_per_node)
         ip = "127.0.0.1"
         self.devices = [
             Device(
@@ -231,7 +230,7 @@ class _Host(threading.Thread):
             future.set_result(fn())
 
 
-class LocalGroup:
+class LocalGroup(GroupBase):
     """The :class:`~rlinf_vla.runtime.WorkerGroup` interface, its workers in this process.
 
     The workers are built one after another in the calling thread (in rank order, so their
@@ -254,8 +253,6 @@ class LocalGroup:
         timeout: float | None = None,
         wait: bool = True,
     ) -> None:
-        from rlinf_vla.runtime.worker import GroupResult, Worker, WorkerContext, _guarded
-
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"{worker_cls!r} is not a subclass of rlinf_vla.runtime.Worker")
         if env_vars:
@@ -268,7 +265,6 @@ class LocalGroup:
         self._longest: dict[str, float] = {}
         self._workers: list[Any] = []
         self._hosts: list[_Host] = []
-        self._result_cls = GroupResult
         futures = []
         for rank, device in enumerate(self.devices):
             ctx = WorkerContext(name, rank, len(self.devices), device)
@@ -293,64 +289,15 @@ class LocalGroup:
     def world_size(self) -> int:
         return len(self._hosts)
 
-    def call(
-        self, method: str, *args: Any, ranks: Iterable[int] | None = None, **kwargs: Any
-    ) -> Any:
-        from rlinf_vla.runtime.worker import _guarded, invoke
-
-        self._check_method(method)
-        chosen = list(range(self.world_size)) if ranks is None else list(ranks)
-        bad = [r for r in chosen if not 0 <= r < self.world_size]
-        if bad:
-            raise IndexError(
-                f"worker group {self.name!r} has ranks 0-{self.world_size - 1}, not {bad}"
+    def _submit(self, method: str, ranks: list[int], args: tuple, kwargs: dict) -> list[Any]:
+        return [
+            self._hosts[r].submit(
+                lambda worker=self._workers[r]: _guarded(
+                    method, invoke, worker, method, args, kwargs
+                )
             )
-        futures = []
-        for r in chosen:
-            worker = self._workers[r]
-
-            def run(worker: Any = worker) -> Any:
-                return _guarded(method, invoke, worker, method, args, kwargs)
-
-            futures.append(self._hosts[r].submit(run))
-        return self._result_cls(
-            self, method, chosen, futures, limit_s=self.stall.limit(self._longest.get(method))
-        )
-
-    def scatter(
-        self, method: str, *items: Sequence[Any], args: tuple = (), **kwargs: Any
-    ) -> list[Any]:
-        from rlinf_vla.runtime.worker import WorkerGroup
-
-        return WorkerGroup.scatter(self, method, *items, args=args, **kwargs)  # type: ignore[arg-type]
-
-    def __getattr__(self, method: str) -> Any:
-        if method.startswith("_") or "worker_cls" not in self.__dict__:
-            raise AttributeError(method)
-        self._check_method(method)
-
-        def bound(*args: Any, ranks: Iterable[int] | None = None, **kwargs: Any) -> Any:
-            return self.call(method, *args, ranks=ranks, **kwargs)
-
-        bound.__name__ = method
-        return bound
-
-    def _check_method(self, method: str) -> None:
-        if method.startswith("_") or not callable(getattr(self.worker_cls, method, None)):
-            raise AttributeError(f"{self.worker_cls.__name__} has no public method {method!r}")
-
-    def _wait_started(self) -> None:
-        from rlinf_vla.runtime.worker import wait_started
-
-        if self._starting is not None:
-            wait_started([self])  # type: ignore[list-item]
-
-    def process(self, rank: int) -> Process | None:
-        return None if self._processes is None else self._processes[rank]
-
-    def _observe(self, method: str, seconds: float) -> None:
-        if method != "__init__":
-            self._longest[method] = max(seconds, self._longest.get(method, 0.0))
+            for r in ranks
+        ]
 
     def worker(self, rank: int) -> Any:
         """The worker object of ``rank`` (this process holds it)."""

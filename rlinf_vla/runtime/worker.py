@@ -489,7 +489,96 @@ def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
     return out
 
 
-class WorkerGroup(Generic[W]):
+class GroupBase:
+    """What every worker group offers, whoever runs its workers (Ray actors here, threads in
+    :class:`~rlinf_vla.runtime.local.LocalGroup`): calls by method name on some or all
+    ranks, returning :class:`GroupResult` futures with deadlines. A subclass sets ``name``,
+    ``worker_cls``, ``devices``, ``stall``, ``_longest``, ``_processes`` and ``_starting``,
+    and defines ``world_size`` and ``_submit``."""
+
+    name: str
+    worker_cls: type
+    devices: list[Device]
+    stall: StallPolicy
+    _longest: dict[str, float]
+    _processes: list[Process] | None
+    _starting: GroupResult | None
+
+    @property
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    def _submit(self, method: str, ranks: list[int], args: tuple, kwargs: dict) -> list[Any]:
+        """Start ``method`` on ``ranks``; one future (or Ray object ref) per rank."""
+        raise NotImplementedError
+
+    def call(
+        self, method: str, *args: Any, ranks: Iterable[int] | None = None, **kwargs: Any
+    ) -> GroupResult:
+        """Call ``method(*args, **kwargs)`` on ``ranks`` (default: all); returns futures."""
+        self._check_method(method)
+        self._wait_started()
+        chosen = list(range(self.world_size)) if ranks is None else list(ranks)
+        bad = [r for r in chosen if not 0 <= r < self.world_size]
+        if bad:
+            raise IndexError(
+                f"worker group {self.name!r} has ranks 0-{self.world_size - 1}, not {bad}"
+            )
+        refs = self._submit(method, chosen, args, kwargs)
+        return GroupResult(
+            self, method, chosen, refs, limit_s=self.stall.limit(self._longest.get(method))
+        )
+
+    def scatter(
+        self, method: str, *items: Sequence[Any], args: tuple = (), **kwargs: Any
+    ) -> list[Any]:
+        """Share the work in ``items`` (sequences of one length) over the ranks and wait.
+
+        Each sequence is cut by :func:`split_evenly` into ``world_size`` contiguous shares;
+        rank ``r`` runs ``method(*shares_r, *args, **kwargs)``, all ranks at once. Ranks whose
+        share is empty are not called. Returns the called ranks' results in rank order.
+        """
+        lengths = {len(x) for x in items}
+        if len(lengths) > 1:
+            raise ValueError(f"scatter({method!r}): the sequences differ in length: {lengths}")
+        shares = [split_evenly(x, self.world_size) for x in items]
+        calls = [
+            self.call(method, *(s[r] for s in shares), *args, ranks=[r], **kwargs)
+            for r in range(self.world_size)
+            if not items or shares[0][r]
+        ]
+        return [result for c in calls for result in c.wait()]
+
+    def __getattr__(self, method: str):
+        if method.startswith("_") or "worker_cls" not in self.__dict__:
+            raise AttributeError(method)
+        self._check_method(method)
+
+        def bound(*args: Any, ranks: Iterable[int] | None = None, **kwargs: Any) -> GroupResult:
+            return self.call(method, *args, ranks=ranks, **kwargs)
+
+        bound.__name__ = method
+        return bound
+
+    def _check_method(self, method: str) -> None:
+        if method.startswith("_") or not callable(getattr(self.worker_cls, method, None)):
+            raise AttributeError(f"{self.worker_cls.__name__} has no public method {method!r}")
+
+    def _wait_started(self) -> None:
+        if self._starting is not None:
+            wait_started([self])
+
+    def process(self, rank: int) -> Process | None:
+        """The process id and host of a rank (``None`` until the workers have started)."""
+        return None if self._processes is None else self._processes[rank]
+
+    def _observe(self, method: str, seconds: float) -> None:
+        """Record a returned call's duration, which sets the deadline of later calls."""
+        if method != "__init__":
+            self._longest[method] = max(seconds, self._longest.get(method, 0.0))
+
+
+class WorkerGroup(GroupBase, Generic[W]):
     """N workers of one :class:`Worker` subclass, placed on devices, called together.
 
     Args:
@@ -588,70 +677,8 @@ class WorkerGroup(Generic[W]):
     def world_size(self) -> int:
         return len(self._actors)
 
-    def call(
-        self, method: str, *args: Any, ranks: Iterable[int] | None = None, **kwargs: Any
-    ) -> GroupResult:
-        """Call ``method(*args, **kwargs)`` on ``ranks`` (default: all); returns futures."""
-        self._check_method(method)
-        self._wait_started()
-        chosen = list(range(self.world_size)) if ranks is None else list(ranks)
-        bad = [r for r in chosen if not 0 <= r < self.world_size]
-        if bad:
-            raise IndexError(
-                f"worker group {self.name!r} has ranks 0-{self.world_size - 1}, not {bad}"
-            )
-        refs = [self._actors[r].call.remote(method, args, kwargs) for r in chosen]
-        return GroupResult(
-            self, method, chosen, refs, limit_s=self.stall.limit(self._longest.get(method))
-        )
-
-    def scatter(
-        self, method: str, *items: Sequence[Any], args: tuple = (), **kwargs: Any
-    ) -> list[Any]:
-        """Share the work in ``items`` (sequences of one length) over the ranks and wait.
-
-        Each sequence is cut by :func:`split_evenly` into ``world_size`` contiguous shares;
-        rank ``r`` runs ``method(*shares_r, *args, **kwargs)``, all ranks at once. Ranks whose
-        share is empty are not called. Returns the called ranks' results in rank order.
-        """
-        lengths = {len(x) for x in items}
-        if len(lengths) > 1:
-            raise ValueError(f"scatter({method!r}): the sequences differ in length: {lengths}")
-        shares = [split_evenly(x, self.world_size) for x in items]
-        calls = [
-            self.call(method, *(s[r] for s in shares), *args, ranks=[r], **kwargs)
-            for r in range(self.world_size)
-            if not items or shares[0][r]
-        ]
-        return [result for c in calls for result in c.wait()]
-
-    def __getattr__(self, method: str):
-        if method.startswith("_") or "worker_cls" not in self.__dict__:
-            raise AttributeError(method)
-        self._check_method(method)
-
-        def bound(*args: Any, ranks: Iterable[int] | None = None, **kwargs: Any) -> GroupResult:
-            return self.call(method, *args, ranks=ranks, **kwargs)
-
-        bound.__name__ = method
-        return bound
-
-    def _check_method(self, method: str) -> None:
-        if method.startswith("_") or not callable(getattr(self.worker_cls, method, None)):
-            raise AttributeError(f"{self.worker_cls.__name__} has no public method {method!r}")
-
-    def _wait_started(self) -> None:
-        if self._starting is not None:
-            wait_started([self])
-
-    def process(self, rank: int) -> Process | None:
-        """The process id and host of a rank (``None`` until the workers have started)."""
-        return None if self._processes is None else self._processes[rank]
-
-    def _observe(self, method: str, seconds: float) -> None:
-        """Record a returned call's duration, which sets the deadline of later calls."""
-        if method != "__init__":
-            self._longest[method] = max(seconds, self._longest.get(method, 0.0))
+    def _submit(self, method: str, ranks: list[int], args: tuple, kwargs: dict) -> list[Any]:
+        return [self._actors[r].call.remote(method, args, kwargs) for r in ranks]
 
     def actor(self, rank: int) -> Any:
         """The Ray actor handle of a rank (for advanced uses such as collectives)."""
