@@ -23,6 +23,15 @@ For each workload, in one run on the same hardware:
 - **collocated S=2, 4**: every component on the same devices, each env worker's envs in 2 or 4
   pipeline stages. Where the simulators are CPU processes (LIBERO, ManiSkill on the CPU) and
   the policy is on a GPU, this overlaps simulation and inference on a single device.
+- **local S=1, 2, 4**: ``placement=local``, every component in one process on device 0 (no
+  Ray workers, no channel hops); with ``S >= 2`` one stage's simulators step while the process
+  computes another stage's actions.
+
+Each mode's rollout time is also broken down (a second table, and ``breakdown`` in the JSON):
+the env side's reset and simulator steps, the policy's compute, serialisation and
+object-store fetches, offload copies, the trajectories' hand-off, and the rest (round trips,
+waiting, bookkeeping; negative where parts overlapped), from the workers' ``time/rollout/*``
+metrics, medians over the timed iterations; the sync loop's beside them.
 
 The toy workload adds a sleep per env step (``step_time_per_env_s``) chosen from the measured
 inference time so that ``e == i`` (balanced; the sleep stands for a simulator running on its
