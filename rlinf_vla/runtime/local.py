@@ -267,7 +267,7 @@ class LocalGroup(GroupBase):
         self._hosts: list[_Host] = []
         futures = []
         for rank, device in enumerate(self.devices):
-            ctx = WorkerContext(name, rank, len(self.devices), device)
+            ctx = WorkerContext(name, rank, len(self.devices), device, in_process=True)
 
             def build(ctx: WorkerContext = ctx) -> Process:
                 worker = worker_cls.__new__(worker_cls)

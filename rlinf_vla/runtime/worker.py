@@ -130,6 +130,8 @@ class WorkerContext:
     rank: int
     world_size: int
     device: Device
+    #: built in the driver's process (:mod:`rlinf_vla.runtime.local`), which sees every GPU
+    in_process: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,8 @@ class Worker:
         import torch
 
         if self._ctx.device.kind == "cuda" and torch.cuda.is_available():
-            return torch.device("cuda", 0)
+            # a Ray worker sees only its GPU (CUDA_VISIBLE_DEVICES); a local one sees them all
+            return torch.device("cuda", self._ctx.device.local_index if self._ctx.in_process else 0)
         return torch.device("cpu")
 
     @property
