@@ -68,6 +68,7 @@ import torch
 import yaml
 
 from rlinf_vla import cli
+from rlinf_vla.config import ConfigError
 from rlinf_vla.envs import make_env
 from rlinf_vla.pipelines.actor import autocast
 from rlinf_vla.pipelines.config import validate
@@ -75,6 +76,10 @@ from rlinf_vla.policies import make_policy
 
 #: Where the sync loop runs the policy: where the Ray modes' devices are.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Skipped(Exception):
+    """A mode whose config the workload refuses (the reason is the message)."""
 
 
 @dataclass
@@ -198,6 +203,10 @@ def mode_rate(
         "algo.update_epochs=1",
         f"runner.output_dir={out}",
     ]
+    try:  # a mode the workload cannot take (e.g. more stages than env groups) is skipped
+        validate(cli.compose(args[0], args[1:]))
+    except ConfigError as e:
+        raise Skipped(str(e)) from None
     if cli.main(args) != 0:
         raise RuntimeError(f"train failed: {' '.join(args)}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
@@ -356,9 +365,14 @@ def main() -> int:
                 print(f"{w.name}: {mode} skipped: {skipped[mode]}", flush=True)
                 continue
             with tempfile.TemporaryDirectory() as tmp:
-                rate, parts = mode_rate(
-                    w, overrides, policy_args, devices, args.iterations, Path(tmp)
-                )
+                try:
+                    rate, parts = mode_rate(
+                        w, overrides, policy_args, devices, args.iterations, Path(tmp)
+                    )
+                except Skipped as e:
+                    skipped[f"{w.name}: {mode}"] = str(e)
+                    print(f"{w.name}: {mode} skipped: {e}", flush=True)
+                    continue
             results.append(
                 Row(
                     w.name,
