@@ -12,9 +12,9 @@ Prints a table and writes JSON (default ``benchmarks/results/pipeline.json``)::
 For each workload, in one run on the same hardware:
 
 - **sync**: the loop of synchronous VLA-RL systems, in one process: all envs step, then the
-  policy computes the next actions, one after the other; timed as one rollout of ``T`` chunk
-  steps that starts with a reset of every env (``r``), as each rollout of ``rlinf-vla train``
-  does. Its per-chunk env time ``e`` and inference time ``i`` give the **overlap bound**
+  policy computes the next actions, one after the other; timed as ``--iterations`` rollouts of
+  ``T`` chunk steps, each starting with a reset of every env (``r``), as each rollout of
+  ``rlinf-vla train`` does (the median rollout counts). Its per-chunk env time ``e`` and inference time ``i`` give the **overlap bound**
   ``B * K * T / (r + T * max(e, i))``: the rate if env and inference overlapped perfectly.
 - **collocated**, **disaggregated**, **hybrid S=1, 2, 4**: ``rlinf-vla train`` on a local Ray
   with ``--devices`` devices (CPU slots here; disaggregated gets one more, for the actor),
@@ -140,11 +140,12 @@ def policy_overrides(policy: str, preset: str, chunk_size: int, extra: list[str]
 
 
 def sync_loop(
-    w: Workload, policy_args: list[str], chunks: int
+    w: Workload, policy_args: list[str], chunks: int, rollouts: int = 1
 ) -> tuple[float, float, float, float]:
-    """The synchronous loop in this process, one rollout of ``chunks`` chunk steps: returns
-    (env steps/s, e, i, r): e and i per chunk, r the reset that starts the rollout (as every
-    rollout of ``rlinf-vla train`` starts fresh episodes, inside its time)."""
+    """The synchronous loop in this process, ``rollouts`` rollouts of ``chunks`` chunk steps,
+    each starting with a reset (as every rollout of ``rlinf-vla train`` starts fresh episodes,
+    inside its time). Returns the median rollout's (env steps/s, e, i, r): e and i per chunk
+    step, r its reset (the median, like the modes' rates, is robust to one slow rollout)."""
     # Env and policy exactly as `rlinf-vla train` builds them: the groups' defaults, then ours.
     # (no evaluation: its video check would refuse a machine without FFmpeg for nothing)
     job = validate(
@@ -162,26 +163,29 @@ def sync_loop(
             torch.cuda.synchronize()
         return actions
 
+    steps = w.num_envs * job.policy_config.chunk_size * chunks
+    timed: list[tuple[float, float, float, float]] = []
     try:
         obs = env.reset()
         for _ in range(2):  # warm-up
             obs = env.chunk_step(act(obs)).obs
-        t0 = time.perf_counter()
-        obs = env.reset()
-        r = time.perf_counter() - t0
-        e = i = 0.0
-        for _ in range(chunks):
+        for _ in range(rollouts):
             t0 = time.perf_counter()
-            actions = act(obs)
-            t1 = time.perf_counter()
-            obs = env.chunk_step(actions).obs
-            t2 = time.perf_counter()
-            i += t1 - t0
-            e += t2 - t1
+            obs = env.reset()
+            r = time.perf_counter() - t0
+            e = i = 0.0
+            for _ in range(chunks):
+                t0 = time.perf_counter()
+                actions = act(obs)
+                t1 = time.perf_counter()
+                obs = env.chunk_step(actions).obs
+                t2 = time.perf_counter()
+                i += t1 - t0
+                e += t2 - t1
+            timed.append((steps / (r + e + i), e / chunks, i / chunks, r))
     finally:
         env.close()
-    steps = w.num_envs * job.policy_config.chunk_size * chunks
-    return steps / (r + e + i), e / chunks, i / chunks, r
+    return sorted(timed)[len(timed) // 2]
 
 
 def mode_rate(
@@ -321,7 +325,7 @@ def main() -> int:
             # Balance: pick the per-env sleep so that a chunk of env steps costs what inference does.
             _, _, i, _ = sync_loop(w, policy_args, 4)
             w.env_config["step_time_per_env_s"] = round(i / (args.chunk_size * w.num_envs), 5)
-        sync, e, i, reset = sync_loop(w, policy_args, w.chunks)
+        sync, e, i, reset = sync_loop(w, policy_args, w.chunks, rollouts=args.iterations)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()  # the sync loop's policy is gone; the workers need the memory
         # perfect overlap of env and inference after the rollout's reset
