@@ -73,6 +73,7 @@ from rlinf_vla.envs import make_env
 from rlinf_vla.pipelines.actor import autocast
 from rlinf_vla.pipelines.config import validate
 from rlinf_vla.policies import make_policy
+from rlinf_vla.runtime.local import worker_environment
 
 #: Where the sync loop runs the policy: where the Ray modes' devices are.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,7 +155,8 @@ def sync_loop(
     device = torch.device(DEVICE)
     policy = make_policy(job.policy_name, job.policy_config, seed=0, device=DEVICE)
     policy.eval()
-    env = make_env(job.env_name, job.env_config)
+    with worker_environment():  # its simulator processes start as every mode's do
+        env = make_env(job.env_name, job.env_config)
 
     def act(obs: Any) -> torch.Tensor:
         with torch.no_grad(), autocast(device, job.algo.autocast):

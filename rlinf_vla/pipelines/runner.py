@@ -45,7 +45,7 @@ from rlinf_vla.runtime import (
     wait_all,
     wait_started,
 )
-from rlinf_vla.runtime.local import LocalChannel, LocalCluster, LocalGroup
+from rlinf_vla.runtime.local import LocalChannel, LocalCluster, LocalGroup, worker_environment
 from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
 from rlinf_vla.runtime.threads import torch_threads
 from rlinf_vla.training.objective import merge_ranks
@@ -456,6 +456,7 @@ def run(job: TrainJob) -> Path:
             job.raw["placement"] = _placement_dict(job)
         if job.placement.mode == "local":  # the workers compute here, with the device's threads
             stack.enter_context(torch_threads(cluster.device(0).threads))
+            stack.enter_context(worker_environment())  # simulators start as under Ray
         runner = EmbodiedRunner(job, cluster, checkpoint)
         try:
             out = runner.run()

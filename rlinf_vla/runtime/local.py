@@ -26,10 +26,11 @@ and traceback, and applies the same deadlines.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -111,6 +112,26 @@ class LocalCluster:
 
     def __repr__(self) -> str:
         return f"LocalCluster(devices={self.num_devices}, kind={self.devices[0].kind})"
+
+
+#: What Ray sets in a worker process, and so what the subprocesses a worker starts (the
+#: simulators) inherit: one OpenMP thread, sleeping when idle (docs/runtime.md, "CPU threads").
+WORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@contextlib.contextmanager
+def worker_environment() -> Iterator[None]:
+    """This process's environment, for the block, as a Ray worker's (:data:`WORKER_ENVIRONMENT`,
+    where the caller has not set the variable), so that simulator subprocesses started in the
+    block compute as they would under a Ray worker; restored after it. It changes neither this
+    process's torch threads (``torch_threads`` sets those) nor subprocesses already running."""
+    added = {k: v for k, v in WORKER_ENVIRONMENT.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 class ChannelClosed(RuntimeError):

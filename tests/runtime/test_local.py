@@ -232,3 +232,24 @@ def test_the_local_mode_places_every_component_on_one_device():
     for components in ({"actor": 0, "env": 1, "rollout": 0}, {"actor": "all", "env": "all"}):
         with pytest.raises(ConfigError, match="mode 'local' runs every component in one process"):
             resolve_placement(PlacementConfig("local", components), num_devices=2)
+
+
+def test_simulators_started_in_the_worker_environment_get_one_sleeping_thread(monkeypatch):
+    """Subprocesses inherit what a Ray worker has (one OpenMP thread, sleeping when idle);
+    a variable the user set wins, and the process's environment is restored afterwards."""
+    import subprocess
+    import sys
+
+    from rlinf_vla.runtime.local import worker_environment
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    child = [
+        sys.executable,
+        "-c",
+        "import os; print(os.environ['OMP_NUM_THREADS'], os.environ['OMP_WAIT_POLICY'])",
+    ]
+    with worker_environment():
+        seen = subprocess.run(child, capture_output=True, text=True, check=True).stdout.split()
+    assert seen == ["1", "ACTIVE"]
+    assert "OMP_NUM_THREADS" not in os.environ and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
