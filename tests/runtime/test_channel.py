@@ -142,14 +142,25 @@ def test_large_tensors_and_observations_pass_through_the_object_store(cluster):
         state=torch.randn(4, 8),
         instruction=["pick up the cube"] * 4,
     )
+    half = {"w": torch.ones(2**16, dtype=torch.bfloat16), "steps": [torch.arange(2**16)]}
     try:
         channel.put("t", big)
         channel.put("t", obs)
         channel.put("t", np.ones(3))
-        [[got_big, got_obs, got_small]] = consumer.consume(channel, "t", 3).wait(timeout=60)
+        channel.put("t", half)
+        [[got_big, got_obs, got_small, got_half]] = consumer.consume(channel, "t", 4).wait(
+            timeout=60
+        )
     finally:
         consumer.shutdown()
-    assert torch.equal(got_big, big)
+    # tensors travel as arrays and arrive as tensors of their own dtype, writable, and the
+    # producer's items are left as they were
+    assert isinstance(got_big, torch.Tensor) and torch.equal(got_big, big)
+    got_big += 1
+    assert isinstance(obs.images["main"], torch.Tensor)
+    assert got_half["w"].dtype == torch.bfloat16 and torch.equal(got_half["w"], half["w"])
+    assert torch.equal(got_half["steps"][0], half["steps"][0])
+    assert got_obs.images["main"].dtype == torch.uint8
     assert torch.equal(got_obs.images["main"], obs.images["main"])
     assert torch.equal(got_obs.state, obs.state)
     assert got_obs.instruction == obs.instruction
