@@ -7,7 +7,7 @@ thread to another by reference (nothing is serialised or copied) and a local col
 the source's tensors to the receivers. Code written against :class:`~rlinf_vla.runtime.Worker`,
 ``WorkerGroup`` and ``Channel`` runs unchanged::
 
-    with LocalCluster(ClusterConfig()) as cluster:
+    with LocalCluster(ClusterConfig()) as cluster:   # Doubler: rlinf_vla.runtime.worker's example
         group = LocalGroup(cluster, Doubler, "doubler", [0], args=(2,))
         group.run(10).wait()                 # [20]
 
@@ -166,8 +166,8 @@ class LocalChannel:
         return ok
 
     def put(self, key: str, item: Any, timeout: float | None = None) -> None:
-        queue = self._queues[key]
-        with self._cond:
+        with self._cond:  # the key's queue is made under the lock: two threads may meet it first
+            queue = self._queues[key]
             if not self._wait(lambda: self.maxsize <= 0 or len(queue) < self.maxsize, timeout):
                 raise TimeoutError(f"channel {self.name!r} stayed full for {timeout} s")
             queue.append(item)
@@ -183,8 +183,8 @@ class LocalChannel:
             raise ValueError(
                 f"cannot get {n} items from channel {self.name!r} bounded to {self.maxsize}"
             )
-        queue = self._queues[key]
         with self._cond:
+            queue = self._queues[key]
             if not self._wait(lambda: len(queue) >= n, timeout):
                 raise TimeoutError(
                     f"channel {self.name!r}: nothing under key {key!r} for {timeout} s"
