@@ -71,9 +71,13 @@ def cluster():
     return LocalCluster(ClusterConfig(devices_per_node=2))
 
 
-def test_the_cluster_lists_this_machines_cpu_slots():
+def test_the_cluster_lists_this_machines_cpu_slots(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cluster = LocalCluster(ClusterConfig(devices_per_node=2, num_cpus=4))
     assert [(d.rank, d.kind, d.threads) for d in cluster.devices] == [(0, "cpu", 2), (1, "cpu", 2)]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # caps a slot's threads, as for a Ray cluster
+    cluster = LocalCluster(ClusterConfig(devices_per_node=2, num_cpus=4))
+    assert [d.threads for d in cluster.devices] == [1, 1]
     with pytest.raises(ValueError, match="this machine only"):
         LocalCluster(ClusterConfig(address="auto"))
 
