@@ -40,7 +40,6 @@ from rlinf_vla.runtime.stall import Process, StallPolicy
 from rlinf_vla.runtime.worker import (
     GroupBase,
     GroupResult,
-    Worker,
     WorkerContext,
     _guarded,
     invoke,
@@ -274,16 +273,9 @@ class LocalGroup(GroupBase):
         timeout: float | None = None,
         wait: bool = True,
     ) -> None:
-        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
-            raise TypeError(f"{worker_cls!r} is not a subclass of rlinf_vla.runtime.Worker")
         if env_vars:
             raise ValueError(f"worker group {name!r}: env_vars need worker processes (Ray)")
-        self.name, self.worker_cls = name, worker_cls
-        self.devices: list[Device] = [cluster.device(i) for i in devices]
-        if not self.devices:
-            raise ValueError(f"worker group {name!r} has no devices")
-        self.stall: StallPolicy = cluster.stall
-        self._longest: dict[str, float] = {}
+        self._place(cluster, worker_cls, name, devices)
         self._workers: list[Any] = []
         self._hosts: list[_Host] = []
         futures = []
@@ -302,7 +294,6 @@ class LocalGroup(GroupBase):
             future.set_result(_guarded(f"{worker_cls.__name__}.__init__", build))
             futures.append(future)
             self._hosts.append(_Host(f"{name}[{rank}]"))
-        self._processes: list[Process] | None = None
         self._starting = GroupResult(self, "__init__", list(range(len(futures))), futures)
         self._wait_started()
 

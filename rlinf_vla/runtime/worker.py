@@ -507,6 +507,18 @@ class GroupBase:
     _processes: list[Process] | None
     _starting: GroupResult | None
 
+    def _place(self, cluster: Any, worker_cls: type, name: str, devices: Iterable[int]) -> None:
+        """Check ``worker_cls`` and ``devices`` and set what every group holds."""
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"{worker_cls!r} is not a subclass of rlinf_vla.runtime.Worker")
+        self.name, self.worker_cls = name, worker_cls
+        self.devices = [cluster.device(i) for i in devices]
+        if not self.devices:
+            raise ValueError(f"worker group {name!r} has no devices")
+        self.stall = cluster.stall
+        self._longest = {}  # method -> its longest call so far, in seconds
+        self._processes = None  # known once the workers started
+
     @property
     def world_size(self) -> int:
         raise NotImplementedError
@@ -624,15 +636,7 @@ class WorkerGroup(GroupBase, Generic[W]):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
-            raise TypeError(f"{worker_cls!r} is not a subclass of rlinf_vla.runtime.Worker")
-        self.name, self.worker_cls = name, worker_cls
-        self.devices: list[Device] = [cluster.device(i) for i in devices]
-        if not self.devices:
-            raise ValueError(f"worker group {name!r} has no devices")
-        self.stall: StallPolicy = cluster.stall
-        self._longest: dict[str, float] = {}  # method -> its longest call so far, in seconds
-        self._processes: list[Process] | None = None  # known once the workers started
+        self._place(cluster, worker_cls, name, devices)
         host_cls = ray.remote(_WorkerHost)
         self._actors = []
         for rank, device in enumerate(self.devices):
