@@ -78,8 +78,9 @@ class EmbodiedRunner:
         # starts.
         self._resumed = None if checkpoint is None else _runner_state(checkpoint.path, placement)
         sharded = job.algo.fsdp and len(placement.of("actor")) > 1
-        # Collocated on GPUs: the policy copies that are idle (the actor's while the rollout
-        # runs, the rollout's while the actor trains) wait in host memory (placement.offload).
+        # Collocated (or local) on GPUs: the policy copies that are idle (the actor's while the
+        # rollout runs, the rollout's while the actor trains) wait in host memory
+        # (placement.offload).
         offload = placement.mode in ("collocated", "local") and job.placement.offload
         self.offloads = offload and any(d.kind == "cuda" for d in cluster.devices)
         self.output_dir = self._output_dir()
@@ -367,8 +368,9 @@ def rollout_breakdown(
     each rollout worker's :meth:`RolloutWorker.generate` times. The env side is read on the
     critical path of the env worker that ran longest (its longest stage, or all its stages
     when they took turns): reset, chunk steps (``env_sim_s``), channel calls (``env_wait_s``:
-    sending observations, waiting for actions) and wall time; the rollout side on the busiest worker: policy compute, waiting
-    for observations, offload copies and the trajectories' hand-off after the last chunk.
+    sending observations, waiting for actions) and wall time; the rollout side on the busiest
+    worker: policy compute, waiting for observations, offload copies and the trajectories'
+    hand-off after the last chunk.
     ``serialise_s`` adds every worker's serialisation and object-store fetches.
     """
     worker = max(range(len(env["path_wall_s"])), key=env["path_wall_s"].__getitem__)
