@@ -38,16 +38,15 @@ class TrainPlacementConfig(PlacementConfig):
     Attributes:
         mode: ``collocated``, ``disaggregated``, ``hybrid``, ``local`` (every component in
             this process on one device, no Ray: :mod:`rlinf_vla.runtime.local`), or ``auto``
-            (profile the workload
-            at start, then pick the mode, the device split and ``stages``; see
-            :mod:`rlinf_vla.pipelines.auto`).
+            (profile the workload at start, then pick the mode, the device split and
+            ``stages``; see :mod:`rlinf_vla.pipelines.auto`).
         stages: pipeline stages ``S`` per env worker (``hybrid``: env stage ``s`` steps while
             the rollout computes stage ``s - 1``).
         max_stages: ``auto`` only: the largest stage count it considers (1, 2, 4, ...).
         profile_chunks: ``auto`` only: chunk steps it times.
-        offload: collocated and local on GPUs only: the policy copy that is idle (the actor's while the
-            rollout runs, the rollout's while the actor trains) waits in host memory, so that
-            each has the GPU's memory to itself. ``false`` keeps both on the GPU when they fit
+        offload: collocated and local on GPUs only: the policy copy that is idle (the
+            actor's while the rollout runs, the rollout's while the actor trains) waits in
+            host memory, so that each has the GPU's memory to itself. ``false`` keeps both on the GPU when they fit
             together (a 7B policy with LoRA: about 76 GiB of peaks on one GPU), which saves
             moving the weights to and from the GPU twice per iteration.
     """

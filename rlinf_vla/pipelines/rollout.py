@@ -21,7 +21,6 @@ bootstraps the value of the state the rollout stopped in. Envs keep running acro
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -33,7 +32,7 @@ import torch
 from torch import Tensor
 
 from rlinf_vla.pipelines.actor import autocast
-from rlinf_vla.runtime import Channel, Worker, offload_module, onload_module
+from rlinf_vla.runtime import Channel, Worker, offload_module, resident
 from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
 from rlinf_vla.types import Observation
 
@@ -441,24 +440,10 @@ class RolloutWorker(Worker):
     def set_rng_state(self, state: dict[str, Any] | Tensor) -> None:
         set_rng_state(state, self.device)
 
-    @contextlib.contextmanager
     def _resident(self, times: dict[str, float] | None = None) -> Any:
         """The policy on the worker's device for the block (offloaded after it); the seconds
         of both copies add to ``times["copy_s"]``."""
-        if not self.offload:
-            yield
-            return
-        t0 = time.perf_counter()
-        onload_module(self.policy, self.device)
-        copied = time.perf_counter() - t0
-        try:
-            yield
-        finally:
-            t0 = time.perf_counter()
-            offload_module(self.policy)
-            copied += time.perf_counter() - t0
-            if times is not None:
-                times["copy_s"] += copied
+        return resident(self.policy, self.device, enabled=self.offload, seconds=times)
 
     def generate(
         self,

@@ -325,12 +325,7 @@ class Channel:
         return _merge(payloads, [_map_tensors(x, _from_array) for x in fetched])
 
     def _check_batch(self, n: int) -> None:
-        if n < 1:
-            raise ValueError(f"batch size must be >= 1, got {n}")
-        if self.maxsize and n > self.maxsize:
-            raise ValueError(
-                f"cannot get {n} items from channel {self.name!r} bounded to {self.maxsize}"
-            )
+        check_batch(self.name, self.maxsize, n)
 
     def qsize(self, key: str = DEFAULT_KEY) -> int:
         """Items waiting under ``key`` (items still in flight from a ``put`` not counted)."""
@@ -352,6 +347,15 @@ class Channel:
 
     def __repr__(self) -> str:
         return f"Channel({self.name!r}, maxsize={self.maxsize})"
+
+
+def check_batch(name: str, maxsize: int, n: int) -> None:
+    """A get of ``n`` items from the channel ``name`` bounded to ``maxsize`` (0: unbounded)
+    can be answered; else ``ValueError``."""
+    if n < 1:
+        raise ValueError(f"batch size must be >= 1, got {n}")
+    if maxsize and n > maxsize:
+        raise ValueError(f"cannot get {n} items from channel {name!r} bounded to {maxsize}")
 
 
 def _check_timeout(

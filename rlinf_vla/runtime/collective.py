@@ -123,12 +123,14 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def get(name: str) -> Collective:
-    """The collective ``name`` joined by this process."""
-    if name not in _COLLECTIVES:
-        known = ", ".join(sorted(_COLLECTIVES)) or "none"
+def get(name: str, joined: dict[str, Any] | None = None) -> Any:
+    """The collective ``name`` joined by this process (or among ``joined``: a local worker's
+    own, :mod:`rlinf_vla.runtime.local`)."""
+    joined = _COLLECTIVES if joined is None else joined
+    if name not in joined:
+        known = ", ".join(sorted(joined)) or "none"
         raise KeyError(f"this worker is not in a collective named {name!r} (joined: {known})")
-    return _COLLECTIVES[name]
+    return joined[name]
 
 
 def join(

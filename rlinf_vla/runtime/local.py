@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from rlinf_vla.runtime.channel import DEFAULT_KEY
+from rlinf_vla.runtime.channel import DEFAULT_KEY, check_batch
 from rlinf_vla.runtime.cluster import ClusterConfig, Device, node_devices
 from rlinf_vla.runtime.stall import Process, StallPolicy
 from rlinf_vla.runtime.worker import (
@@ -176,12 +176,7 @@ class LocalChannel:
         return self.get_batch(key, 1, timeout)[0]
 
     def get_batch(self, key: str, n: int, timeout: float | None = None) -> list[Any]:
-        if n < 1:
-            raise ValueError(f"batch size must be >= 1, got {n}")
-        if self.maxsize and n > self.maxsize:
-            raise ValueError(
-                f"cannot get {n} items from channel {self.name!r} bounded to {self.maxsize}"
-            )
+        check_batch(self.name, self.maxsize, n)
         with self._cond:
             queue = self._queues[key]
             if not self._wait(lambda: len(queue) >= n, timeout):
@@ -255,7 +250,8 @@ class LocalGroup(GroupBase):
 
     The workers are built one after another in the calling thread (in rank order, so their
     random state is the same from run to run); each then answers its calls in a thread of its
-    own. ``wait`` is accepted for the interface and changes nothing. The workers compute
+    own. ``wait`` and ``timeout`` are accepted for the interface and change nothing (the
+    workers are built before the constructor returns). The workers compute
     with this process's torch threads: the caller sets them (on a CPU slot, its ``threads``;
     :func:`~rlinf_vla.runtime.torch_threads`).
     """
@@ -275,6 +271,8 @@ class LocalGroup(GroupBase):
     ) -> None:
         if env_vars:
             raise ValueError(f"worker group {name!r}: env_vars need worker processes (Ray)")
+        if max_concurrency != 1:
+            raise ValueError(f"worker group {name!r}: a local worker runs one call at a time")
         self._place(cluster, worker_cls, name, devices)
         self._workers: list[Any] = []
         self._hosts: list[_Host] = []

@@ -10,6 +10,7 @@ optimizer keeps working on the same parameter objects.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
@@ -81,22 +82,29 @@ def resident(
     device: torch.device | str,
     optimizer: torch.optim.Optimizer | None = None,
     enabled: bool = True,
+    seconds: dict[str, float] | None = None,
 ) -> Iterator[None]:
     """Within the block ``module`` (and ``optimizer``'s state) is on ``device``; after it,
     also when the block raises, both are back in host memory. ``enabled=False``: a no-op
-    (everything stays where it is)."""
+    (everything stays where it is). ``seconds``: the two moves' seconds are added to its
+    ``"copy_s"``."""
     if not enabled:
         yield
         return
+    t0 = time.perf_counter()
     onload_module(module, device)
     if optimizer is not None:
         onload_optimizer(optimizer, device)
+    copied = time.perf_counter() - t0
     try:
         yield
     finally:
+        t0 = time.perf_counter()
         offload_module(module)
         if optimizer is not None:
             offload_optimizer(optimizer)
+        if seconds is not None:
+            seconds["copy_s"] = seconds.get("copy_s", 0.0) + copied + time.perf_counter() - t0
 
 
 def release_cuda_memory() -> None:

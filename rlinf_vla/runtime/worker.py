@@ -203,17 +203,10 @@ class Worker:
 
     def collective(self, name: str):
         """The :class:`~rlinf_vla.runtime.collective.Collective` named ``name`` this worker joined."""
-        local = self.__dict__.get("_local_collectives")
-        if local is not None:  # a worker of a local group (rlinf_vla.runtime.local)
-            if name not in local:
-                known = ", ".join(sorted(local)) or "none"
-                raise KeyError(
-                    f"this worker is not in a collective named {name!r} (joined: {known})"
-                )
-            return local[name]
         from rlinf_vla.runtime import collective
 
-        return collective.get(name)
+        # a worker of a local group holds its own (rlinf_vla.runtime.local)
+        return collective.get(name, self.__dict__.get("_local_collectives"))
 
 
 class _WorkerHost:

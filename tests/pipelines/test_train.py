@@ -47,8 +47,7 @@ def _assert_breakdown_adds_up(row):
     assert 0 < parts <= row["time/rollout/env_wall_s"] <= parts + 0.05
     path = row["time/rollout/env_wall_s"] + row["time/rollout/finish_s"]
     assert path <= row["time/rollout_s"] <= path + 0.25
-    # the env waited for actions at least as long as the policy computed them, less what
-    # overlapped with its own stepping (none with one stage)
+    # both sides clocked their part: the policy's compute and the env's waits
     assert row["time/rollout/policy_s"] > 0 and row["time/rollout/env_wait_s"] > 0
 
 

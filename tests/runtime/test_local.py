@@ -131,6 +131,8 @@ def test_an_exception_names_the_worker_and_carries_its_traceback(cluster):
         assert "def fail" in info.value.remote_traceback or "in fail" in info.value.remote_traceback
         with pytest.raises(AttributeError, match="no public method 'missing'"):
             group.missing()
+        with pytest.raises(ValueError, match="one call at a time"):
+            LocalGroup(cluster, Echo, "many", [0], args=(1,), max_concurrency=2)
     finally:
         group.shutdown()
 

@@ -116,3 +116,21 @@ def test_resident_holds_the_model_on_the_gpu_for_the_block_only():
     assert where() == {"cpu"}  # also after an error in the block
     with resident(model, "cuda", opt, enabled=False):
         assert where() == {"cpu"}
+
+
+def test_resident_adds_the_seconds_of_its_moves(monkeypatch):
+    """Both moves are timed: each takes 0.05 s here (a stand-in for the copies), so the block
+    adds at least 0.1 s to what ``seconds["copy_s"]`` held; disabled, it adds nothing."""
+    import time
+
+    from rlinf_vla.runtime import offload
+
+    monkeypatch.setattr(offload, "onload_module", lambda module, device: time.sleep(0.05))
+    monkeypatch.setattr(offload, "offload_module", lambda module: time.sleep(0.05))
+    seconds = {"copy_s": 1.0}
+    with offload.resident(torch.nn.Linear(2, 2), "cpu", seconds=seconds):
+        time.sleep(0.2)  # the block's own time is not a copy
+    assert 1.1 <= seconds["copy_s"] < 1.2
+    with offload.resident(torch.nn.Linear(2, 2), "cpu", enabled=False, seconds=seconds):
+        pass
+    assert 1.1 <= seconds["copy_s"] < 1.2
