@@ -48,6 +48,15 @@ BAD_CONFIGS = [
     ),
     (["serve", "server.host=0.0.0.0.0"], ["server.host", "0.0.0.0.0"]),
     (["serve", "server.host=bad_host!"], ["server.host"]),
+    # DAgger needs the env's scripted expert and has no policy-gradient keys
+    (["train", "env=libero", "algo=dagger"], ["algo=dagger", "'libero' has no scripted expert"]),
+    (
+        ["train", "env=toy", "algo=dagger", "algo.entropy_coef=0.01", "algo.value_lr=1e-3"],
+        ["algo.entropy_coef", "algo.value_lr"],
+    ),
+    (["train", "env=toy", "algo=ppo", "algo.buffer_size=100"], ["algo.buffer_size"]),
+    (["train", "env=toy", "algo=dagger", "algo.buffer_size=0"], ["algo.buffer_size"]),
+    (["math-grpo", "algo=dagger"], ["algo=dagger", "train"]),
     # non-finite numbers, in any float key of any section
     (["train", "algo.lr=inf"], ["algo.lr"]),
     (["train", "algo.lr=nan"], ["algo.lr"]),

@@ -29,14 +29,17 @@ from rlinf_vla.algos.registry import Registry
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "algo"
 
 
-def estimator_kind(name: str) -> str:
+def estimator_kind(name: str | None) -> str:
     """What the registered advantage estimator ``name`` takes, read from its signature, which
     is how both trainers call it:
 
     - ``group``: one score per episode or response and ``group_size`` (``grpo``, ``rloo``);
     - ``critic``: rewards and a critic's ``values`` (``gae``);
-    - ``return``: per-step rewards alone (``reinforce_pp``).
+    - ``return``: per-step rewards alone (``reinforce_pp``);
+    - ``none``: no estimator (``None``: an imitation algorithm, ``dagger``).
     """
+    if name is None:
+        return "none"
     params = accepts(name)
     if "scores" in params:
         return "group"
@@ -50,10 +53,13 @@ def estimator_kind(name: str) -> str:
     )
 
 
-def accepts(name: str) -> set[str]:
-    """The keyword arguments of the registered advantage estimator ``name``."""
+def accepts(name: str | None) -> set[str]:
+    """The keyword arguments of the registered advantage estimator ``name`` (none for
+    ``None``)."""
     import inspect
 
+    if name is None:
+        return set()
     return set(inspect.signature(ADVANTAGES[name]).parameters)
 
 
@@ -63,7 +69,8 @@ class AlgorithmPreset:
 
     Attributes:
         advantage: name in ``ADVANTAGES`` (``gae``, ``grpo``, ``rloo``, ``reinforce_pp``); its
-            signature says how the trainers call it (:func:`estimator_kind`).
+            signature says how the trainers call it (:func:`estimator_kind`). ``None`` for an
+            imitation algorithm.
         policy_loss: name in ``LOSSES``.
         clip_low: ε_low of the PPO clip.
         clip_high: ε_high; > ``clip_low`` is DAPO's clip-higher.
@@ -80,9 +87,12 @@ class AlgorithmPreset:
         lam: GAE λ, for estimators that take it (``gae``).
         kl_in_reward: with a KL coefficient, fold the per-token KL to the reference into the
             reward (REINFORCE++) instead of adding a loss term.
+        imitation: the policy learns the env's scripted expert's actions on the states it
+            visits, with its own supervised loss, instead of a policy gradient (``dagger``,
+            ``train`` only); no advantage, critic or policy loss.
     """
 
-    advantage: str
+    advantage: str | None = None
     policy_loss: str = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -95,8 +105,16 @@ class AlgorithmPreset:
     gamma: float = 1.0
     lam: float = 1.0
     kl_in_reward: bool = False
+    imitation: bool = False
 
     def __post_init__(self) -> None:
+        if self.imitation:
+            self._check_imitation()
+            return
+        if self.advantage is None:
+            raise ValueError(
+                f"advantage must name an estimator (one of {ADVANTAGES.names()}), got null"
+            )
         ADVANTAGES[self.advantage]  # raises with the known names
         LOSSES[self.policy_loss]
         AGGREGATIONS[self.agg]
@@ -133,6 +151,19 @@ class AlgorithmPreset:
         if bad:
             raise ValueError("; ".join(bad))
 
+    def _check_imitation(self) -> None:
+        bad = [
+            f"{key} {rule}, got {getattr(self, key)}"
+            for key, ok, rule in [
+                ("advantage", self.advantage is None, "must be null with imitation"),
+                ("use_critic", not self.use_critic, "must be false with imitation"),
+                ("dynamic_sampling", not self.dynamic_sampling, "must be false with imitation"),
+            ]
+            if not ok
+        ]
+        if bad:
+            raise ValueError("; ".join(bad))
+
     @property
     def uses_groups(self) -> bool:
         """The advantage compares the members of a group (``algo.group_size`` >= 2)."""
@@ -141,7 +172,9 @@ class AlgorithmPreset:
     def effective_keys(self) -> set[str]:
         """The preset keys that change something for this algorithm (``lam`` and
         ``normalize_std`` only for estimators that take them, ``dynamic_sampling`` only for
-        groups)."""
+        groups; only ``imitation`` itself for an imitation algorithm)."""
+        if self.imitation:
+            return {"imitation"}
         keys = set(PRESET_KEYS) - {"lam", "normalize_std", "dynamic_sampling"}
         keys |= {"lam", "normalize_std"} & accepts(self.advantage)
         if self.uses_groups:
@@ -202,12 +235,13 @@ class AlgorithmSection:
     ``name`` picks the algorithm, ``rlinf_vla/configs/algo/<name>.yaml`` (docs/algorithms.md).
     The preset keys (``advantage``, ``policy_loss``, ``clip_low``, ``clip_high``,
     ``dual_clip``, ``agg``, ``use_critic``, ``normalize_std``, ``dynamic_sampling``,
-    ``overlong_buffer``, ``gamma``, ``lam``, ``kl_in_reward``: :class:`AlgorithmPreset`)
+    ``overlong_buffer``, ``gamma``, ``lam``, ``kl_in_reward``, ``imitation``:
+    :class:`AlgorithmPreset`)
     default to that file's values and can be overridden one by one.
     """
 
     name: str = "ppo"
-    advantage: str = FROM_PRESET
+    advantage: str | None = FROM_PRESET
     policy_loss: str = FROM_PRESET
     clip_low: float = FROM_PRESET
     clip_high: float = FROM_PRESET
@@ -220,6 +254,7 @@ class AlgorithmSection:
     gamma: float = FROM_PRESET
     lam: float = FROM_PRESET
     kl_in_reward: bool = FROM_PRESET
+    imitation: bool = FROM_PRESET
 
     #: trainer keys of a critic, which change nothing without one: key -> (test, why)
     CRITIC_KEYS: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {

@@ -35,7 +35,10 @@ neither failures nor successes.
 ``info`` of a :class:`ChunkResult` holds ``[B]`` tensors: ``invalid`` (bool), ``done`` (bool, the
 env ended in the chunk), ``episode_reset_ids`` (long, the reset id of the episode that ran during
 the chunk), ``reset_ids`` (long, the reset id of the episode now running) and ``elapsed_steps``
-(long, steps of the episode now running).
+(long, steps of the episode now running). With ``chunk_step(actions, expert=True)`` it also holds
+``expert_actions`` (float32 ``[B, K, A]``): the scripted expert's action (:meth:`VectorEnv.
+expert_actions`) in the state each step of the chunk was taken from, DAgger's labels; after an
+env ended in the chunk its row repeats its last label.
 """
 
 from __future__ import annotations
@@ -172,6 +175,16 @@ class EnvConfig:
         starts: ``max_episode_steps``, else the env's own default (``None``: only the
         simulator knows it)."""
         return self.max_episode_steps
+
+    def expert_problem(self, env_name: str) -> str | None:
+        """Why this env has no scripted expert (:meth:`VectorEnv.expert_actions`; ``None``:
+        it has one), known before it starts: the env class has none, or (ManiSkill) the
+        task or the control mode has none."""
+        cls = ENVS.get(env_name)
+        if cls is not None and not cls.has_expert():
+            with_one = sorted(n for n, c in ENVS.items() if c.has_expert())
+            return f"env {env_name!r} has no scripted expert (envs with one: {with_one})"
+        return None
 
     def eval_trials(
         self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int
@@ -462,8 +475,15 @@ class VectorEnv(ABC):
         self._obs = self._start_episodes(env_ids, ids)
         return self._obs
 
-    def chunk_step(self, actions: torch.Tensor) -> ChunkResult:
-        """Execute an action chunk ``float32 [B, K, A]``; see the module docstring."""
+    @classmethod
+    def has_expert(cls) -> bool:
+        """Whether this env class has a scripted expert (:meth:`expert_actions`)."""
+        return cls.expert_actions is not VectorEnv.expert_actions
+
+    def chunk_step(self, actions: torch.Tensor, expert: bool = False) -> ChunkResult:
+        """Execute an action chunk ``float32 [B, K, A]``; see the module docstring.
+        ``expert``: label each step's state with the scripted expert's action
+        (``info["expert_actions"]``)."""
         self._check_usable()
         if self._obs is None:
             raise RuntimeError("call reset() before chunk_step()")
@@ -480,9 +500,17 @@ class VectorEnv(ABC):
         final_parts: list[tuple[torch.Tensor, Observation]] = []
         record = self._recorder.mask(n) if self._recorder is not None else None
         obs = self._obs
+        labels = torch.zeros(n, k_steps, actions.shape[-1]) if expert else None
         for k in range(k_steps):
             if not active.any():
+                if labels is not None:  # every env ended: the rest repeat their last labels
+                    labels[:, k:] = labels[:, k - 1 : k]
                 break
+            if labels is not None:
+                prev = labels[:, k - 1] if k else labels[:, 0]
+                labels[:, k] = torch.where(
+                    active[:, None], self.expert_actions().cpu().float(), prev
+                )
             hits_limit = active & (self._elapsed + 1 >= self._limits)
             need_obs = active & (hits_limit | (k == k_steps - 1))
             if record is not None:
@@ -536,6 +564,8 @@ class VectorEnv(ABC):
             "reset_ids": self._reset_ids.clone(),
             "elapsed_steps": self._elapsed.clone(),
         }
+        if labels is not None:
+            info["expert_actions"] = labels
         return ChunkResult(
             obs=obs,
             reward=reward,

@@ -25,6 +25,7 @@ from rlinf_vla.algos.presets import (
     estimator_kind,
 )
 from rlinf_vla.config import ConfigError, check_at_least
+from rlinf_vla.pipelines.dagger import Aggregate, expert_samples
 from rlinf_vla.runtime import Channel, Worker, offload_module, resident
 from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
 from rlinf_vla.training.learner import HasLearner, Learner, Schedule
@@ -54,6 +55,12 @@ class AlgoConfig(AlgorithmSection):
       equal. ``overlong_buffer`` has no meaning for episodes and is left out.
     - ``reinforce_pp``: discounted chunk returns (not across episode boundaries), whitened
       over the batch.
+    - ``dagger`` (an imitation algorithm): no reward enters the update. The env's scripted
+      expert labels every state of the rollout; the chunk steps' observations, each with the
+      expert's labels of the chunk's steps as its target chunk, join everything gathered so
+      far, and the policy learns them with its own supervised loss (``Policy.loss``, that of
+      ``rlinf-vla sft``): ``update_epochs x ceil(new samples / minibatch_size)`` optimizer
+      steps per iteration on minibatches drawn uniformly from the aggregate.
 
     Attributes:
         group_size: envs per group (must equal ``env.group_size``; the shipped env configs
@@ -113,6 +120,10 @@ class AlgoConfig(AlgorithmSection):
             episode that reaches it without success is worth 0 from there on, as an evaluation
             that counts success within the limit scores it. Episodes the rollout's end cuts
             are bootstrapped either way.
+        buffer_size: ``dagger``: the aggregate keeps the newest N samples (chunk steps);
+            ``None`` (the default): every sample of the run, as DAgger aggregates. A sample
+            holds its observation's images (a 64 x 64 camera: 12 KiB), so long runs with large
+            images need a bound.
         target_kl: stop an iteration's update early: before each optimizer step the
             minibatch's ``approx_kl`` (the mean over every rank's samples of the k3 estimate of
             KL(π_old || π_θ), where the epochs have taken the policy so far) is compared with
@@ -153,6 +164,7 @@ class AlgoConfig(AlgorithmSection):
     episode_weight: Literal["equal", "step"] = "equal"
     bootstrap_truncated: bool = True
     target_kl: float | None = None
+    buffer_size: int | None = None
 
     #: trainer keys that change something only for some algorithms: key -> (test, why)
     CONDITIONAL: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
@@ -168,9 +180,21 @@ class AlgoConfig(AlgorithmSection):
             "only group advantages (grpo, rloo) score whole episodes",
         ),
         "kl_coef": (
-            lambda p: not p.kl_in_reward,
-            "train does not fold the KL into rewards (the preset's kl_in_reward)",
+            lambda p: not p.kl_in_reward and not p.imitation,
+            "train does not fold the KL into rewards (the preset's kl_in_reward); "
+            "imitation has no policy-gradient loss",
         ),
+        **{
+            key: (lambda p: not p.imitation, "imitation has no policy-gradient loss")
+            for key in (
+                "entropy_coef",
+                "kl_estimator",
+                "target_kl",
+                "skip_zero_advantage",
+                "cache_frozen_features",
+            )
+        },
+        "buffer_size": (lambda p: p.imitation, "only dagger aggregates expert-labelled states"),
     }
 
     def __post_init__(self) -> None:
@@ -178,7 +202,9 @@ class AlgoConfig(AlgorithmSection):
         uses_groups = self.uses_groups
         if self.group_size is None:
             self.group_size = DEFAULT_GROUP_SIZE if uses_groups else 1
-        check_at_least(self, "algo", ("update_epochs", "minibatch_size", "micro_batch_size"), 1)
+        check_at_least(
+            self, "algo", ("update_epochs", "minibatch_size", "micro_batch_size", "buffer_size"), 1
+        )
         if self.minibatch_size % self.micro_batch_size:
             raise ConfigError(
                 f"algo.micro_batch_size={self.micro_batch_size} must divide "
@@ -379,6 +405,8 @@ class ActorWorker(Worker, HasLearner):
             schedule=Schedule(a.warmup_iterations, a.lr_schedule, a.critic_warmup_iterations),
         )
         self.generator = torch.Generator().manual_seed(seed + 1000 * self.rank)
+        # DAgger: the expert-labelled samples of every iteration so far (this rank's share)
+        self.aggregate = Aggregate(a.buffer_size) if a.preset.imitation else None
         self.version = 0
         self._synced_full: set[str] = set()  # collectives whose receivers hold every weight
         # Collocated on a GPU: weights and optimizer state wait in host memory between updates
@@ -445,6 +473,8 @@ class ActorWorker(Worker, HasLearner):
             "generator": self.generator.get_state(),
             "version": self.version,
         }
+        if self.aggregate is not None:
+            state["dagger_aggregate"] = self.aggregate.state_dict()
         torch.save(state, Path(path) / f"actor_rank{self.rank}.pt")
 
     def load(self, path: str) -> None:
@@ -490,6 +520,16 @@ class ActorWorker(Worker, HasLearner):
         set_rng_state(state["torch_rng"], self.device)
         self.generator.set_state(state["generator"])
         self.version = state["version"]
+        if self.aggregate is not None:
+            if "dagger_aggregate" not in state:
+                from rlinf_vla.policies import CheckpointMismatchError
+
+                raise CheckpointMismatchError(
+                    f"{path} is not a dagger run's checkpoint (it holds no aggregate of "
+                    f"expert-labelled states): resume it with its own algo, or start dagger "
+                    f"from its weights with policy.checkpoint={path}/policy"
+                )
+            self.aggregate.load_state_dict(state["dagger_aggregate"])
 
     def _lora_trained(self, state: dict[str, Any], path: str) -> dict[str, Tensor]:
         """The trained tensors of a LoRA run's checkpoint (adapter, heads), checked to be
@@ -594,8 +634,9 @@ class ActorWorker(Worker, HasLearner):
         iteration: int,
         total_iterations: int,
     ) -> dict[str, float]:
-        """Take ``num_trajectories`` trajectories from ``channel[key]`` and run the PPO epochs
-        (with the policy and optimizer on the device meanwhile, when they are offloaded)."""
+        """Take ``num_trajectories`` trajectories from ``channel[key]`` and run the PPO epochs,
+        or DAgger's supervised steps (with the policy and optimizer on the device meanwhile,
+        when they are offloaded)."""
         # in source order, not arrival order: the update must not depend on which rollout
         # worker finished first (rlinf_vla.pipelines.routing)
         trajectories = sorted(channel.get_batch(key, num_trajectories), key=lambda t: t.source)
@@ -605,7 +646,44 @@ class ActorWorker(Worker, HasLearner):
             )
             if self.reference is not None:
                 stack.enter_context(resident(self.reference, self.device, enabled=self.offload))
+            if self.aggregate is not None:
+                return self._imitate(trajectories, iteration, total_iterations)
             return self._train(trajectories, iteration, total_iterations)
+
+    def _imitate(
+        self, trajectories: list[Any], iteration: int, total_iterations: int
+    ) -> dict[str, float]:
+        """DAgger: the rollout's expert-labelled samples join the aggregate, then
+        ``update_epochs x ceil(new samples / minibatch_size)`` supervised steps on minibatches
+        drawn from all of it (:mod:`rlinf_vla.pipelines.dagger`). Every rank takes as many
+        steps (from the ranks' mean count), since their gradients are averaged step by step."""
+        assert self.aggregate is not None
+        a = self.algo
+        lr = self.learner.set_lr(iteration, total_iterations)
+        obs, targets, errors = expert_samples(trajectories)
+        self.aggregate.add(obs, targets)
+        new = self.learner.global_sum(float(len(targets))) / self.learner.global_sum(1.0)
+        steps = a.update_epochs * math.ceil(new / a.minibatch_size)
+        sums: dict[str, float] = {}
+        skipped = 0
+        for _ in range(steps):
+            metrics = self._supervised_step(
+                *self.aggregate.sample(a.minibatch_size, self.generator)
+            )
+            skipped += int(metrics["train/skipped_updates"])
+            for k in ("train/loss", "train/grad_norm"):
+                sums[k] = sums.get(k, 0.0) + metrics[k]
+        self.version += 1
+        return {
+            **{k: v / max(steps, 1) for k, v in sums.items()},
+            "train/skipped_updates": float(skipped),
+            "train/update_steps": float(steps),
+            "train/nan_streak": float(self.nan_streak),
+            "train/lr": lr,
+            "train/samples": float(len(targets)),
+            "dagger/aggregate_samples": float(len(self.aggregate)),
+            "dagger/action_error": errors["action_error"],
+        }
 
     def _train(
         self, trajectories: list[Any], iteration: int, total_iterations: int
@@ -783,9 +861,18 @@ class ActorWorker(Worker, HasLearner):
         """One optimizer step of behaviour cloning on ``algo.minibatch_size`` frames drawn by
         this rank (the family's own :meth:`~rlinf_vla.policies.Policy.loss`), accumulated over
         micro-batches of ``algo.micro_batch_size``; gradients are averaged over the ranks."""
-        a = self.algo
         lr = self.learner.set_lr(step, total_steps)
-        obs, actions = self.demos.sample(a.minibatch_size, self.generator)
+        metrics = self._supervised_step(
+            *self.demos.sample(self.algo.minibatch_size, self.generator)
+        )
+        self.version += 1
+        return {**metrics, "train/lr": lr}
+
+    def _supervised_step(self, obs: Observation, actions: Tensor) -> dict[str, float]:
+        """One optimizer step of the family's supervised loss on this rank's minibatch
+        (``obs``, target chunks ``actions``), accumulated over micro-batches of
+        ``algo.micro_batch_size``; gradients are averaged over the ranks."""
+        a = self.algo
         self.learner.zero_grad()
         loss_sum = 0.0
         # the mean over every rank's minibatch: the learner sums the ranks' gradients
@@ -798,11 +885,9 @@ class ActorWorker(Worker, HasLearner):
             self.learner.backward(loss.float() * share)
             loss_sum += float(loss.detach()) * len(actions[rows]) / a.minibatch_size
         grad_norm = self.learner.step()
-        self.version += 1
         return {
             "train/loss": loss_sum,
             "train/grad_norm": grad_norm,
             "train/skipped_updates": float(not math.isfinite(grad_norm)),
             "train/nan_streak": float(self.nan_streak),
-            "train/lr": lr,
         }

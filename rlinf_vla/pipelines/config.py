@@ -243,6 +243,12 @@ def validate(cfg: Any) -> TrainJob:
         cfg["algo"], job.algo.preset, AlgoConfig.CONDITIONAL, job.algo.name
     ):
         errors.add(message)
+    if job.algo.preset.imitation:
+        problem = env_cfg.expert_problem(env_name)
+        if problem:
+            errors.add(
+                f"algo={job.algo.name} labels states with the env's scripted expert: {problem}"
+            )
     if job.algo.preset.uses_groups:
         if job.algo.group_size != env_cfg.group_size:
             errors.add(

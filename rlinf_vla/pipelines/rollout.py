@@ -66,6 +66,7 @@ class EnvMessage:
     truncated: Tensor | None = None  # bool [b, K]
     final_obs: Observation | None = None  # [b], for envs that ended in the chunk
     invalid: Tensor | None = None  # bool [b]
+    expert: Tensor | None = None  # float32 [b, K, A]: the expert's labels (DAgger)
 
 
 @dataclass
@@ -87,6 +88,9 @@ class Trajectory:
         features: ``[T, b, ...]`` the policy's frozen features of the sampled actions, when
             the rollout worker was asked for them and the policy computed them while acting
             (``Policy.act_with_features``); else ``None``.
+        expert: ``float32 [T, b, K, A]`` the scripted expert's action in the state of each
+            step of each chunk (``obs[t]`` for step 0), when the env workers label them
+            (``algo=dagger``); else ``None``.
     """
 
     obs: list[Observation]
@@ -102,6 +106,7 @@ class Trajectory:
     source: tuple[int, int]
     policy_version: int = 0
     features: Tensor | None = None
+    expert: Tensor | None = None
 
     @property
     def num_steps(self) -> int:
@@ -126,6 +131,7 @@ class _TrajectoryBuilder:
     truncated: list[Tensor] = field(default_factory=list)
     invalid: list[Tensor] = field(default_factory=list)
     features: list[Tensor] = field(default_factory=list)
+    expert: list[Tensor] = field(default_factory=list)
 
     def build(self, version: int) -> Trajectory:
         return Trajectory(
@@ -142,6 +148,7 @@ class _TrajectoryBuilder:
             source=self.source,
             policy_version=version,
             features=torch.stack(self.features) if self.features else None,
+            expert=torch.stack(self.expert) if self.expert else None,
         )
 
 
@@ -154,6 +161,8 @@ class EnvWorker(Worker):
             ``num_envs`` is the total over all env workers, split evenly (whole GRPO groups)
             between workers and then between stages.
         num_stages: pipeline stages ``S`` per worker.
+        expert: label every step's state with the env's scripted expert action and send the
+            labels with each chunk's message (``algo=dagger``).
     """
 
     #: the lists :meth:`interact` returns: per episode (``return``, ``success``,
@@ -177,7 +186,9 @@ class EnvWorker(Worker):
         "path_wall_s",
     )
 
-    def __init__(self, env_name: str, env_config: EnvConfig, num_stages: int) -> None:
+    def __init__(
+        self, env_name: str, env_config: EnvConfig, num_stages: int, expert: bool = False
+    ) -> None:
         from rlinf_vla.envs import for_device, make_stage_envs
 
         cfg = for_device(env_config, self.device)
@@ -189,6 +200,7 @@ class EnvWorker(Worker):
             num_envs=per_worker,
             env_offset=cfg.env_offset + self.rank * per_worker,
         )
+        self.expert = expert
         self.obs: list[Observation | None] = [None] * num_stages
         self.episode_return = [torch.zeros(env.num_envs) for env in self.envs]
         # envs still in the first episode of the rollout (set at each reset)
@@ -295,7 +307,7 @@ class EnvWorker(Worker):
         """One chunk step of stage ``s``; the message for the rollout. Its seconds add to
         the stage's ``stats["step_s"]``."""
         t0 = time.perf_counter()
-        result = self.envs[s].chunk_step(actions)
+        result = self.envs[s].chunk_step(actions, expert=self.expert)
         stats["step_s"][-1] += time.perf_counter() - t0
         self.obs[s] = result.obs
         self._record(s, result, stats)
@@ -306,6 +318,7 @@ class EnvWorker(Worker):
             truncated=result.truncated,
             final_obs=result.final_obs,
             invalid=result.info["invalid"],
+            expert=result.info.get("expert_actions"),
         )
 
     def _record(self, stage: int, result: Any, stats: dict[str, list[float]]) -> None:
@@ -505,6 +518,8 @@ class RolloutWorker(Worker):
                     b.truncated.append(msg.truncated)
                     b.invalid.append(msg.invalid)
                     b.final_value.append(self._final_values(msg))
+                    if msg.expert is not None:
+                        b.expert.append(msg.expert)
                 if t < num_chunks:
                     t1 = clock()
                     with autocast(self.device, self.autocast):

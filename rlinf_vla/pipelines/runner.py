@@ -88,6 +88,7 @@ class EmbodiedRunner:
         policy = job.policy_config.replace(seed=seed)
         # placement=local: the same workers in threads of this process, no Ray (runtime.local)
         local = placement.mode == "local"
+        imitation = job.algo.preset.imitation
         Group = LocalGroup if local else WorkerGroup
         self.channel = (LocalChannel if local else Channel).create(f"embodied-{id(self)}")
         self._synced: int | None = None  # the weights version the rollout workers hold
@@ -100,6 +101,8 @@ class EmbodiedRunner:
                 "env",
                 placement.of("env"),
                 args=(job.env_name, job.env_config, job.placement.stages),
+                # DAgger: the env's scripted expert labels every state the policy visits
+                kwargs={"expert": imitation},
                 wait=False,
             )
             self.rollout = Group(
@@ -111,7 +114,7 @@ class EmbodiedRunner:
                 # An actor that caches frozen features takes them from the rollout (FSDP never
                 # caches: it runs the whole pass).
                 kwargs={
-                    "features": job.algo.cache_frozen_features and not sharded,
+                    "features": job.algo.cache_frozen_features and not sharded and not imitation,
                     "offload": offload,
                 },
                 wait=False,

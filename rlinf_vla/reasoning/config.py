@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from rlinf_vla.algos import KL_ESTIMATORS
 from rlinf_vla.algos.presets import (
+    ALGORITHMS,
     AlgorithmPreset,
     AlgorithmSection,
     ineffective_keys,
@@ -119,6 +120,12 @@ class MathAlgoConfig(AlgorithmSection):
         bad_preset = self.fill_preset()
         if bad_preset:
             raise ConfigError(bad_preset)
+        if self.imitation:
+            raise ConfigError(
+                f"algo={self.name} learns from an env's scripted expert: it runs in "
+                "`rlinf-vla train` only; math-grpo takes the RL algorithms "
+                f"{[n for n in ALGORITHMS.names() if not ALGORITHMS[n].imitation]}"
+            )
         KL_ESTIMATORS[self.kl_estimator]
         positive = ("prompts_per_step", "max_new_tokens", "update_epochs", "micro_batch_size")
         check_at_least(self, "algo", (*positive, "max_sample_rounds"), 1)

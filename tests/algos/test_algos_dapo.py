@@ -45,10 +45,17 @@ def test_dapo_is_a_named_combination():
         "agg": "token-mean",
     }
     assert ALGORITHMS["ppo"].use_critic and ALGORITHMS["ppo"].advantage == "gae"
-    assert ALGORITHMS.names() == ["dapo", "grpo", "ppo", "reinforce_pp", "rloo"]
+    assert ALGORITHMS.names() == ["dagger", "dapo", "grpo", "ppo", "reinforce_pp", "rloo"]
+    dagger = ALGORITHMS["dagger"]
+    assert dagger.imitation and dagger.advantage is None and not dagger.use_critic
+    assert dagger.effective_keys() == {"imitation"}
 
 
 def test_presets_are_validated():
+    with pytest.raises(ValueError, match="advantage must name an estimator"):
+        AlgorithmPreset()
+    with pytest.raises(ValueError, match="advantage must be null with imitation"):
+        AlgorithmPreset(advantage="gae", imitation=True, use_critic=True)
     with pytest.raises(KeyError, match="known: gae, grpo, reinforce_pp, rloo"):
         AlgorithmPreset(advantage="ppo")
     with pytest.raises(KeyError, match="loss aggregation"):

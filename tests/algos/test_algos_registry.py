@@ -153,6 +153,9 @@ def test_kl_estimator_contract(name):
 def test_presets_name_registered_pieces():
     for name in ALGORITHMS.names():
         preset = ALGORITHMS[name]
+        if preset.imitation:  # dagger: no estimator and no policy-gradient loss
+            assert preset.advantage is None
+            continue
         assert preset.advantage in ADVANTAGES and preset.policy_loss in LOSSES
 
 

@@ -234,3 +234,64 @@ def test_toy_expert_reaches_every_target() -> None:
         assert actions.shape == (16, env.action_dim) and actions.dtype == torch.float32
         solved |= env.chunk_step(actions[:, None]).success
     assert solved.all()
+
+
+# -- DAgger's labels: chunk_step(actions, expert=True) ------------------------------------------
+def _labels_one_step_at_a_time(env, reset_ids, actions) -> torch.Tensor:
+    """The expert's own action before each step of ``actions [B, K, A]``, asking it step by
+    step on an env that executes the chunk one action at a time (``auto_reset=False``)."""
+    env.reset(reset_ids)
+    out = []
+    for k in range(actions.shape[1]):
+        out.append(env.expert_actions())
+        env.chunk_step(actions[:, k : k + 1])
+    return torch.stack(out, dim=1)
+
+
+def test_dagger_labels_are_the_toy_experts_actions_in_the_visited_states() -> None:
+    # by hand: the toy expert heads straight at the target, (target - pos) / step clipped to 1
+    env = make_env("toy", num_envs=3, action_dim=2, auto_reset=False, num_objects=1)
+    env.reset(torch.tensor([5, 6, 7]))
+    actions = torch.rand(3, 4, 2, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    want, pos = [], env._pos.clone()
+    for k in range(4):
+        want.append(((env.target_pos - pos) / env.cfg.step_size).clamp(-1, 1))
+        pos = (pos + actions[:, k] * env.cfg.step_size).clamp(0, 1)
+    result = env.chunk_step(actions, expert=True)
+    torch.testing.assert_close(result.info["expert_actions"], torch.stack(want, 1))
+    assert "expert_actions" not in env.chunk_step(actions).info  # only when asked
+
+
+def test_dagger_labels_of_an_env_that_ended_repeat_its_last_label() -> None:
+    env = make_env("toy", num_envs=2, action_dim=2, max_episode_steps=2, auto_reset=True)
+    env.reset(torch.tensor([1, 2]))
+    result = env.chunk_step(torch.zeros(2, 4, 2), expert=True)
+    labels = result.info["expert_actions"]
+    assert result.truncated[:, 1].all()  # both ended at the chunk's second step
+    assert torch.equal(labels[:, 2], labels[:, 1]) and torch.equal(labels[:, 3], labels[:, 1])
+    assert not torch.equal(labels[:, 0], torch.zeros_like(labels[:, 0]))
+
+
+@pytest.mark.sim
+def test_dagger_labels_are_the_maniskill_experts_actions_in_the_visited_states(
+    maniskill,
+) -> None:
+    # the same scenes and the same random chunk on two envs: one labels the chunk's states in
+    # chunk_step, the other steps one action at a time and asks the expert before each step
+    config = {"task": "PushCube-v1", "num_envs": 2, "sim_backend": "cpu", "image_size": 16}
+    ids = torch.tensor([11, 12])
+    actions = torch.rand(2, 3, 7, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    stepwise = make_env("maniskill", **config, auto_reset=False)
+    try:
+        want = _labels_one_step_at_a_time(stepwise, ids, actions)
+    finally:
+        stepwise.close()
+    env = make_env("maniskill", **config)
+    try:
+        env.reset(ids)
+        got = env.chunk_step(actions, expert=True).info["expert_actions"]
+    finally:
+        env.close()
+    assert got.shape == (2, 3, 7)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert not torch.allclose(got[:, 0], got[:, 2])  # the states moved between the labels

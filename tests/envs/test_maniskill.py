@@ -184,6 +184,48 @@ def test_privileged_state_is_the_tasks_own_state_observation(maniskill) -> None:
     torch.testing.assert_close(state[16:], want.float(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("task", ["PushCube-v1", "PickCube-v1"])
+def test_proprio_state_is_the_robots_entries_of_maniskills_state_dict(maniskill, task) -> None:
+    # state_mode=proprio (what a VLA sees besides its cameras): exactly the robot's entries of
+    # ManiSkill's own state dict, the joint positions and the TCP pose, read from the same
+    # scene; moving the cube and the goal changes none of it, while their entries change.
+    import gymnasium as gym
+
+    from rlinf_vla.envs import env_config
+    from rlinf_vla.envs.maniskill.env import _state
+
+    proprio = env_config("maniskill", task=task, state_mode="proprio")
+    privileged = env_config("maniskill", task=task, state_mode="privileged")
+    raw = gym.make(task, num_envs=1, obs_mode="state_dict", sim_backend="physx_cpu")
+    try:
+        raw.reset(seed=3)
+        env = raw.unwrapped
+        obs = env.get_obs()
+        want = torch.cat([obs["agent"]["qpos"], obs["extra"]["tcp_pose"]], dim=-1)[0].float()
+        state = _state(env, proprio)[0]
+        assert state.shape == (proprio.spec().state_dim,) == (16,)
+        torch.testing.assert_close(state, want, atol=0, rtol=0)
+
+        objects = ["obj_pose", "goal_pos"]
+        before = {k: obs["extra"][k].clone() for k in objects}
+        full_before = _state(env, privileged)[0]
+        push = task == "PushCube-v1"
+        cube, goal = (env.obj, env.goal_region) if push else (env.cube, env.goal_site)
+        for actor in (cube, goal):  # 5 cm away in x and y
+            pose = actor.pose.raw_pose.clone()
+            pose[:, :2] += 0.05
+            actor.set_pose(type(actor.pose).create(pose))
+        after = env.get_obs()["extra"]
+        assert all(not torch.equal(before[k], after[k]) for k in objects)
+        torch.testing.assert_close(_state(env, proprio)[0], want, atol=0, rtol=0)
+        # the privileged mode of the same scene carries the moved objects
+        full_after = _state(env, privileged)[0]
+        torch.testing.assert_close(full_after[:16], want, atol=0, rtol=0)
+        assert not torch.equal(full_before[16:], full_after[16:])
+    finally:
+        raw.close()
+
+
 def test_privileged_state_size_is_left_to_the_simulator() -> None:
     # the task's own state differs in size per task (PushCube: 17 values, PickCube: more)
     from rlinf_vla.envs import env_config

@@ -171,6 +171,16 @@ class ManiSkillEnvConfig(EnvConfig):
     def describe(self) -> str:
         return self.task
 
+    def expert_problem(self, env_name: str) -> str | None:
+        """The scripted experts cover some tasks, in ``pd_ee_delta_pose`` only."""
+        from rlinf_vla.envs.maniskill.experts import check_expert
+
+        try:
+            check_expert(self.task, self.control_mode)
+        except ValueError as e:
+            return str(e)
+        return super().expert_problem(env_name)
+
     def episode_steps(self) -> int | None:
         """``max_episode_steps``, else the task's registered time limit (as the env uses it;
         ``None`` without ManiSkill installed)."""
