@@ -31,6 +31,7 @@ __all__ = [
     "SAFE_ON_RESUME",
     "Resume",
     "begin_checkpoint",
+    "best_checkpoint",
     "check_resume_config",
     "damage",
     "finish_checkpoint",
@@ -210,6 +211,42 @@ def resume_checkpoint(run_dir: str | Path, prefix: str) -> Resume:
         f"{where} has no complete checkpoint to resume from ({found}); start the run again "
         "in another folder"
     )
+
+
+def best_checkpoint(run_dir: str | Path, prefix: str, scenes: str = "validation") -> Resume:
+    """The complete checkpoint of ``run_dir`` (``<prefix>_<n>``) whose evaluation after step or
+    iteration ``n`` had the highest greedy success rate, among the evaluations on ``scenes``
+    (``runner.eval_scenes``: ``validation`` by default, so that the scenes a checkpoint is
+    then scored on played no part in choosing it); the latest of equal ones (the one trained
+    longest). Its note names the rate and how many evaluations it was chosen from.
+
+    Raises:
+        RunAborted: no complete checkpoint was evaluated on ``scenes``.
+    """
+    from rlinf_vla.pipelines.evaluation import SCENE_BLOCKS
+    from rlinf_vla.pipelines.tracking import read_metrics
+
+    run_dir = Path(run_dir)
+    first = float(SCENE_BLOCKS[scenes])
+    rates = {
+        int(row.get("iteration", row.get("step", -1))): float(row["eval/success_rate"])
+        for row in read_metrics(run_dir)
+        if row.get("eval/success_rate") is not None and row.get("eval/first_reset_id") == first
+    }
+    saved = {int(p.name.rsplit("_", 1)[1]): p for p in _numbered(run_dir, prefix)}
+    candidates = [(rate, n) for n, rate in rates.items() if n in saved and damage(saved[n]) is None]
+    if not candidates:
+        raise RunAborted(
+            f"{run_dir}: no complete checkpoint was evaluated on {scenes} scenes "
+            f"({len(rates)} evaluation(s) on them, checkpoints {sorted(saved)}): evaluate with "
+            f"runner.eval_scenes={scenes} at the steps the run saves (runner.save_interval)"
+        )
+    rate, n = max(candidates)
+    note = (
+        f"checkpoints/{saved[n].name}: greedy success {rate:.3f} on {scenes} scenes, the best "
+        f"of {len(candidates)} evaluated checkpoint(s)"
+    )
+    return Resume(saved[n], [note])
 
 
 def _said(skipped: list[str], chosen: str) -> list[str]:

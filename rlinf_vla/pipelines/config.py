@@ -21,6 +21,7 @@ from rlinf_vla.config import (
     from_section,
 )
 from rlinf_vla.pipelines.actor import AlgoConfig
+from rlinf_vla.pipelines.evaluation import check_eval_episodes
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
 from rlinf_vla.policies.resolve import fit_problems, policy_config_for, sized_for_env
 from rlinf_vla.runtime.cluster import ClusterConfig
@@ -88,6 +89,10 @@ class RunnerConfig:
         eval_interval: every N iterations, evaluate the greedy policy on held-out scenes
             (``eval/*`` metrics; 0 = never).
         eval_episodes: episodes per evaluation.
+        eval_scenes: the scenes they start from: ``held_out`` (reset ids from
+            ``2**31 - 2**20``, the default) or ``validation`` (the block below, from
+            ``2**31 - 2**21``; for choosing a checkpoint without looking at the held-out
+            scenes).
         eval_num_envs: envs the evaluation runs its episodes on, in rounds (``None``:
             ``min(env.num_envs, eval_episodes)``). The evaluation builds them beside the
             training envs; fewer use less memory (each ManiSkill or LIBERO env on the CPU is a
@@ -107,6 +112,7 @@ class RunnerConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval_interval: int = 10
     eval_episodes: int = 4
+    eval_scenes: Literal["held_out", "validation"] = "held_out"
     eval_num_envs: int | None = None
     eval_videos: bool = True
 
@@ -115,6 +121,7 @@ class RunnerConfig:
         check_at_least(self, "runner", positive, 1)
         check_at_least(self, "runner", ("eval_interval", "eval_episodes"), 0)
         check_at_least(self, "runner", ("eval_num_envs",), 1)
+        check_eval_episodes(self.eval_episodes)
         self.resume = resolve_resume(self.resume, self.output_dir, "iter")
 
 

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVAL_RESET_ID_BASE",
+    "SCENE_BLOCKS",
+    "VALIDATION_RESET_ID_BASE",
     "EvalResult",
     "eval_reset_ids",
     "evaluate_on_worker",
@@ -44,6 +46,25 @@ __all__ = [
 
 #: First default evaluation reset id (``2**31 - 2**20``): far from ids drawn by training.
 EVAL_RESET_ID_BASE = 2**31 - 2**20
+#: First validation reset id (``2**31 - 2**21``): the block just below the held-out one, for
+#: choosing a checkpoint (``runner.eval_scenes=validation``) without looking at the scenes it
+#: is then scored on.
+VALIDATION_RESET_ID_BASE = 2**31 - 2**21
+#: Scenes an evaluation block holds (the blocks do not overlap).
+SCENES_PER_BLOCK = 2**20
+#: ``runner.eval_scenes`` -> the first reset id of its block.
+SCENE_BLOCKS = {"held_out": EVAL_RESET_ID_BASE, "validation": VALIDATION_RESET_ID_BASE}
+
+
+def check_eval_episodes(episodes: int) -> None:
+    """``runner.eval_episodes`` must fit in one block of scenes (:data:`SCENES_PER_BLOCK`)."""
+    from rlinf_vla.config import ConfigError
+
+    if episodes > SCENES_PER_BLOCK:
+        raise ConfigError(
+            f"runner.eval_episodes must be <= {SCENES_PER_BLOCK} (a block of evaluation "
+            f"scenes), got {episodes}"
+        )
 
 
 def eval_reset_ids(episodes: int, base: int = EVAL_RESET_ID_BASE) -> torch.Tensor:
@@ -234,26 +255,28 @@ def evaluate_on_worker(
     rollout: Any,
     env_name: str,
     env: EnvConfig,
-    seed: int,
-    episodes: int,
-    num_envs: int | None,
-    videos: bool,
+    runner: Any,
     video_dir: Path,
     logger: Any,
     step: int,
 ) -> dict[str, float]:
     """One evaluation round of a trainer (``train`` and ``sft``): rollout worker 0 of
-    ``rollout`` runs :func:`greedy_eval` with the weights it holds, on an env of its own made
-    from ``env`` with ``num_envs`` envs (``None``: ``env``'s, at most ``episodes``); the
-    driver writes the videos it returns into ``video_dir`` and hands them to ``logger``.
-    Returns the ``eval/*`` metrics."""
+    ``rollout`` runs :func:`greedy_eval` with the weights it holds, on ``runner.eval_episodes``
+    scenes of the block ``runner.eval_scenes`` names (:data:`SCENE_BLOCKS`), on an env of its
+    own made from ``env`` with ``runner.eval_num_envs`` envs (``None``: ``env``'s, at most the
+    episodes); the driver writes the videos it returns into ``video_dir`` and hands them to
+    ``logger``. Returns the ``eval/*`` metrics, ``eval/first_reset_id`` among them."""
     from rlinf_vla.envs import replace_config
 
-    envs = min(env.num_envs if num_envs is None else num_envs, episodes)
-    env_cfg = replace_config(env, seed=seed, group_size=1, num_envs=envs)
-    [(metrics, blobs)] = rollout.evaluate(env_name, env_cfg, episodes, videos, ranks=[0]).wait()
+    episodes = runner.eval_episodes
+    envs = min(env.num_envs if runner.eval_num_envs is None else runner.eval_num_envs, episodes)
+    env_cfg = replace_config(env, seed=runner.seed, group_size=1, num_envs=envs)
+    first = SCENE_BLOCKS[runner.eval_scenes]
+    ids = eval_reset_ids(episodes, first)
+    call = rollout.evaluate(env_name, env_cfg, episodes, runner.eval_videos, ids, ranks=[0])
+    [(metrics, blobs)] = call.wait()
     for name, blob in blobs.items():
         video_dir.mkdir(parents=True, exist_ok=True)
         (video_dir / name).write_bytes(blob)
         logger.log_video("eval/video", video_dir / name, step)
-    return metrics
+    return {**metrics, "eval/first_reset_id": float(first)}

@@ -414,9 +414,15 @@ class RolloutWorker(Worker):
         self.version = version
 
     def evaluate(
-        self, env_name: str, env_config: EnvConfig, episodes: int, videos: bool
+        self,
+        env_name: str,
+        env_config: EnvConfig,
+        episodes: int,
+        videos: bool,
+        reset_ids: Tensor | None = None,
     ) -> tuple[dict[str, float], dict[str, bytes]]:
-        """Greedy evaluation of the current weights (:func:`greedy_eval`, held-out scenes).
+        """Greedy evaluation of the current weights (:func:`greedy_eval`) on the scenes
+        ``reset_ids`` (``None``: the held-out ones).
 
         Runs where the policy already is (its device, ``algo.autocast``), on an env of its own
         made on the first call and kept. The sampler's random state is left as it was, so
@@ -435,7 +441,11 @@ class RolloutWorker(Worker):
         with tempfile.TemporaryDirectory() as tmp, torch.random.fork_rng(devices=cuda):
             with self._resident(), autocast(self.device, self.autocast):
                 result = greedy_eval(
-                    self.policy, self._eval_env, episodes, video_dir=tmp if videos else None
+                    self.policy,
+                    self._eval_env,
+                    episodes,
+                    reset_ids=reset_ids,
+                    video_dir=tmp if videos else None,
                 )
             files = {Path(v).name: Path(v).read_bytes() for v in result.videos}
         return result.metrics(), files

@@ -33,6 +33,7 @@ from rlinf_vla.config import (
     to_dict,
 )
 from rlinf_vla.pipelines.demos import FeatureMap, combine_stats, map_features
+from rlinf_vla.pipelines.evaluation import check_eval_episodes
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume, run_folder
 from rlinf_vla.runtime.cluster import ClusterConfig
 
@@ -125,7 +126,11 @@ class SFTRunnerConfig:
         eval_interval: greedy evaluation in ``env`` every N steps (0: never); also once
             before the first step when ``eval_at_start``.
         eval_at_start: evaluate the starting policy too (the curve's first point).
-        eval_episodes: episodes per evaluation (held-out reset ids).
+        eval_episodes: episodes per evaluation.
+        eval_scenes: which scenes they start from: ``held_out`` (reset ids from
+            ``2**31 - 2**20``, those ``train`` evaluates on) or ``validation`` (the block below
+            them, from ``2**31 - 2**21``): choose a checkpoint on validation scenes and score
+            it on others (:func:`~rlinf_vla.pipelines.checkpoints.best_checkpoint`).
         eval_num_envs: envs the evaluation runs them on (``None``: ``min(env.num_envs,
             eval_episodes)``; as ``train``).
         eval_videos: an MP4 of the first env per evaluation in ``<run>/videos/step_<N>/``.
@@ -141,6 +146,7 @@ class SFTRunnerConfig:
     eval_interval: int = 500
     eval_at_start: bool = False
     eval_episodes: int = 8
+    eval_scenes: Literal["held_out", "validation"] = "held_out"
     eval_num_envs: int | None = None
     eval_videos: bool = True
 
@@ -148,6 +154,7 @@ class SFTRunnerConfig:
         check_at_least(self, "runner", ("save_interval", "max_nan_updates"), 1)
         check_at_least(self, "runner", ("eval_interval", "eval_episodes"), 0)
         check_at_least(self, "runner", ("eval_num_envs",), 1)
+        check_eval_episodes(self.eval_episodes)
         self.resume = resolve_resume(self.resume, self.output_dir, "step")
 
 
@@ -556,10 +563,7 @@ class SFTRunner:
             self.rollout,
             self.job.env_name,
             self.job.env_config,
-            r.seed,
-            r.eval_episodes,
-            r.eval_num_envs,
-            r.eval_videos,
+            r,
             self.output_dir / "videos" / f"step_{step}",
             logger,
             step,

@@ -1,5 +1,7 @@
 """`rlinf-vla sft`: demonstrations as batches, dataset statistics in the policy, bad datasets."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -270,3 +272,74 @@ def test_a_fresh_pi0_pads_the_state_to_the_datas_size_unless_told(long_state_dem
     assert _sft_job(long_state_demos, "policy.max_state_dim=16").policy_config.max_state_dim == 16
     with pytest.raises(ConfigError, match=r"state has 12 dims, more than .*max_state_dim=10"):
         _sft_job(long_state_demos, "policy.max_state_dim=10")
+
+
+def _evaluated_run(tmp_path, evaluations):
+    """A run folder with complete checkpoints ``step_<n>`` and one metrics row per
+    ``(step, success, first reset id)``."""
+    from rlinf_vla.pipelines.checkpoints import write_manifest
+
+    run = tmp_path / "run"
+    rows = []
+    for step, rate, first in evaluations:
+        folder = run / "checkpoints" / f"step_{step}"
+        folder.mkdir(parents=True)
+        (folder / "actor_rank0.pt").write_bytes(b"weights %d" % step)
+        write_manifest(folder)
+        rows.append({"iteration": step, "eval/success_rate": rate, "eval/first_reset_id": first})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_the_best_checkpoint_is_chosen_on_validation_scenes_only(tmp_path):
+    from rlinf_vla.config import RunAborted
+    from rlinf_vla.pipelines.checkpoints import best_checkpoint
+    from rlinf_vla.pipelines.evaluation import EVAL_RESET_ID_BASE, VALIDATION_RESET_ID_BASE
+
+    val, test = float(VALIDATION_RESET_ID_BASE), float(EVAL_RESET_ID_BASE)
+    run = _evaluated_run(
+        tmp_path,
+        [(100, 0.5, val), (200, 0.75, val), (300, 0.75, val), (400, 1.0, test), (500, 0.6, val)],
+    )
+    # the held-out evaluation of step 400 plays no part; of two equal rates, the later wins
+    chosen = best_checkpoint(run, "step")
+    assert chosen.path.name == "step_300"
+    assert "0.750 on validation scenes, the best of 4" in chosen.notes[0]
+    # a damaged checkpoint is never chosen
+    (run / "checkpoints" / "step_300" / "actor_rank0.pt").write_bytes(b"changed")
+    assert best_checkpoint(run, "step").path.name == "step_200"
+    assert best_checkpoint(run, "step", scenes="held_out").path.name == "step_400"
+    held_out_only = _evaluated_run(tmp_path / "b", [(100, 0.5, test)])
+    with pytest.raises(RunAborted, match="no complete checkpoint was evaluated on validation"):
+        best_checkpoint(held_out_only, "step")
+
+
+def test_validation_scenes_are_neither_held_out_nor_demonstration_scenes():
+    from rlinf_vla.pipelines.evaluation import (
+        SCENE_BLOCKS,
+        SCENES_PER_BLOCK,
+        eval_reset_ids,
+    )
+
+    validation = set(eval_reset_ids(SCENES_PER_BLOCK, SCENE_BLOCKS["validation"]).tolist())
+    held_out = set(eval_reset_ids(SCENES_PER_BLOCK, SCENE_BLOCKS["held_out"]).tolist())
+    assert not validation & held_out
+    assert max(held_out) == 2**31 - 1  # the last block: ids the envs take
+    assert min(validation) > 10**9  # far above the demonstrations' ids (collect: 0, 1, ...)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_sft_evaluates_on_the_validation_scenes_it_is_told(tmp_path, toy_demos):
+    from rlinf_vla.pipelines.checkpoints import best_checkpoint
+    from rlinf_vla.pipelines.evaluation import VALIDATION_RESET_ID_BASE
+    from rlinf_vla.pipelines.tracking import read_metrics
+
+    run = tmp_path / "sft"
+    common = ["runner.eval_interval=2", "runner.save_interval=2", "runner.eval_episodes=4"]
+    assert _sft(run, toy_demos, "sft.steps=4", "runner.eval_scenes=validation", *common) == 0
+    evals = [r for r in read_metrics(run) if "eval/success_rate" in r]
+    assert [r["iteration"] for r in evals] == [2, 4]
+    assert all(r["eval/first_reset_id"] == VALIDATION_RESET_ID_BASE for r in evals)
+    best = max(evals, key=lambda r: (r["eval/success_rate"], r["iteration"]))
+    assert best_checkpoint(run, "step").path.name == f"step_{best['iteration']}"
