@@ -76,7 +76,7 @@ COMMANDS: dict[str, Command] = {
     for c in [
         Command(
             "train",
-            "RL post-training of a VLA policy in simulation (PPO, GRPO, DAPO, REINFORCE++ or RLOO; collocated, disaggregated, hybrid, local (one process) or auto placement)",
+            "RL post-training of a VLA policy in simulation (PPO, GRPO, DAPO, REINFORCE++ or RLOO; or DAgger, algo=dagger, from the env's scripted expert; collocated, disaggregated, hybrid, local (one process) or auto placement)",
             "train",
             "rlinf_vla.pipelines",
             output=_runner_folder,

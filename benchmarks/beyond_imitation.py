@@ -1,0 +1,363 @@
+"""Beyond imitation: few-demonstration behaviour cloning trained to its plateau, then PPO, GRPO and
+DAgger from it, on ManiSkill3 from the cameras and the robot's proprioception, over seeds.
+
+One command runs the whole study with the package's own commands (in this process) and prints
+a table (JSON too, default ``benchmarks/results/beyond_imitation.json``)::
+
+    .venv/bin/python benchmarks/beyond_imitation.py                       # PushCube, 20 demos
+    .venv/bin/python benchmarks/beyond_imitation.py --task PickCube-v1 --demos 50
+
+1. ``rlinf-vla collect``: ``--demos`` successful episodes of the task's scripted expert (reset
+   ids from 0);
+2. ``rlinf-vla sft`` at each ``--sft-seeds``: behaviour cloning for ``--sft-steps`` steps at a
+   constant rate, evaluated every ``--sft-eval-every`` steps on ``--eval-episodes`` validation
+   scenes (``runner.eval_scenes=validation``); the warm start is the checkpoint with the best
+   validation success (``best_checkpoint``), so neither its length nor its choice looks at the
+   scenes it is scored on;
+3. ``rlinf-vla train`` with each of ``--algos`` (``ppo``, ``grpo``, ``dagger``) from each warm
+   start at each of ``--seeds``.
+
+Every checkpoint that enters the table (each warm start, each run's last one) is scored by
+``rlinf-vla eval`` on two sets of scenes no choice was made on: ``held-out`` (reset ids from
+``2**31 - 2**20``, the scenes of the training runs' own evaluations) and ``check`` (ids from
+``--check-seed``). A stage's row gives the mean and standard deviation over its runs, the range,
+and its gain over the warm start it started from (paired by SFT seed), mean and smallest.
+
+The policy is the tiny OpenVLA-OFT (0.48 M parameters, a Gaussian action head) with one 64 x 64
+camera; ``--state proprio`` (the default) gives it the robot's joint positions and TCP pose, as
+a VLA sees the world, ``--state privileged`` adds the object and goal poses. Finished stages
+are reused from ``--work``, so a second command with other seeds adds runs to the same study.
+``--set stage.section.key=value`` changes one stage's setting (``collect``, ``sft``, ``ppo``,
+``grpo``, ``dagger``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from rlinf_vla import cli
+from rlinf_vla.pipelines.checkpoints import best_checkpoint
+from rlinf_vla.pipelines.evaluation import EVAL_RESET_ID_BASE
+from rlinf_vla.pipelines.tracking import read_metrics
+
+ALGOS = ("ppo", "grpo", "dagger")
+
+# Settings of each algorithm (the RL ones: those of benchmarks/maniskill_learning.py's
+# OpenVLA-OFT recipe; DAgger: behaviour cloning's rate on the whole policy).
+RECIPE: dict[str, list[str]] = {
+    "rl": [
+        "policy.clip_greedy=true",  # evaluate the greedy action as the env executes it
+        'policy.trainable_modules="(action_head|value_head|log_std)"',
+        "policy.detach_value_input=true",
+        "algo.lr=1e-4",
+        "algo.log_std_lr=1e-3",
+        "algo.lr_schedule=linear",
+        "algo.warmup_iterations=5",
+    ],
+    "ppo": ["algo.critic_warmup_iterations=3", "algo.bootstrap_truncated=false"],
+    "grpo": [],
+    # behaviour cloning's rate and batch on the whole policy: 4 passes over each rollout's
+    # samples (520 with 40 envs on PushCube), drawn from everything gathered so far
+    "dagger": ["policy.clip_greedy=true", "algo.lr=3e-4"],
+}
+ENVS = {"ppo": 40, "grpo": 80, "dagger": 40}
+
+
+def env_args(args: argparse.Namespace, num_envs: int) -> list[str]:
+    return [
+        "env=maniskill",
+        f"env.task={args.task}",
+        f"env.num_envs={num_envs}",
+        "env.sim_backend=cpu",
+        f"env.image_size={args.image_size}",
+        f"env.state_mode={args.state}",
+    ]
+
+
+def common(out: Path, seed: int) -> list[str]:
+    return [
+        f"runner.output_dir={out}",
+        f"runner.seed={seed}",
+        "runner.logging.tensorboard=true",
+        "cluster.devices_per_node=1",
+    ]
+
+
+def stage_sets(args: argparse.Namespace, stage: str) -> list[str]:
+    prefix = f"{stage}."
+    return [s.removeprefix(prefix) for s in args.set if s.startswith(prefix)]
+
+
+def run(command: list[str]) -> float:
+    """Run one ``rlinf-vla`` command in this process; returns its wall time."""
+    print("+ rlinf-vla " + " ".join(command), flush=True)
+    t0 = time.perf_counter()
+    code = cli.main(command)
+    if code != 0:
+        raise SystemExit(f"rlinf-vla {command[0]} failed with exit code {code}")
+    return time.perf_counter() - t0
+
+
+def episode_chunks(args: argparse.Namespace) -> int:
+    """Chunk steps that hold one whole episode of the task (its registered time limit)."""
+    from rlinf_vla.envs import env_config
+
+    steps = env_config("maniskill", task=args.task, sim_backend="cpu").episode_steps() or 100
+    return math.ceil(steps / args.chunk)
+
+
+def score(args: argparse.Namespace, checkpoint: Path, out: Path, first: int) -> float:
+    """Greedy success of ``checkpoint`` on ``--eval-episodes`` scenes from reset id ``first``
+    (``rlinf-vla eval``; an interrupted evaluation resumes, a finished one is read back)."""
+    done = out / "results.json"
+    if not done.exists() or json.loads(done.read_text())["overall"]["trials"] < args.eval_episodes:
+        run(
+            [
+                "eval",
+                *env_args(args, args.eval_envs),
+                "policy=openvla_oft",
+                f"policy.checkpoint={checkpoint}",
+                "policy.clip_greedy=true",
+                f"eval.trials_per_task={args.eval_episodes}",
+                f"eval.seed={first}",
+                f"eval.output_dir={out}",
+                "eval.progress=false",
+            ]
+        )
+    return float(json.loads(done.read_text())["overall"]["success_rate"])
+
+
+def scores(args: argparse.Namespace, checkpoint: Path, out: Path) -> dict[str, float]:
+    return {
+        "held_out": score(args, checkpoint, out / "eval-held-out", EVAL_RESET_ID_BASE),
+        "check": score(args, checkpoint, out / "eval-check", args.check_seed),
+    }
+
+
+def sft_stage(args: argparse.Namespace, demos: Path, seed: int) -> dict[str, Any]:
+    """The warm start at SFT seed ``seed``: its run, its validation curve, the chosen
+    checkpoint and its scores."""
+    name = f"{args.task}-{args.state}-demos{args.demos}-sft{args.sft_steps}-seed{seed}"
+    out = args.work / name
+    wall = None
+    if not (out / "checkpoints" / f"step_{args.sft_steps}").exists():
+        wall = run(
+            [
+                "sft",
+                *env_args(args, 8),
+                "policy=openvla_oft",
+                f"policy.chunk_size={args.chunk}",
+                f"data.paths=[{demos}]",
+                f"sft.steps={args.sft_steps}",
+                "sft.lr=3e-4",
+                "sft.batch_size=64",
+                "sft.micro_batch_size=64",
+                f"runner.eval_interval={args.sft_eval_every}",
+                "runner.eval_at_start=false",
+                f"runner.eval_episodes={args.eval_episodes}",
+                "runner.eval_scenes=validation",
+                "runner.eval_videos=false",
+                f"runner.save_interval={args.sft_eval_every}",
+                *common(out, seed),
+                *stage_sets(args, "sft"),
+            ]
+        )
+    chosen = best_checkpoint(out, "step")
+    print(chosen.notes[0])
+    curve = [
+        (int(r["iteration"]), float(r["eval/success_rate"]))
+        for r in read_metrics(out)
+        if r.get("eval/success_rate") is not None
+    ]
+    return {
+        "seed": seed,
+        "run_dir": str(out),
+        "checkpoint": str(chosen.path / "policy"),
+        "chosen_step": chosen.number,
+        "validation_curve": curve,
+        "seconds": wall,
+        **scores(args, chosen.path / "policy", out / "chosen"),
+    }
+
+
+def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed: int) -> dict:
+    """One run of ``algo`` from the warm start ``warm`` at seed ``seed``, and its scores."""
+    out = Path(warm["run_dir"] + f"-{algo}{seed}")
+    iterations = getattr(args, f"{algo}_iterations")
+    last = out / "checkpoints" / f"iter_{iterations}" / "policy"
+    chunks = episode_chunks(args)
+    envs = ENVS[algo]
+    extra = []
+    if algo == "grpo":  # GRPO scores each env's first episode: groups of --group envs
+        extra = [f"algo.group_size={args.group}", f"env.group_size={args.group}"]
+    minibatch = 64 if algo == "dagger" else envs * chunks // 2  # RL: two per iteration
+    epochs = 4 if algo == "dagger" else args.epochs
+    wall = None
+    if not last.exists():
+        wall = run(
+            [
+                "train",
+                *env_args(args, envs),
+                "policy=openvla_oft",
+                f"policy.checkpoint={warm['checkpoint']}",
+                f"algo={algo}",
+                *(RECIPE["rl"] if algo != "dagger" else []),
+                *extra,
+                f"algo.update_epochs={epochs}",
+                f"algo.minibatch_size={minibatch}",
+                f"algo.micro_batch_size={minibatch}",
+                *RECIPE[algo],
+                f"runner.rollout_chunks={chunks}",
+                f"runner.max_iterations={iterations}",
+                f"runner.eval_interval={args.eval_every}",
+                f"runner.eval_episodes={args.eval_episodes}",
+                f"runner.eval_num_envs={args.eval_envs}",
+                "runner.eval_videos=false",
+                f"runner.save_interval={iterations}",
+                *common(out, seed),
+                *stage_sets(args, algo),
+            ]
+        )
+    curve = [
+        (int(r["iteration"]), float(r["eval/success_rate"]))
+        for r in read_metrics(out)
+        if r.get("eval/success_rate") is not None
+    ]
+    return {
+        "algo": algo,
+        "seed": seed,
+        "sft_seed": warm["seed"],
+        "run_dir": str(out),
+        "curve": curve,
+        "seconds": wall,
+        **scores(args, last, out / "final"),
+    }
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "runs": len(values),
+    }
+
+
+def table(warm: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per stage: each measure's summary over its runs, and the gain (points) over the
+    run's own warm start."""
+    start = {w["seed"]: w for w in warm}
+    rows = [{"stage": "bc", **{m: summary([w[m] for w in warm]) for m in ("held_out", "check")}}]
+    for algo in ALGOS:
+        mine = [r for r in runs if r["algo"] == algo]
+        if not mine:
+            continue
+        row: dict[str, Any] = {"stage": algo}
+        for m in ("held_out", "check"):
+            row[m] = summary([r[m] for r in mine])
+            row[f"{m}_gain"] = summary([100 * (r[m] - start[r["sft_seed"]][m]) for r in mine])
+        rows.append(row)
+    return rows
+
+
+def _cell(row: dict[str, Any], m: str) -> str:
+    s = row[m]
+    return f"{s['mean']:.3f} +- {s['std']:.3f} [{s['min']:.2f}, {s['max']:.2f}]"
+
+
+def _gain(row: dict[str, Any], m: str) -> str:
+    g = row.get(f"{m}_gain")
+    return "" if g is None else f"{g['mean']:+.1f} ({g['min']:+.1f})"
+
+
+def show(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    n = args.eval_episodes
+    print(
+        f"\n{args.task} from {args.state} state, {args.demos} demonstrations: greedy success on "
+        f"{n} held-out scenes and {n} check scenes, mean +- sd [min, max] over runs"
+    )
+    print(f"{'stage':<8}{'runs':>5}  {'held-out':<26}{'gain (min)':<18}{'check':<26}gain (min)")
+    for row in rows:
+        print(
+            f"{row['stage']:<8}{row['held_out']['runs']:>5}  {_cell(row, 'held_out'):<26}"
+            f"{_gain(row, 'held_out'):<18}{_cell(row, 'check'):<26}{_gain(row, 'check')}"
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--task", default="PushCube-v1")
+    p.add_argument("--state", default="proprio", choices=["proprio", "privileged"])
+    p.add_argument("--demos", type=int, default=20, help="successful expert episodes")
+    p.add_argument("--sft-steps", type=int, default=3000)
+    p.add_argument("--sft-eval-every", type=int, default=250, help="SFT steps between evaluations")
+    p.add_argument("--sft-seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL / DAgger seeds")
+    p.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
+    p.add_argument("--ppo-iterations", type=int, default=40)
+    p.add_argument("--grpo-iterations", type=int, default=40)
+    p.add_argument("--dagger-iterations", type=int, default=20)
+    p.add_argument("--group", type=int, default=5, help="GRPO: envs per group")
+    p.add_argument("--epochs", type=int, default=2, help="RL update epochs per iteration")
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=4, help="actions per policy call")
+    p.add_argument("--eval-episodes", type=int, default=64)
+    p.add_argument("--eval-envs", type=int, default=4, help="envs of each evaluation")
+    p.add_argument("--eval-every", type=int, default=20, help="iterations between evaluations")
+    p.add_argument("--check-seed", type=int, default=1_000_000)
+    p.add_argument("--work", type=Path, default=Path("runs/beyond_imitation"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/beyond_imitation.json"))
+    p.add_argument("--set", action="append", default=[], help="stage.section.key=value")
+    p.add_argument("--plot", action="store_true", help="draw each run's curves (PNG)")
+    args = p.parse_args()
+
+    t0 = time.perf_counter()
+    demos = args.work / f"{args.task}-demos{args.demos}"
+    if not (demos / "meta" / "info.json").exists():
+        run(
+            [
+                "collect",
+                *env_args(args, 2),
+                f"collect.episodes={args.demos}",
+                f"collect.output_dir={demos}",
+                *stage_sets(args, "collect"),
+            ]
+        )
+    warm = [sft_stage(args, demos, s) for s in args.sft_seeds]
+    runs = [
+        train_stage(args, algo, w, seed) for w in warm for algo in args.algos for seed in args.seeds
+    ]
+    rows = table(warm, runs)
+    show(rows, args)
+    for w in warm:
+        curve = " ".join(f"{r:.2f}@{s}" for s, r in w["validation_curve"])
+        print(f"bc seed {w['seed']}: validation {curve}; chose step {w['chosen_step']}")
+    if args.plot:
+        for r in [*warm, *runs]:
+            cli.main(["plot", r["run_dir"]])
+    minutes = (time.perf_counter() - t0) / 60
+    print(f"total {minutes:.1f} minutes")
+    results = {
+        "config": vars(args) | {"work": str(args.work), "out": str(args.out)},
+        "table": rows,
+        "warm_starts": warm,
+        "runs": runs,
+        "minutes": minutes,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
