@@ -299,7 +299,7 @@ def main() -> None:
     p.add_argument("--state", default="proprio", choices=["proprio", "privileged"])
     p.add_argument("--demos", type=int, default=20, help="successful expert episodes")
     p.add_argument("--sft-steps", type=int, default=3000)
-    p.add_argument("--sft-eval-every", type=int, default=250, help="SFT steps between evaluations")
+    p.add_argument("--sft-eval-every", type=int, default=500, help="SFT steps between evaluations")
     p.add_argument("--sft-seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL / DAgger seeds")
     p.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)

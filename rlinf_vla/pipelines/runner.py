@@ -257,7 +257,7 @@ class EmbodiedRunner:
         # every rank takes the same optimizer steps (and skips): their counts are one rank's
         train_metrics = merge_ranks(
             [result[0] for result in train],
-            summed=("train/samples",),
+            summed=("train/samples", "dagger/aggregate_samples"),
             maxed=("train/skipped_updates", "train/nan_streak"),
         )
         stats = {k: [x for s in env_stats for x in s[k]] for k in env_stats[0]}
@@ -353,10 +353,12 @@ class EmbodiedRunner:
         if graceful and "rollout" in self.__dict__:
             with contextlib.suppress(Exception):
                 self.rollout.close().wait(timeout=60)
+        # first the channel: a (local) worker blocked on it ends its call, so its group's
+        # shutdown can wait for its thread
+        self.channel.close()
         for name in ("env", "rollout", "actor"):
             if name in self.__dict__:  # all of them unless the start failed
                 self.__dict__[name].shutdown()
-        self.channel.close()
 
 
 def rollout_breakdown(

@@ -313,12 +313,17 @@ class LocalGroup(GroupBase):
         """The worker object of ``rank`` (this process holds it)."""
         return self._workers[rank]
 
-    def shutdown(self) -> None:
-        """Stop the threads once their current call returns. A call blocked on a channel
-        ends when the channel is closed; the threads are daemons, so none keeps the process
-        alive."""
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the threads once their current call returns, and wait up to ``timeout_s`` for
+        each to end (a call blocked on a channel ends when the channel is closed: close it
+        first). A thread still running at the interpreter's exit would be cancelled inside
+        the torch code it runs, which aborts the process; the threads are daemons, so none
+        that does not end keeps the process alive."""
         for host in self._hosts:
             host.stop()
+        for host in self._hosts:
+            if host is not threading.current_thread():
+                host.join(timeout_s)
         self._hosts, self._workers = [], []
         self._starting = None
 
