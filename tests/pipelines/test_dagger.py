@@ -129,11 +129,11 @@ def test_dagger_learns_the_toy_oracle_from_random_weights(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_a_resumed_dagger_run_continues_its_aggregate(tmp_path):
-    # Ray workers: a run resumed from its checkpoint after iteration 2 takes the same steps as
-    # one that ran through, on an aggregate that holds every iteration's samples.
-    common = [*TOY, "env.num_envs=4", "algo.update_epochs=2", "runner.eval_interval=0"]
+    # A run resumed from its checkpoint after iteration 2 takes the same steps as one that ran
+    # through, on an aggregate that holds every iteration's samples.
+    common = [*TOY, "placement=local", "env.num_envs=4", "algo.update_epochs=2"]
+    common += ["runner.eval_interval=0"]
     common += ["runner.save_interval=2", "runner.seed=5"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert cli.main(["train", *common, "runner.max_iterations=3", f"runner.output_dir={full}"]) == 0
