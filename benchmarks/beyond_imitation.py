@@ -35,13 +35,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+# the helpers of the privileged-state benchmark beside this file (run as a script, its folder
+# is on the path)
+from maniskill_learning import common, episode_chunks, run, stage_sets
 
 from rlinf_vla import cli
 from rlinf_vla.pipelines.checkpoints import best_checkpoint
@@ -80,38 +83,6 @@ def env_args(args: argparse.Namespace, num_envs: int) -> list[str]:
         f"env.image_size={args.image_size}",
         f"env.state_mode={args.state}",
     ]
-
-
-def common(out: Path, seed: int) -> list[str]:
-    return [
-        f"runner.output_dir={out}",
-        f"runner.seed={seed}",
-        "runner.logging.tensorboard=true",
-        "cluster.devices_per_node=1",
-    ]
-
-
-def stage_sets(args: argparse.Namespace, stage: str) -> list[str]:
-    prefix = f"{stage}."
-    return [s.removeprefix(prefix) for s in args.set if s.startswith(prefix)]
-
-
-def run(command: list[str]) -> float:
-    """Run one ``rlinf-vla`` command in this process; returns its wall time."""
-    print("+ rlinf-vla " + " ".join(command), flush=True)
-    t0 = time.perf_counter()
-    code = cli.main(command)
-    if code != 0:
-        raise SystemExit(f"rlinf-vla {command[0]} failed with exit code {code}")
-    return time.perf_counter() - t0
-
-
-def episode_chunks(args: argparse.Namespace) -> int:
-    """Chunk steps that hold one whole episode of the task (its registered time limit)."""
-    from rlinf_vla.envs import env_config
-
-    steps = env_config("maniskill", task=args.task, sim_backend="cpu").episode_steps() or 100
-    return math.ceil(steps / args.chunk)
 
 
 def score(args: argparse.Namespace, checkpoint: Path, out: Path, first: int) -> float:

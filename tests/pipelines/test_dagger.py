@@ -12,6 +12,7 @@ from rlinf_vla import cli
 from rlinf_vla.pipelines.dagger import Aggregate, expert_samples
 from rlinf_vla.pipelines.rollout import Trajectory
 from rlinf_vla.types import Observation
+from tests.pipelines.test_sft import TOY as TOY_TASK
 
 
 def _obs(values: list[float]) -> Observation:
@@ -83,15 +84,9 @@ def test_the_aggregate_keeps_everything_or_the_newest_and_survives_a_checkpoint(
         unbounded.add(_obs([0.0, 1.0]), actions[:3])
 
 
-# The toy task of the SFT tests: one target, the agent starts in the centre.
+# The toy task of the SFT tests (one target, the agent starts in the centre), as DAgger runs it.
 TOY = [
-    "env=toy",
-    "env.num_objects=1",
-    "env.state_mode=privileged",
-    "env.action_dim=2",
-    "env.max_episode_steps=16",
-    "env.success_radius=0.1",
-    "env.agent_start=center",
+    *TOY_TASK,
     "env.num_envs=8",
     "policy=openvla_oft",
     "policy.chunk_size=2",
