@@ -224,13 +224,14 @@ def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[di
     worker.obs = [None] * len(envs)
     worker.episode_return = [torch.zeros(env.num_envs) for env in envs]
     worker.in_first_episode = [torch.zeros(env.num_envs, dtype=torch.bool) for env in envs]
+    worker.expert = False
     intervals: list[tuple[int, float, float]] = []
     for s, env in enumerate(envs):
         step = env.chunk_step
 
-        def timed(actions, s=s, step=step):
+        def timed(actions, expert=False, s=s, step=step):
             t0 = time.monotonic()
-            out = step(actions)
+            out = step(actions, expert=expert)
             intervals.append((s, t0, time.monotonic()))
             return out
 

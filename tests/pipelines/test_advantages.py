@@ -120,7 +120,7 @@ def test_the_presets_defaults_and_overrides_and_unknown_names_fail():
     assert AlgoConfig(name="grpo").gamma == 1.0 and AlgoConfig(name="grpo").group_size == 4
     assert AlgoConfig(name="grpo", group_size=2, gamma=0.8).gamma == 0.8
     assert AlgoConfig(name="ppo").group_size == 1
-    with pytest.raises(ConfigError, match="known: dapo, grpo, ppo, reinforce_pp, rloo"):
+    with pytest.raises(ConfigError, match="known: dagger, dapo, grpo, ppo, reinforce_pp, rloo"):
         AlgoConfig(name="reinforce")
     with pytest.raises(ConfigError, match=r"algo\.clip_low must lie in \[0, 1\).*algo\.lr"):
         AlgoConfig(clip_low=-0.5, lr=-1)
