@@ -44,7 +44,7 @@ from typing import Any
 
 # the helpers of the privileged-state benchmark beside this file (run as a script, its folder
 # is on the path)
-from maniskill_learning import common, episode_chunks, run, stage_sets
+from maniskill_learning import common, env_args, episode_chunks, run, stage_sets
 
 from rlinf_vla import cli
 from rlinf_vla.pipelines.checkpoints import best_checkpoint
@@ -72,17 +72,6 @@ RECIPE: dict[str, list[str]] = {
     "dagger": ["policy.clip_greedy=true", "algo.lr=3e-4"],
 }
 ENVS = {"ppo": 40, "grpo": 80, "dagger": 40}
-
-
-def env_args(args: argparse.Namespace, num_envs: int) -> list[str]:
-    return [
-        "env=maniskill",
-        f"env.task={args.task}",
-        f"env.num_envs={num_envs}",
-        "env.sim_backend=cpu",
-        f"env.image_size={args.image_size}",
-        f"env.state_mode={args.state}",
-    ]
 
 
 def score(args: argparse.Namespace, checkpoint: Path, out: Path, first: int) -> float:

@@ -108,13 +108,14 @@ ENVS = {"ppo": 40, "grpo": 80}
 
 
 def env_args(args: argparse.Namespace, num_envs: int) -> list[str]:
+    """The env's keys; the state is ``args.state`` where a caller has one (privileged here)."""
     return [
         "env=maniskill",
         f"env.task={args.task}",
         f"env.num_envs={num_envs}",
         "env.sim_backend=cpu",
         f"env.image_size={args.image_size}",
-        "env.state_mode=privileged",
+        f"env.state_mode={getattr(args, 'state', 'privileged')}",
     ]
 
 
