@@ -44,12 +44,11 @@ from typing import Any
 
 # the helpers of the privileged-state benchmark beside this file (run as a script, its folder
 # is on the path)
-from maniskill_learning import common, env_args, episode_chunks, run, stage_sets
+from maniskill_learning import common, env_args, episode_chunks, evaluations, run, stage_sets
 
 from rlinf_vla import cli
 from rlinf_vla.pipelines.checkpoints import best_checkpoint
 from rlinf_vla.pipelines.evaluation import EVAL_RESET_ID_BASE
-from rlinf_vla.pipelines.tracking import read_metrics
 
 ALGOS = ("ppo", "grpo", "dagger")
 
@@ -132,11 +131,7 @@ def sft_stage(args: argparse.Namespace, demos: Path, seed: int) -> dict[str, Any
         )
     chosen = best_checkpoint(out, "step")
     print(chosen.notes[0])
-    curve = [
-        (int(r["iteration"]), float(r["eval/success_rate"]))
-        for r in read_metrics(out)
-        if r.get("eval/success_rate") is not None
-    ]
+    curve = evaluations(out)
     return {
         "seed": seed,
         "run_dir": str(out),
@@ -186,11 +181,7 @@ def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed:
                 *stage_sets(args, algo),
             ]
         )
-    curve = [
-        (int(r["iteration"]), float(r["eval/success_rate"]))
-        for r in read_metrics(out)
-        if r.get("eval/success_rate") is not None
-    ]
+    curve = evaluations(out)
     return {
         "algo": algo,
         "seed": seed,
