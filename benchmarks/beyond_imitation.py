@@ -53,11 +53,12 @@ from rlinf_vla.pipelines.evaluation import EVAL_RESET_ID_BASE
 ALGOS = ("ppo", "grpo", "dagger")
 
 # Settings of each algorithm (the RL ones: those of benchmarks/maniskill_learning.py's
-# OpenVLA-OFT recipe; DAgger: behaviour cloning's rate on the whole policy).
+# OpenVLA-OFT recipe, on the whole policy unless --head-only; DAgger: behaviour cloning's rate
+# on the whole policy).
+HEAD_ONLY = 'policy.trainable_modules="(action_head|value_head|log_std)"'
 RECIPE: dict[str, list[str]] = {
     "rl": [
         "policy.clip_greedy=true",  # evaluate the greedy action as the env executes it
-        'policy.trainable_modules="(action_head|value_head|log_std)"',
         "policy.detach_value_input=true",
         "algo.lr=1e-4",
         "algo.log_std_lr=1e-3",
@@ -145,7 +146,8 @@ def sft_stage(args: argparse.Namespace, demos: Path, seed: int) -> dict[str, Any
 
 def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed: int) -> dict:
     """One run of ``algo`` from the warm start ``warm`` at seed ``seed``, and its scores."""
-    out = Path(warm["run_dir"] + f"-{algo}{seed}")
+    recipe = RECIPE["rl"] + [HEAD_ONLY] * args.head_only if algo != "dagger" else []
+    out = Path(warm["run_dir"] + f"-{algo}{'-head' * args.head_only}{seed}")
     iterations = getattr(args, f"{algo}_iterations")
     last = out / "checkpoints" / f"iter_{iterations}" / "policy"
     chunks = episode_chunks(args)
@@ -164,7 +166,7 @@ def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed:
                 "policy=openvla_oft",
                 f"policy.checkpoint={warm['checkpoint']}",
                 f"algo={algo}",
-                *(RECIPE["rl"] if algo != "dagger" else []),
+                *recipe,
                 *extra,
                 f"algo.update_epochs={epochs}",
                 f"algo.minibatch_size={minibatch}",
@@ -184,6 +186,7 @@ def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed:
     curve = evaluations(out)
     return {
         "algo": algo,
+        "head_only": args.head_only and algo != "dagger",
         "seed": seed,
         "sft_seed": warm["seed"],
         "run_dir": str(out),
@@ -203,7 +206,9 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def table(warm: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def table(
+    warm: list[dict[str, Any]], runs: list[dict[str, Any]], head_only: bool
+) -> list[dict[str, Any]]:
     """One row per stage: each measure's summary over its runs, and the gain (points) over the
     run's own warm start."""
     start = {w["seed"]: w for w in warm}
@@ -212,7 +217,7 @@ def table(warm: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[s
         mine = [r for r in runs if r["algo"] == algo]
         if not mine:
             continue
-        row: dict[str, Any] = {"stage": algo}
+        row: dict[str, Any] = {"stage": algo + "-head" * (head_only and algo != "dagger")}
         for m in ("held_out", "check"):
             row[m] = summary([r[m] for r in mine])
             row[f"{m}_gain"] = summary([100 * (r[m] - start[r["sft_seed"]][m]) for r in mine])
@@ -259,6 +264,12 @@ def main() -> None:
     p.add_argument("--dagger-iterations", type=int, default=20)
     p.add_argument("--group", type=int, default=5, help="GRPO: envs per group")
     p.add_argument("--epochs", type=int, default=2, help="RL update epochs per iteration")
+    p.add_argument(
+        "--head-only",
+        action="store_true",
+        help="RL trains the action head, value head and log-std only (the privileged-state "
+        "benchmark's recipe); by default every weight trains, the vision encoder too",
+    )
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--chunk", type=int, default=4, help="actions per policy call")
     p.add_argument("--eval-episodes", type=int, default=64)
@@ -287,7 +298,7 @@ def main() -> None:
     runs = [
         train_stage(args, algo, w, seed) for w in warm for algo in args.algos for seed in args.seeds
     ]
-    rows = table(warm, runs)
+    rows = table(warm, runs, args.head_only)
     show(rows, args)
     for w in warm:
         curve = " ".join(f"{r:.2f}@{s}" for s, r in w["validation_curve"])
