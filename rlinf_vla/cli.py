@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,9 @@ class Command:
     folder under ``configs/`` holding the command's own primary config and groups (e.g. the
     ``algo`` group of ``math-grpo``); groups it lacks (``cluster``...) come from ``configs/``.
     ``output(job)`` names the folder the command writes and the key that sets it; it must be
-    writable before anything starts (:func:`preflight`).
+    writable before anything starts (:func:`preflight`). ``sections`` names the config class
+    (``module:Class``) of a config group's section, whose fields and docstring ``--help`` lists
+    (the policy and env groups' classes come from their registries).
     """
 
     name: str
@@ -61,6 +64,7 @@ class Command:
     module: str
     config_root: str = ""
     output: Callable[[Any], tuple[str, Path]] | None = None
+    sections: dict[str, str] = field(default_factory=dict)
 
     @property
     def config_dir(self) -> Path:
@@ -80,6 +84,12 @@ COMMANDS: dict[str, Command] = {
             "train",
             "rlinf_vla.pipelines",
             output=_runner_folder,
+            sections={
+                "cluster": "rlinf_vla.runtime.cluster:ClusterConfig",
+                "placement": "rlinf_vla.pipelines.config:TrainPlacementConfig",
+                "runner": "rlinf_vla.pipelines.config:RunnerConfig",
+                "algo": "rlinf_vla.pipelines.actor:AlgoConfig",
+            },
         ),
         Command(
             "collect",
@@ -94,6 +104,7 @@ COMMANDS: dict[str, Command] = {
             "sft",
             "rlinf_vla.pipelines.sft",
             output=_runner_folder,
+            sections={"cluster": "rlinf_vla.runtime.cluster:ClusterConfig"},
         ),
         Command(
             "eval",
@@ -101,6 +112,10 @@ COMMANDS: dict[str, Command] = {
             "eval",
             "rlinf_vla.eval",
             output=lambda job: ("eval.output_dir", Path(job.output_dir)),
+            sections={
+                "cluster": "rlinf_vla.runtime.cluster:ClusterConfig",
+                "eval": "rlinf_vla.eval.config:EvalConfig",
+            },
         ),
         Command(
             "bench",
@@ -115,18 +130,32 @@ COMMANDS: dict[str, Command] = {
             "rlinf_vla.reasoning",
             config_root="math_grpo",
             output=_runner_folder,
+            sections={
+                "cluster": "rlinf_vla.runtime.cluster:ClusterConfig",
+                "model": "rlinf_vla.reasoning.model:ModelConfig",
+                "data": "rlinf_vla.reasoning.data:DataConfig",
+                "algo": "rlinf_vla.reasoning.config:MathAlgoConfig",
+                "placement": "rlinf_vla.reasoning.config:MathPlacementConfig",
+                "runner": "rlinf_vla.reasoning.config:MathRunnerConfig",
+            },
         ),
         Command(
             "serve",
             "serve a policy over websockets (msgpack + numpy) for robot clients",
             "serve",
             "rlinf_vla.real_robot.serve",
+            sections={"server": "rlinf_vla.real_robot.server:ServerConfig"},
         ),
         Command(
             "deploy",
             "run a served policy on a Franka (real or simulated) through the safety layer, recording episodes",
             "deploy",
             "rlinf_vla.real_robot.deploy",
+            sections={
+                "action": "rlinf_vla.real_robot.deploy:ActionConfig",
+                "safety": "rlinf_vla.real_robot.safety:SafetyConfig",
+                "record": "rlinf_vla.real_robot.deploy:RecordConfig",
+            },
         ),
     ]
 }
@@ -281,8 +310,6 @@ def _family_class(cfg: Any, section: str) -> type | None:
 def _family_keys(cfg: Any, section: str) -> set[str]:
     """The keys of the config class of the policy or env that ``cfg``'s ``section`` names
     (empty for other sections and unknown names)."""
-    import dataclasses
-
     config_cls = _family_class(cfg, section)
     return {f.name for f in dataclasses.fields(config_cls)} if config_cls else set()
 
@@ -327,39 +354,88 @@ def _explain(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def describe_keys(config_file: Path) -> list[str]:
-    """The keys a primary config sets itself (not its groups'), as ``section.key = default``
-    with the comment the YAML gives them, for ``--help``."""
-    lines, stack = [], []  # stack: (indent, key) of the enclosing mappings
-    for raw in config_file.read_text().splitlines():
-        text = raw.split(" #", 1)[0].rstrip() if not raw.lstrip().startswith("#") else ""
-        if not text.strip() or text.lstrip().startswith("-") or ":" not in text:
+def _group_file(command: Command, group: str, choice: str) -> Path | None:
+    for root in (command.config_dir, CONFIG_DIR):
+        if (root / group / f"{choice}.yaml").is_file():
+            return root / group / f"{choice}.yaml"
+    return None
+
+
+def _section_class(command: Command, group: str, file: Path) -> tuple[type | None, dict, dict]:
+    """The config class of ``group``'s section as ``file`` chooses it, the defaults its
+    registry entry gives on top of the class's (a policy's spec, an algorithm's preset), and
+    the meanings of keys the class's docstring leaves to another (the preset keys)."""
+    name = (yaml.safe_load(file.read_text()) or {}).get("name")
+    if group == "algo" and group in command.sections:
+        from rlinf_vla.algos.presets import ALGORITHMS, AlgorithmPreset
+        from rlinf_vla.confighelp import attribute_docs
+
+        preset = ALGORITHMS[name] if name in ALGORITHMS.names() else None
+        cls = _import(command.sections[group])
+        defaults = dataclasses.asdict(preset) if preset is not None else {}
+        return cls, defaults, attribute_docs(AlgorithmPreset)
+    if group in ("policy", "env"):
+        if group == "policy":
+            from rlinf_vla.policies import POLICIES
+
+            spec = POLICIES.get(name)
+            return (spec.cls.config_cls, dict(spec.defaults), {}) if spec else (None, {}, {})
+        from rlinf_vla.envs import ENVS
+
+        return (ENVS[name].config_cls, {}, {}) if name in ENVS else (None, {}, {})
+    if group in command.sections:
+        return _import(command.sections[group]), {}, {}
+    return None, {}, {}
+
+
+def _import(target: str) -> type:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def help_keys(command: Command, overrides: Sequence[str] = ()) -> list[str]:
+    """Every key of ``command``'s config with its default and meaning, as ``--help`` lists
+    them: the command's own, then each group's as the defaults or ``overrides``
+    (``policy=pi0``) choose it."""
+    from rlinf_vla.confighelp import attribute_docs, plain, section_keys, yaml_keys
+
+    docs = {  # meanings of the command's own sections' keys, from their config classes
+        f"{section}.{key}": text
+        for section, target in command.sections.items()
+        for key, text in attribute_docs(_import(target)).items()
+    }
+    lines = [
+        k._replace(meaning=k.meaning or plain(docs.get(k.name, ""))).line()
+        for k in yaml_keys(command.config_dir / f"{command.config_name}.yaml")
+        if k.default
+    ]
+    choices = _default_choices(command.config_name, command.config_dir)
+    groups = config_groups(command.config_name, command.config_dir)
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") in groups and value in groups[key.lstrip("+~")]:
+            choices[key.lstrip("+~")] = value
+    for group, choice in choices.items():
+        file = _group_file(command, group, choice) if group in groups else None
+        if file is None:
             continue
-        indent = len(text) - len(text.lstrip())
-        key, _, value = text.strip().partition(":")
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        if key == "defaults" and not stack:
-            stack.append((indent, None))
-            continue
-        if any(k is None for _, k in stack):  # inside the defaults list
-            continue
-        comment = raw.split(" # ", 1)[1].strip() if " # " in raw else ""
-        if not value.strip():
-            stack.append((indent, key))
-            continue
-        name = ".".join([k for _, k in stack] + [key])
-        lines.append(f"  {name} = {value.strip()}" + (f"  ({comment})" if comment else ""))
+        cls, defaults, docs = _section_class(command, group, file)
+        lines.append(f" {group}={choice}:")
+        lines += [k.line() for k in section_keys(file, group, cls, defaults, docs)]
     return lines
 
 
-def _keys_text(command: Command) -> str:
-    keys = describe_keys(command.config_dir / f"{command.config_name}.yaml")
-    return "\n\nkeys of this command (section.key = default):\n" + "\n".join(keys) if keys else ""
+def _keys_text(command: Command, overrides: Sequence[str]) -> str:
+    keys = help_keys(command, overrides)
+    return "\n\nkeys (section.key = default  (meaning)):\n" + "\n".join(keys) if keys else ""
 
 
 # --------------------------------------------------------------------------- argument parsing
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(
+    help_for: str | None = None, overrides: Sequence[str] = ()
+) -> argparse.ArgumentParser:
+    """The parser; the ``help_for`` command's description lists its keys (composing them
+    takes the config classes' imports, so only the command whose help is asked for does)."""
     parser = argparse.ArgumentParser(
         prog="rlinf-vla",
         description="Post-train vision-language-action policies with reinforcement learning.",
@@ -379,7 +455,7 @@ def _build_parser() -> argparse.ArgumentParser:
             help=command.help,
             description=f"{command.help}\n\nconfig groups (choose with group=choice):\n"
             + "\n".join(lines)
-            + _keys_text(command)
+            + (_keys_text(command, overrides) if command.name == help_for else "")
             + "\n\nany value can be set with section.key=value, e.g. cluster.num_cpus=2",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
@@ -461,8 +537,10 @@ def _export_episodes(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    asks_help = given and given[0] in COMMANDS and ("-h" in given or "--help" in given)
+    parser = _build_parser(*((given[0], [a for a in given[1:] if "=" in a]) if asks_help else ()))
+    args = parser.parse_args(given)
     if args.command is None:
         parser.print_help()
         return 2
@@ -479,6 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"rlinf-vla doctor: {e}", file=sys.stderr)
             return 2
     command = COMMANDS[args.command]
+    cfg = None
     try:
         cfg = compose(command.config_name, args.overrides, command.config_dir)
         validate, run = command.load()
@@ -486,11 +565,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cfg != "job":
             preflight(command, job)
     except ConfigError as e:
+        if args.cfg == "job" and cfg is not None:  # what was composed, to see what to fix
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(cfg), end="")
         print(f"rlinf-vla {command.name}: invalid config: {e}", file=sys.stderr)
         return 2
     if args.cfg == "job":
-        import dataclasses
-
         from omegaconf import OmegaConf
 
         from rlinf_vla.config import to_dict

@@ -195,3 +195,61 @@ def test_cfg_job_shows_every_algo_setting_as_resolved(capsys):
     # the preset's keys, the trainer's defaults and the override, in the algo section
     for line in ("advantage: rloo", "minibatch_size: 32", "lr: 3.0e-05", "group_size: 4"):
         assert f"\n  {line}\n" in out, line
+
+
+def _help(capsys, *args):
+    with pytest.raises(SystemExit) as info:
+        cli.main([*args, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _flat(tree, prefix=""):
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
+def test_train_help_lists_every_key_the_job_has_with_its_default(capsys):
+    out = _help(capsys, "train")
+    listed = {line.split(" = ")[0].strip() for line in out.splitlines() if " = " in line}
+    assert cli.main(["train", "--cfg", "job"]) == 0
+    job = yaml.safe_load(capsys.readouterr().out)
+    keys = {k for k in _flat(job) if not k.endswith(".name")}  # the group choice sets name
+
+    def covered(key):  # the key, or the mapping holding it (policy.text_config = {...})
+        parts = key.split(".")
+        return any(".".join(parts[:n]) in listed for n in range(2, len(parts) + 1))
+
+    assert {k for k in keys if not covered(k)} == set()
+    assert "  runner.max_iterations = 10  (training iterations (rollout + update))" in out
+    assert "  algo.update_epochs = 2  (passes over the rollout batch per iteration)" in out
+    assert "  algo.advantage = gae  (name in ADVANTAGES" in out  # a preset key: its meaning too
+
+
+@pytest.mark.parametrize("group", ["cluster", "env", "policy", "algo", "placement", "runner"])
+def test_every_key_of_every_train_choice_has_a_meaning(capsys, group):
+    for choice in cli.config_groups("train")[group]:
+        out = _help(capsys, "train", f"{group}={choice}")
+        lines = [line for line in out.splitlines() if line.startswith("  ") and " = " in line]
+        assert len(lines) > 40, choice
+        assert [line for line in lines if "  (" not in line] == [], f"{group}={choice}"
+
+
+def test_help_lists_the_keys_of_the_choices_on_the_command_line(capsys):
+    out = _help(capsys, "train", "policy=pi0", "algo=grpo")
+    assert " policy=pi0:" in out and "  policy.num_steps = 10  (" in out
+    assert "policy.n_action_bins" not in out  # OpenVLA's, the default policy's
+    assert "  algo.advantage = grpo  (" in out  # the chosen preset's value
+    default = _help(capsys, "train")
+    assert "policy.n_action_bins = 256" in default
+
+
+def test_cfg_job_of_an_invalid_config_prints_it_then_the_errors(capsys, nothing_starts):
+    assert cli.main(["train", "env=toy", "algo.minibatch_size=0", "--cfg", "job"]) == 2
+    captured = capsys.readouterr()
+    shown = yaml.safe_load(captured.out)
+    assert shown["algo"]["minibatch_size"] == 0 and shown["env"]["name"] == "toy"
+    assert "algo.minibatch_size must be >= 1, got 0" in captured.err

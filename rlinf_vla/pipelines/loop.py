@@ -9,9 +9,12 @@ shows; :class:`RunLoop` does the rest, the same way for every command:
   (:mod:`rlinf_vla.provenance`; a resumed run prints what changed since the run started) and
   opens the :class:`MetricsLogger` (which, on a resumed run, truncates ``metrics.jsonl`` back
   to the checkpoint);
-- shows a progress bar (iterations done, the trainer's status line, time remaining);
+- shows a progress bar (iterations done, the trainer's status line, time remaining); when
+  stderr is not a terminal (a log file, ``nohup``, SLURM, CI) it prints one plain line per
+  iteration instead, and one for each status the trainer shows between them;
 - logs each iteration's metrics, warns about skipped non-finite updates and aborts after
-  ``max_nan_updates`` of them in a row;
+  ``max_nan_updates`` of them in a row; says when an iteration changed nothing, and why
+  (:func:`no_update_reason`);
 - saves a checkpoint every ``save_interval`` iterations and after the last one;
 - when the run stops early (an error, a crashed or stalled worker, Ctrl-C, SIGTERM), prints the
   last checkpoint and the command that resumes from it, then re-raises. A worker that stops
@@ -44,6 +47,7 @@ __all__ = [
     "count_text",
     "device_ranges",
     "device_summary",
+    "no_update_reason",
     "parameter_counts",
 ]
 
@@ -212,12 +216,17 @@ class RunLoop:
         ]
         i = start
         word = _WORDS.get(self.unit, self.unit)
+        plain = not console.is_terminal  # a log file: lines instead of a redrawn bar
+        told: set[str] = set()  # the reasons for iterations without an update, given once
+        started = time.perf_counter()
         try:
-            with Progress(*columns, console=console) as progress:
+            with Progress(*columns, console=console, disable=plain) as progress:
                 task = progress.add_task(self.command, total=self.total, completed=start, status="")
 
                 def say(text: str) -> None:
                     progress.update(task, status=text)
+                    if plain:
+                        console.print(f"{self.unit} {i + 1}/{self.total}: {text}", markup=False)
 
                 line = before(logger, say) if before is not None else None
                 if line:
@@ -227,7 +236,23 @@ class RunLoop:
                     with self._disk_full_aborts("metrics.jsonl"):
                         logger.log(metrics)
                     progress.update(task, completed=i + 1, status=status(metrics))
+                    if plain:
+                        console.print(
+                            _plain_line(self.unit, i + 1 - start, i + 1, self.total, started)
+                            + f"  {status(metrics)}",
+                            markup=False,
+                            highlight=False,
+                        )
                     self._check_finite(metrics, progress.console, i + 1)
+                    reason = no_update_reason(metrics)
+                    if reason:  # in full the first time, then its first clause
+                        short = reason.split(":")[0].split(" (")[0]
+                        progress.console.print(
+                            f"[yellow]warning:[/] {word} {i + 1} did not update the policy: "
+                            + (short if reason in told else reason),
+                            soft_wrap=True,
+                        )
+                        told.add(reason)
                     if (i + 1) % self.save_interval == 0 or i + 1 == self.total:
                         t0 = time.perf_counter()
                         with self._disk_full_aborts(f"the checkpoint of {word} {i + 1}"):
@@ -283,6 +308,40 @@ class RunLoop:
                 f"(runner.max_nan_updates={self.max_nan_updates}); lower algo.lr, check the "
                 "rewards, or resume from an earlier checkpoint"
             )
+
+
+def no_update_reason(metrics: dict[str, Any]) -> str | None:
+    """Why an iteration took no optimizer step (``train/update_steps`` 0), from its metrics,
+    or ``None`` when it took one (or its trainer does not count them)."""
+    if metrics.get("train/update_steps", 1) != 0:
+        return None
+    if metrics.get("train/samples", 1) == 0:
+        return (
+            "no sample entered the loss (every group was dropped, e.g. by dynamic sampling, or "
+            "no episode was scored)"
+        )
+    if metrics.get("train/skipped_zero_advantage", 0):
+        return (
+            "every advantage was 0: the episodes of each group scored alike (all succeeded or "
+            "all failed), so the policy gradient is 0; more envs per group, more "
+            "runner.rollout_chunks or a warm start that sometimes succeeds give groups that "
+            "differ (train/skipped_zero_advantage counts the minibatches left out)"
+        )
+    if metrics.get("train/kl_stopped", 0):
+        return "the first minibatch's approx_kl exceeded 1.5 x algo.target_kl"
+    return "no minibatch was taken (train/update_steps is 0)"
+
+
+def _plain_line(unit: str, done: int, n: int, total: int, started: float) -> str:
+    """``iter 3/10  0:00:42 elapsed, ~0:01:38 left`` for a log file."""
+    elapsed = time.perf_counter() - started
+    left = elapsed / done * (total - n) if done else 0.0
+
+    def clock(seconds: float) -> str:
+        s = int(seconds)
+        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+    return f"{unit} {n}/{total}  {clock(elapsed)} elapsed, ~{clock(left)} left"
 
 
 def _saved_line(path: Path, seconds: float) -> str:

@@ -94,6 +94,13 @@ class EmbodiedRunner:
         self._synced: int | None = None  # the weights version the rollout workers hold
         self._sync_bytes = 0  # bytes the syncs of the current iteration sent
         self._memory: dict[str, list[dict[str, float]]] = {}  # the last memory readings
+        counts = {c: len(placement.of(c)) for c in ("env", "rollout", "actor")}
+        _say(
+            f"starting {counts['env']} env worker(s) ({job.env_config.num_envs} envs of "
+            f"{_env_text(job)} in all), {counts['rollout']} rollout and {counts['actor']} actor "
+            f"worker(s), {placement.mode} ..."
+        )
+        started = time.perf_counter()
         try:
             self.env = Group(
                 cluster,
@@ -130,6 +137,7 @@ class EmbodiedRunner:
             )
             # The groups start at once: a worker's start is mostly imports and model building.
             wait_started([self.env, self.rollout, self.actor])
+            _say(f"workers started in {time.perf_counter() - started:.0f} s")
             create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
             # Actor ranks: FSDP2 shards over a default process group, or replicas all-reduce grads.
             self.fsdp = sharded

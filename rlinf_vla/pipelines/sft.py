@@ -16,6 +16,7 @@ family keeps them (OpenVLA ``dataset_statistics.json``, π0 ``norm_stats.json``)
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -437,6 +438,14 @@ class SFTRunner:
         self.checkpoint = checkpoint
         policy = job.policy_config.replace(seed=r.seed)
         self.sharded = job.sft.fsdp and ranks > 1
+        evaluates = bool(r.eval_interval or r.eval_at_start)
+        print(
+            f"starting {ranks} actor worker(s)"
+            + (f" and an evaluation worker ({job.env_name})" if evaluates else "")
+            + " ...",
+            file=sys.stderr,
+        )
+        started = time.perf_counter()
         try:
             self.actor = WorkerGroup(
                 cluster,
@@ -447,7 +456,7 @@ class SFTRunner:
                 wait=False,
             )
             self.rollout = None
-            if r.eval_interval or r.eval_at_start:
+            if evaluates:
                 self.rollout = WorkerGroup(
                     cluster,
                     RolloutWorker,
@@ -457,6 +466,7 @@ class SFTRunner:
                     wait=False,
                 )
             wait_started([g for g in (self.actor, self.rollout) if g is not None])
+            print(f"workers started in {time.perf_counter() - started:.0f} s", file=sys.stderr)
             if self.rollout is not None:
                 create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
             if self.sharded:
@@ -610,7 +620,6 @@ def _status(metrics: dict[str, Any]) -> str:
 
 def run(job: SFTJob) -> Path:
     """``rlinf-vla sft``: start the cluster, clone, print where the outputs are."""
-    import sys
 
     from rlinf_vla.pipelines.checkpoints import prepare_resume
     from rlinf_vla.runtime import Cluster

@@ -149,3 +149,57 @@ def test_the_header_and_the_run_folder_come_before_the_first_iteration(tmp_path,
     loop.total = 3
     loop.run(2, iteration, _save(loop), lambda m: "")  # resumed after iteration 2
     assert "resuming after iteration 2 of 3" in seen[-1]
+
+
+def test_a_log_file_gets_one_plain_line_per_iteration_and_per_status(tmp_path, capsys):
+    loop = _loop(tmp_path, total=3, save_interval=10)
+
+    def iteration(i, logger, say):
+        if i == 1:
+            say("greedy evaluation ...")
+        return _metrics(i, logger, say)
+
+    loop.run(0, iteration, _save(loop), lambda m: f"loss {m['train/loss']:.1f}")
+    err = capsys.readouterr().err  # not a terminal: no redrawn bar
+    lines = [line for line in err.splitlines() if line.startswith("iter ")]
+    assert [line.split("  ")[0] for line in lines] == [
+        "iter 1/3",
+        "iter 2/3: greedy evaluation ...",
+        "iter 2/3",
+        "iter 3/3",
+    ]
+    assert lines[0].endswith("left  loss 0.0") and lines[-1].endswith("loss 2.0")
+    assert "elapsed, ~" in lines[0]
+
+
+def test_an_iteration_without_an_update_says_why_in_full_once(tmp_path, capsys):
+    loop = _loop(tmp_path, total=4, save_interval=10)
+    zero = {"train/update_steps": 0.0, "train/samples": 64.0, "train/skipped_zero_advantage": 2.0}
+
+    def iteration(i, logger, say):
+        extra = {"train/update_steps": 3.0} if i == 2 else zero
+        return {**_metrics(i, logger, say), **extra}
+
+    loop.run(0, iteration, _save(loop), lambda m: "")
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("did not update the policy") == 3  # iterations 1, 2 and 4
+    assert "iteration 1 did not update the policy: every advantage was 0: the episodes" in err
+    assert "iteration 2 did not update the policy: every advantage was 0 iter" in err
+    assert "iteration 3 did not" not in err
+
+
+@pytest.mark.parametrize(
+    ("metrics", "reason"),
+    [
+        ({"train/update_steps": 2.0}, None),
+        ({"train/loss": 0.1}, None),  # a trainer that does not count its steps
+        ({"train/update_steps": 0.0, "train/samples": 0.0}, "no sample entered the loss"),
+        ({"train/update_steps": 0.0, "train/skipped_zero_advantage": 1.0}, "every advantage was 0"),
+        ({"train/update_steps": 0.0, "train/kl_stopped": 1.0}, "algo.target_kl"),
+    ],
+)
+def test_no_update_reason_reads_the_trainer_metrics(metrics, reason):
+    from rlinf_vla.pipelines.loop import no_update_reason
+
+    got = no_update_reason(metrics)
+    assert got == reason if reason is None else reason in got

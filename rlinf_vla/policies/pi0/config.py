@@ -97,6 +97,8 @@ class Pi0Config(PolicyConfig):
         action_horizon: ``H``, actions per denoised chunk (50; ``pi05_libero``: 10).
         max_action_dim / max_state_dim: the padded action / state size of the model (32).
         max_token_len: prompt length in tokens (``None``: 48 for π0, 200 for π0.5).
+        min_period / max_period: the shortest and longest period of the sinusoidal embedding of
+            the flow-matching time (openpi: 0.004 and 4.0).
 
     Inputs:
         image_keys: cameras in slot order (``base_0_rgb``, ``left_wrist_0_rgb``, ...).
