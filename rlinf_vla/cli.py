@@ -55,7 +55,8 @@ class Command:
     ``output(job)`` names the folder the command writes and the key that sets it; it must be
     writable before anything starts (:func:`preflight`). ``sections`` names the config class
     (``module:Class``) of a config group's section, whose fields and docstring ``--help`` lists
-    (the policy and env groups' classes come from their registries).
+    (the policy and env groups' classes come from their registries). ``folder_key`` is the
+    key of the folder a run writes, which ``--multirun`` sets for each run.
     """
 
     name: str
@@ -65,6 +66,7 @@ class Command:
     config_root: str = ""
     output: Callable[[Any], tuple[str, Path]] | None = None
     sections: dict[str, str] = field(default_factory=dict)
+    folder_key: str | None = None
 
     @property
     def config_dir(self) -> Path:
@@ -84,6 +86,7 @@ COMMANDS: dict[str, Command] = {
             "train",
             "rlinf_vla.pipelines",
             output=_runner_folder,
+            folder_key="runner.output_dir",
             sections={
                 "cluster": "rlinf_vla.runtime.cluster:ClusterConfig",
                 "placement": "rlinf_vla.pipelines.config:TrainPlacementConfig",
@@ -97,6 +100,7 @@ COMMANDS: dict[str, Command] = {
             "collect",
             "rlinf_vla.pipelines.collect",
             output=lambda job: ("collect.output_dir", Path(job.collect.output_dir)),
+            folder_key="collect.output_dir",
         ),
         Command(
             "sft",
@@ -104,6 +108,7 @@ COMMANDS: dict[str, Command] = {
             "sft",
             "rlinf_vla.pipelines.sft",
             output=_runner_folder,
+            folder_key="runner.output_dir",
             sections={"cluster": "rlinf_vla.runtime.cluster:ClusterConfig"},
         ),
         Command(
@@ -112,6 +117,7 @@ COMMANDS: dict[str, Command] = {
             "eval",
             "rlinf_vla.eval",
             output=lambda job: ("eval.output_dir", Path(job.output_dir)),
+            folder_key="eval.output_dir",
             sections={
                 "cluster": "rlinf_vla.runtime.cluster:ClusterConfig",
                 "eval": "rlinf_vla.eval.config:EvalConfig",
@@ -130,6 +136,7 @@ COMMANDS: dict[str, Command] = {
             "rlinf_vla.reasoning",
             config_root="math_grpo",
             output=_runner_folder,
+            folder_key="runner.output_dir",
             sections={
                 "cluster": "rlinf_vla.runtime.cluster:ClusterConfig",
                 "model": "rlinf_vla.reasoning.model:ModelConfig",
@@ -463,6 +470,15 @@ def _build_parser(
             "overrides", nargs="*", metavar="override", help="group=choice or section.key=value"
         )
         p.add_argument("--cfg", choices=["job"], help="print the resolved config and exit")
+        if command.folder_key:
+            p.add_argument(
+                "-m",
+                "--multirun",
+                action="store_true",
+                help="run every combination of comma-separated values (algo=ppo,grpo "
+                "runner.seed=0,1), one after another, each in its own folder under "
+                "hydra.sweep.dir (default runs/multirun-<time>); a table of results at the end",
+            )
     p = sub.add_parser(
         "plot",
         help="render a training run's learning curves (metrics.jsonl) to a PNG",
@@ -538,6 +554,9 @@ def _export_episodes(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in COMMANDS:  # -m anywhere among the overrides, as Hydra takes it
+        flags = [a for a in given[1:] if a in ("-m", "--multirun")]
+        given = [given[0], *flags, *[a for a in given[1:] if a not in flags]]
     asks_help = given and given[0] in COMMANDS and ("-h" in given or "--help" in given)
     parser = _build_parser(*((given[0], [a for a in given[1:] if "=" in a]) if asks_help else ()))
     args = parser.parse_args(given)
@@ -557,6 +576,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"rlinf-vla doctor: {e}", file=sys.stderr)
             return 2
     command = COMMANDS[args.command]
+    try:
+        check_hydra_keys(command, args.overrides, getattr(args, "multirun", False))
+    except ConfigError as e:
+        print(f"rlinf-vla {command.name}: invalid config: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "multirun", False):
+        from rlinf_vla.multirun import multirun
+
+        return multirun(command, args.overrides)
     cfg = None
     try:
         cfg = compose(command.config_name, args.overrides, command.config_dir)
@@ -572,21 +600,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rlinf-vla {command.name}: invalid config: {e}", file=sys.stderr)
         return 2
     if args.cfg == "job":
-        from omegaconf import OmegaConf
-
-        from rlinf_vla.config import to_dict
-
-        shown = OmegaConf.to_container(cfg, resolve=True)
-        # Sections whose defaults live in their config classes, shown as the job builds them.
-        for section in ("env", "policy"):
-            built = getattr(job, f"{section}_config", None)
-            if dataclasses.is_dataclass(built) and section in shown:
-                shown[section] = {"name": shown[section]["name"], **to_dict(built)}
-        algo = getattr(job, "algo", None)
-        if dataclasses.is_dataclass(algo):  # the trainer's own settings default there
-            shown["algo"] = to_dict(algo)
-        print(OmegaConf.to_yaml(shown), end="")
+        _print_job(cfg, job)
         return 0
+    return execute(command, run, job)
+
+
+def check_hydra_keys(command: Command, overrides: Sequence[str], multirun: bool) -> None:
+    """Hydra's own settings (``hydra.*``) are not used: a run's folder is a key of the
+    command's config (named in the error); ``hydra.sweep.dir`` is honoured with ``--multirun``.
+
+    Raises:
+        ConfigError: naming each ``hydra.*`` override and the key to use instead.
+    """
+    errors = SectionErrors()
+    for override in overrides:
+        key = override.partition("=")[0].lstrip("+~")
+        if not key.startswith("hydra.") or (multirun and key == "hydra.sweep.dir"):
+            continue
+        where = (
+            f"; the run's folder is {command.folder_key}"
+            if command.folder_key and key in ("hydra.run.dir", "hydra.sweep.dir")
+            else ""
+        )
+        sweep = " (with --multirun, hydra.sweep.dir sets the sweep's folder)"
+        errors.add(
+            f"{key}: rlinf-vla does not use Hydra's own settings{where}"
+            + (sweep if key == "hydra.sweep.dir" else "")
+        )
+    errors.raise_any()
+
+
+def _print_job(cfg: Any, job: Any) -> None:
+    """``--cfg job``: the composed config, with the sections whose defaults live in their
+    config classes shown as the job builds them."""
+    from omegaconf import OmegaConf
+
+    from rlinf_vla.config import to_dict
+
+    shown = OmegaConf.to_container(cfg, resolve=True)
+    for section in ("env", "policy"):
+        built = getattr(job, f"{section}_config", None)
+        if dataclasses.is_dataclass(built) and section in shown:
+            shown[section] = {"name": shown[section]["name"], **to_dict(built)}
+    algo = getattr(job, "algo", None)
+    if dataclasses.is_dataclass(algo):  # the trainer's own settings default there
+        shown["algo"] = to_dict(algo)
+    print(OmegaConf.to_yaml(shown), end="")
+
+
+def execute(command: Command, run: Callable[[Any], Any], job: Any) -> int:
+    """Run a validated ``job``; its exit code (0 done, 1 an error stopped it, 2 a config
+    problem found while starting, 130 Ctrl-C, 143 SIGTERM)."""
     from rlinf_vla.runtime import WorkerError
 
     try:

@@ -243,10 +243,18 @@ def run_checks(names: list[str] | None = None) -> int:
         table.add_column(column, overflow="fold")
     failed = []
     for name in names:
+        t0 = time.perf_counter()
         with console.status(f"{name}: {CHECKS[name][0]} ..."):
             result = run_check(name)
         word = "ok" if result.ok else ("missing" if result.optional else "FAILED")
         detail = result.detail + (f"\nfix: {result.fix}" if not result.ok and result.fix else "")
+        # each check as it completes (a check may take minutes), then the table of all
+        console.print(
+            f"{name}: {word} ({time.perf_counter() - t0:.0f} s) {detail}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         table.add_row(name, word, detail)
         if not result.ok and not result.optional:
             failed.append(name)

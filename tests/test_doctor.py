@@ -9,8 +9,25 @@ from rlinf_vla.doctor import run_check
 def test_a_machine_set_up_by_the_install_script_passes_the_quick_checks(capsys):
     assert cli.main(["doctor", "torch", "math", "ray"]) == 0
     out = capsys.readouterr().out
-    assert out.count(" ok ") == 3 and "FAILED" not in out
+    table = out[out.index("rlinf-vla doctor") :]
+    assert table.count(" ok ") == 3 and "FAILED" not in out
     assert "SmolLM2-135M-Instruct" in out and "a local instance and a worker" in out
+
+
+def test_each_check_is_printed_as_it_completes(capsys, monkeypatch):
+    from rlinf_vla import doctor
+
+    seen = []  # what the console showed when each check started
+    real = doctor.run_check
+
+    def run_check(name):
+        seen.append(capsys.readouterr().out)
+        return real(name)
+
+    monkeypatch.setattr(doctor, "run_check", run_check)
+    assert cli.main(["doctor", "torch", "math"]) == 0
+    assert "torch: ok (" in seen[1] and "torch 2." in seen[1]  # before the next one started
+    assert "rlinf-vla doctor" not in seen[1]  # the table comes at the end
 
 
 @pytest.mark.sim
