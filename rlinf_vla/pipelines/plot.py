@@ -2,7 +2,8 @@
 
 Reads ``<run>/metrics.jsonl`` and draws one panel per metric against environment steps (a
 ``train`` run: success rate and return from training episodes, the greedy evaluation when the
-run has one, the PPO losses, KL and clip fraction, and the throughput) or against sampled
+run has one, the PPO losses, KL and clip fraction, and the throughput; the supervised loss
+of an ``sft`` or DAgger run) or against sampled
 responses (a ``math-grpo`` run: accuracy, held-out accuracy, reward, response length); both
 with the workers' memory, where a leak or a creep towards out-of-memory shows.
 """
@@ -26,6 +27,9 @@ PANELS: list[tuple[str, list[str]]] = [
     ),
     ("episode return", ["env/episode_return", "eval/episode_return"]),
     ("policy loss", ["train/policy_loss"]),
+    # behaviour cloning (sft) and DAgger: the policy's own supervised loss
+    ("supervised loss", ["train/loss"]),
+    ("DAgger: policy vs expert action error", ["dagger/action_error"]),
     ("value loss", ["train/value_loss"]),
     ("entropy", ["train/entropy"]),
     ("approx. KL / clip fraction", ["train/approx_kl", "train/clip_fraction"]),
@@ -59,6 +63,15 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
     return xs, ys
 
 
+def drawn_panels(rows: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, list, list]]]]:
+    """The panels with something to draw: ``(title, [(metric, xs, ys), ...])``."""
+    return [
+        (title, [(k, *_series(rows, k)) for k in keys])
+        for title, keys in PANELS
+        if any(_series(rows, k)[0] for k in keys)
+    ]
+
+
 def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     """Render the learning curves of ``run_dir`` to ``output`` (default ``<run>/curves.png``).
 
@@ -76,11 +89,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     rows = read_metrics(run_dir)
     if not rows:
         raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'} has no rows yet")
-    panels = [
-        (title, [(k, *_series(rows, k)) for k in keys])
-        for title, keys in PANELS
-        if any(_series(rows, k)[0] for k in keys)
-    ]
+    panels = drawn_panels(rows)
     x_key = _x_key(rows)
     cols = 2
     nrows = math.ceil(len(panels) / cols)

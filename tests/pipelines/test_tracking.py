@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlinf_vla import cli
-from rlinf_vla.pipelines.plot import _series, plot_run
+from rlinf_vla.pipelines.plot import _series, drawn_panels, plot_run
 from rlinf_vla.pipelines.tracking import LoggingConfig, MetricsLogger, read_metrics
 
 
@@ -97,6 +97,19 @@ def test_plot_writes_a_png_with_the_logged_panels(tmp_path):
             )
     h = matplotlib.image.imread(plot_run(tmp_path)).shape[0]
     assert h == round(3 * 3.2 * 110)
+
+
+def test_an_sft_run_plots_its_supervised_loss(tmp_path):
+    rows = [
+        {"iteration": n, "train/loss": 1.0 / n, "train/grad_norm": 0.5, "train/lr": 3e-4}
+        for n in range(1, 5)
+    ]
+    titles = [title for title, _ in drawn_panels(rows)]
+    assert titles == ["supervised loss", "gradient norm"]
+    [(key, xs, ys)] = drawn_panels(rows)[0][1]
+    assert key == "train/loss" and xs == [1.0, 2.0, 3.0, 4.0] and ys[-1] == 0.25
+    dagger = [{**r, "dagger/action_error": 0.1} for r in rows]
+    assert "DAgger: policy vs expert action error" in [t for t, _ in drawn_panels(dagger)]
 
 
 def test_plot_of_a_folder_without_metrics_fails_clearly(tmp_path, capsys):
