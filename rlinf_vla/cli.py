@@ -592,6 +592,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         job = validate(cfg)
         if args.cfg != "job":
             preflight(command, job)
+    except ModuleNotFoundError as e:
+        if missing_extra(e) is None:
+            raise
+        print(f"rlinf-vla {command.name}: {missing_extra(e)}", file=sys.stderr)
+        return 1
     except ConfigError as e:
         if args.cfg == "job" and cfg is not None:  # what was composed, to see what to fix
             from omegaconf import OmegaConf
@@ -603,6 +608,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_job(cfg, job)
         return 0
     return execute(command, run, job)
+
+
+#: the optional modules, by the pyproject extra that installs them
+EXTRAS: dict[str, str] = {
+    "websockets": "serve",
+    "msgpack": "serve",
+    "mani_skill": "maniskill",
+    "sapien": "maniskill",
+    "libero": "libero",
+    "robosuite": "robot",
+    "metaworld": "metaworld",
+    "franky": "robot",
+    "pyrealsense2": "robot",
+    "gguf": "math",
+    "reasoning_gym": "math",
+    "math_verify": "math",
+    "peft": "math",
+    "wandb": "wandb",
+}
+
+
+def missing_extra(error: ModuleNotFoundError) -> str | None:
+    """One line naming the extra that installs the module ``error`` misses (``None`` for a
+    module no extra brings)."""
+    root = (error.name or "").split(".")[0]
+    if root not in EXTRAS:
+        return None
+    extra = EXTRAS[root]
+    return (
+        f"this needs the optional module {root!r}: pip install 'rlinf-vla[{extra}]' "
+        "(or bash scripts/install.sh for everything)"
+    )
 
 
 def check_hydra_keys(command: Command, overrides: Sequence[str], multirun: bool) -> None:
@@ -659,6 +696,11 @@ def execute(command: Command, run: Callable[[Any], Any], job: Any) -> int:
     except ConfigError as e:  # found while starting (e.g. what the cluster turned out to be)
         print(f"rlinf-vla {command.name}: invalid config: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        if missing_extra(e) is None:
+            raise
+        print(f"rlinf-vla {command.name}: {missing_extra(e)}", file=sys.stderr)
+        return 1
     except (RunAborted, WorkerError) as e:
         # A worker's traceback or the reason for stopping, without the driver's own stack.
         print(f"rlinf-vla {command.name}: {type(e).__name__}: {e}", file=sys.stderr)

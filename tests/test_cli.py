@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from rlinf_vla import cli
@@ -253,3 +254,38 @@ def test_cfg_job_of_an_invalid_config_prints_it_then_the_errors(capsys, nothing_
     shown = yaml.safe_load(captured.out)
     assert shown["algo"]["minibatch_size"] == 0 and shown["env"]["name"] == "toy"
     assert "algo.minibatch_size must be >= 1, got 0" in captured.err
+
+
+def _cli_without(modules, args):
+    """``rlinf-vla <args>`` in a fresh interpreter where ``modules`` cannot be imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        f"for m in {modules!r}: sys.modules[m] = None\n"
+        "from rlinf_vla import cli\n"
+        f"sys.exit(cli.main({args!r}))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_a_missing_optional_module_is_one_line_naming_its_extra():
+    r = _cli_without(["msgpack", "websockets"], ["serve"])
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "rlinf-vla serve: this needs the optional module 'msgpack': pip install "
+        "'rlinf-vla[serve]' (or bash scripts/install.sh for everything)"
+    ]
+
+
+def test_serving_needs_no_simulator_or_hardware_driver():
+    drivers = ["franky", "pyrealsense2", "robosuite", "mujoco", "mani_skill", "libero", "metaworld"]
+    r = _cli_without(drivers, ["serve", "--cfg", "job"])
+    assert r.returncode == 0, r.stderr
+    assert "protocol: native" in r.stdout
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert sorted(d.split(">")[0] for d in extras["serve"]) == ["msgpack", "websockets"]
+    assert "rlinf-vla[serve]" in extras["robot"]

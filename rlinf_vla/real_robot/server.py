@@ -351,9 +351,11 @@ class PolicyServer:
                     reason, tb = e.reason, e.tb
                 except _WrongProtocol as e:
                     self.stats["errors"] += 1
+                    _log_refusal(connection, str(e))
                     await _send_error_and_close(connection, str(e), None)
                     return
                 self.stats["errors"] += 1
+                _log_refusal(connection, reason)
                 if not await wire.send_error(connection, req_id, reason, tb):
                     return
         except ConnectionClosed:
@@ -424,6 +426,12 @@ class PolicyServer:
 class _WrongProtocol(Exception):
     """The peer speaks the other protocol: it gets a text frame (which both openpi's client
     and the native one report) and the connection is closed."""
+
+
+def _log_refusal(connection: Any, reason: str) -> None:
+    """Log why a request was refused (the client gets the same reason)."""
+    peer = ":".join(str(p) for p in (connection.remote_address or ("?",))[:2])
+    log.warning("refused a request from %s: %s", peer, reason.splitlines()[0] if reason else "?")
 
 
 async def _send_error_and_close(connection: Any, reason: str, tb: str | None) -> None:
