@@ -40,6 +40,7 @@ __all__ = [
     "for_device",
     "group_reset_ids",
     "make_env",
+    "make_gym_env",
     "make_stage_envs",
     "register_env",
     "replace_config",
@@ -85,6 +86,15 @@ def make_env(name: str, config: EnvConfig | None = None, **overrides: Any) -> Ve
     """
     cls = _env_class(name)
     return cls(env_config(name, config, **overrides))
+
+
+def make_gym_env(name: str, config: EnvConfig | None = None, **overrides: Any) -> Any:
+    """:func:`make_env` behind gymnasium's vector API (``gymnasium.vector.VectorEnv``; one
+    action per env per step, numpy arrays; see :mod:`rlinf_vla.envs.gym`), for gymnasium's
+    wrappers and tools."""
+    from rlinf_vla.envs.gym import GymVectorEnv
+
+    return GymVectorEnv(make_env(name, config, **overrides))
 
 
 def make_stage_envs(

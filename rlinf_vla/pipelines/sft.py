@@ -178,7 +178,7 @@ class SFTJob:
     runner: SFTRunnerConfig
     features: list[FeatureMap]
     counts: dict[str, int]
-    env_config: Any  # the evaluation's env (every default resolved)
+    env_config: Any  # the evaluation's env (every default resolved); None: no evaluation
     policy_config: Any  # the actor's policy, statistics included
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -266,7 +266,11 @@ def validate(cfg: Any) -> SFTJob:
         except (KeyError, TypeError, ValueError) as e:
             raise env_error(e) from None
 
-    env_cfg = errors.build(make_env_config)
+    # Without an evaluation no env is built (nor its simulator imported): the dataset alone
+    # decides the policy's sizes (real-robot data of any action and state size).
+    runner = built["runner"]
+    evaluates = runner is None or bool(runner.eval_interval or runner.eval_at_start)
+    env_cfg = errors.build(make_env_config) if evaluates else None
     datasets = errors.build(lambda: _open(built["data"].paths)) if built["data"] else None
     errors.raise_any()
     data: DataConfig = built["data"]
@@ -348,21 +352,24 @@ def validate(cfg: Any) -> SFTJob:
                     f"data.paths: {path}: its state has {dim} dims, more than the policy's "
                     f"policy.max_state_dim={padded}"
                 )
-    env_dim = getattr(env_cfg, "action_dim", None)
-    if env_dim is not None and env_dim != pol_cfg.action_dim:
-        errors.add(
-            f"env {env_name!r} takes {env_dim}-dim actions, the policy and data "
-            f"{pol_cfg.action_dim}: evaluate in the env the demonstrations come from"
-        )
-    if reads_state and (built["runner"].eval_interval or built["runner"].eval_at_start):
-        for message in state_problems(env_name, env_cfg, pol_cfg):  # the evaluation's env
-            errors.add(message)
-    missing = [c for c in cameras if c not in env_cfg.cameras]
-    if missing and built["runner"].eval_interval:
-        errors.add(
-            f"the policy reads camera(s) {missing} that env {env_name!r} does not provide for "
-            f"the evaluation (its cameras: {list(env_cfg.cameras)})"
-        )
+    if evaluates:  # the evaluation's env must take what the policy and the data give
+        no_eval = "; or runner.eval_interval=0 to train without evaluating"
+        env_dim = getattr(env_cfg, "action_dim", None)
+        if env_dim is not None and env_dim != pol_cfg.action_dim:
+            errors.add(
+                f"env {env_name!r} takes {env_dim}-dim actions, the policy and data "
+                f"{pol_cfg.action_dim}: evaluate in the env the demonstrations come from"
+                + no_eval
+            )
+        if reads_state:
+            for message in state_problems(env_name, env_cfg, pol_cfg):
+                errors.add(message + no_eval)
+        missing = [c for c in cameras if c not in env_cfg.cameras]
+        if missing:
+            errors.add(
+                f"the policy reads camera(s) {missing} that env {env_name!r} does not provide "
+                f"for the evaluation (its cameras: {list(env_cfg.cameras)})" + no_eval
+            )
     errors.raise_any()
 
     frames = [ds.num_frames for ds in datasets]
@@ -505,7 +512,8 @@ class SFTRunner:
             f"policy {job.policy_name} ({source}): {count_text(counts['total'])} parameters, "
             f"{count_text(counts['trained'])} trained",
             f"{self.actor.world_size} actor worker(s){fsdp} on "
-            f"{device_summary(self.cluster.devices)}; evaluation in {job.env_name}",
+            f"{device_summary(self.cluster.devices)}; "
+            + (f"evaluation in {job.env_name}" if job.env_config else "no evaluation"),
         ]
 
     def run(self) -> Path:
