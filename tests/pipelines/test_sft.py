@@ -1,6 +1,7 @@
 """`rlinf-vla sft`: demonstrations as batches, dataset statistics in the policy, bad datasets."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -343,3 +344,66 @@ def test_sft_evaluates_on_the_validation_scenes_it_is_told(tmp_path, toy_demos):
     assert all(r["eval/first_reset_id"] == VALIDATION_RESET_ID_BASE for r in evals)
     best = max(evals, key=lambda r: (r["eval/success_rate"], r["iteration"]))
     assert best_checkpoint(run, "step").path.name == f"step_{best['iteration']}"
+
+
+#: A 6-joint arm's dataset written by LeRobot's own writer (tests/data/fixtures).
+SO100 = Path(__file__).parents[1] / "data" / "fixtures" / "lerobot_so100"
+
+
+def test_lerobots_own_dataset_of_a_6d_arm_reads_back_as_written():
+    from rlinf_vla.data import open_dataset
+
+    ds = open_dataset(SO100)
+    assert (
+        ds.num_frames == 45 and len(ds.episodes) == 3 and ds.cameras == ["observation.images.front"]
+    )
+    frames = ds.load([0])
+    state, image = frames["observation.state"], frames["images"]["observation.images.front"]
+    assert state.shape == (15, 6) and image.shape == (15, 48, 64, 3)
+    # the red square the writer drew at the first two joints' position (AV1 is lossy)
+    for q, picture in zip(state, image, strict=True):
+        y, x = int((q[1] + 1) * 20), int((q[0] + 1) * 28)
+        r, g, b = picture[y + 2 : y + 6, x + 2 : x + 6].reshape(-1, 3).mean(0)
+        assert r > 150 and g < 110 and b < 100, (q[:2], (r, g, b))
+
+
+def test_without_evaluation_sft_takes_the_datasets_sizes_and_builds_no_env(nothing_starts):
+    from rlinf_vla import cli
+    from rlinf_vla.pipelines.sft import validate
+
+    # the default env (ManiSkill) takes 7-D actions, 16 state values and a "main" camera
+    job = validate(cli.compose("sft", [f"data.paths=[{SO100}]", "runner.eval_interval=0"]))
+    assert job.env_config is None
+    cfg = job.policy_config
+    assert (cfg.action_dim, cfg.proprio_dim, tuple(cfg.image_keys)) == (6, 6, ("front",))
+
+
+def test_with_evaluation_a_dataset_that_does_not_fit_the_env_names_both_sides(
+    capsys, nothing_starts, tmp_path
+):
+    from rlinf_vla import cli
+
+    code = cli.main(["sft", f"data.paths=[{SO100}]", f"runner.output_dir={tmp_path / 'run'}"])
+    assert code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "env 'maniskill' takes 7-dim actions, the policy and data 6" in err
+    assert "the policy reads camera(s) ['front'] that env 'maniskill' does not provide" in err
+    assert err.count("or runner.eval_interval=0 to train without evaluating") == 3
+
+
+@pytest.mark.ray
+def test_lerobots_own_dataset_trains_without_a_simulator(tmp_path):
+    from rlinf_vla import cli
+    from rlinf_vla.pipelines.tracking import read_metrics
+
+    run = tmp_path / "so100"
+    args = [f"data.paths=[{SO100}]", "runner.eval_interval=0", "sft.steps=40", "sft.lr=1e-3"]
+    args += ["runner.save_interval=40", "runner.logging.tensorboard=false"]
+    args += ["cluster.devices_per_node=1", f"runner.output_dir={run}"]
+    assert cli.main(["sft", *args]) == 0
+    loss = [r["train/loss"] for r in read_metrics(run)]
+    assert len(loss) == 40 and np.mean(loss[-10:]) < 0.7 * np.mean(loss[:5])
+    stats = json.loads((run / "checkpoints/step_40/policy/dataset_statistics.json").read_text())
+    [(name, entry)] = stats.items()  # the dataset's statistics, as the official format keeps them
+    assert name == "lerobot_so100" and len(entry["action"]["q99"]) == 6
+    assert len(entry["proprio"]["mean"]) == 6
