@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from rlinf_vla.policies.base import (
     Policy,
     check_state_dict,
+    find_checkpoint,
     kv_cache,
     load_rl_heads,
     load_safetensors_dir,
@@ -684,7 +685,9 @@ class OpenVLAPolicy(Policy):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **overrides: Any) -> OpenVLAPolicy:
-        path = Path(path)
+        """Load a checkpoint folder, a run's checkpoint, or a Hugging Face model id from the
+        local cache (:func:`~rlinf_vla.policies.base.find_checkpoint`)."""
+        path = find_checkpoint(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json (not an OpenVLA checkpoint)")
         return cls(cls.config_from_dir(path, **overrides), checkpoint_dir=path)

@@ -63,6 +63,7 @@ from rlinf_vla.policies.base import (
     CheckpointMismatchError,
     Policy,
     check_state_dict,
+    find_checkpoint,
     load_rl_heads,
     load_safetensors_dir,
     register_policy,
@@ -884,7 +885,9 @@ class Pi0Policy(Policy):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **overrides: Any) -> Pi0Policy:
-        path = Path(path)
+        """Load a checkpoint folder, a run's checkpoint, or a Hugging Face model id from the
+        local cache (:func:`~rlinf_vla.policies.base.find_checkpoint`)."""
+        path = find_checkpoint(path)
         if not any(path.glob("model*.safetensors")):
             raise FileNotFoundError(f"{path} has no model.safetensors (not a π0 checkpoint)")
         return cls(cls.config_from_dir(path, **overrides), checkpoint_dir=path)
