@@ -33,6 +33,16 @@ import yaml
 from rlinf_vla.config import ConfigError, RunAborted, SectionErrors, check_values
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+#: Files shipped with the package (a config names one as ``${asset:<name>}``).
+ASSET_DIR = Path(__file__).parent / "assets"
+
+
+def _asset(name: str) -> str:
+    path = ASSET_DIR / name
+    if not path.exists():
+        known = sorted(p.name for p in ASSET_DIR.iterdir() if p.is_dir())
+        raise ConfigError(f"no shipped asset {name!r} (shipped: {', '.join(known)})")
+    return str(path)
 
 
 def _runner_folder(job: Any) -> tuple[str, Path]:
@@ -247,7 +257,11 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
+
+    if not OmegaConf.has_resolver("asset"):
+        OmegaConf.register_new_resolver("asset", _asset)
 
     _check_group_choices(config_name, overrides, config_dir)
     overrides = given = list(overrides)
@@ -425,6 +439,10 @@ def help_keys(command: Command, overrides: Sequence[str] = ()) -> list[str]:
     for group, choice in choices.items():
         file = _group_file(command, group, choice) if group in groups else None
         if file is None:
+            continue
+        if "@package _global_" in file.read_text():  # a whole setting (experiment=...)
+            lines.append(f" {group}={choice} sets:")
+            lines += [k.line() for k in yaml_keys(file) if k.default]
             continue
         cls, defaults, docs = _section_class(command, group, file)
         lines.append(f" {group}={choice}:")

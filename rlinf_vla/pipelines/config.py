@@ -88,6 +88,8 @@ class RunnerConfig:
         logging: where metrics go besides ``metrics.jsonl`` (TensorBoard, wandb).
         eval_interval: every N iterations, evaluate the greedy policy on held-out scenes
             (``eval/*`` metrics; 0 = never).
+        eval_at_start: also evaluate the starting policy, before the first iteration (the
+            curve's first point, and the "before" of the run's closing before / after line).
         eval_episodes: episodes per evaluation.
         eval_scenes: the scenes they start from: ``held_out`` (reset ids from
             ``2**31 - 2**20``, the default) or ``validation`` (the block below, from
@@ -111,6 +113,7 @@ class RunnerConfig:
     max_nan_updates: int = 5
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval_interval: int = 10
+    eval_at_start: bool = False
     eval_episodes: int = 4
     eval_scenes: Literal["held_out", "validation"] = "held_out"
     eval_num_envs: int | None = None

@@ -202,7 +202,15 @@ class EmbodiedRunner:
                 metrics.update(self.evaluate(it + 1, logger))
             return metrics
 
-        return loop.run(self.start_iteration, iteration, self.save, _status)
+        def before(logger: MetricsLogger, say: Say) -> str | None:
+            if not (r.eval_at_start and self.start_iteration == 0):
+                return None
+            say("greedy evaluation of the starting policy ...")
+            m = self.evaluate(0, logger)
+            logger.log({"iteration": 0, "env_steps": 0, **m})
+            return f"iter 0: greedy success {m['eval/success_rate']:.2f}"
+
+        return loop.run(self.start_iteration, iteration, self.save, _status, before=before)
 
     def header(self) -> list[str]:
         """What this run trains, on what, where: printed before the first iteration."""
@@ -476,5 +484,29 @@ def run(job: TrainJob) -> Path:
             runner.shutdown(graceful=False)
             raise
         runner.shutdown()
-    print(f"run folder: {out}  (metrics.jsonl, config.yaml, checkpoints/)")
+    for line in closing_lines(out):
+        print(line)
+    print(f"run folder: {out}  (metrics.jsonl, config.yaml, checkpoints/, curves.png)")
     return out
+
+
+def closing_lines(out: Path) -> list[str]:
+    """What a finished run says last: greedy success at its first and last evaluation (when
+    it had two), and its learning curves drawn to ``<run>/curves.png``."""
+    from rlinf_vla.pipelines.plot import plot_run
+    from rlinf_vla.pipelines.tracking import read_metrics
+
+    rows = read_metrics(out)
+    evals = [r for r in rows if "eval/success_rate" in r]
+    lines = []
+    if len(evals) >= 2:
+        first, last = evals[0], evals[-1]
+        n = int(last.get("eval/episodes", 0)) or "the"
+        lines.append(
+            f"greedy success on {n} held-out scenes: {first['eval/success_rate']:.2f} after "
+            f"iteration {first['iteration']}, {last['eval/success_rate']:.2f} after iteration "
+            f"{last['iteration']}"
+        )
+    if rows:
+        lines.append(f"curves: {plot_run(out)}")
+    return lines

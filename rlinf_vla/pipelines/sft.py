@@ -358,8 +358,7 @@ def validate(cfg: Any) -> SFTJob:
         if env_dim is not None and env_dim != pol_cfg.action_dim:
             errors.add(
                 f"env {env_name!r} takes {env_dim}-dim actions, the policy and data "
-                f"{pol_cfg.action_dim}: evaluate in the env the demonstrations come from"
-                + no_eval
+                f"{pol_cfg.action_dim}: evaluate in the env the demonstrations come from" + no_eval
             )
         if reads_state:
             for message in state_problems(env_name, env_cfg, pol_cfg):

@@ -117,10 +117,12 @@ def test_the_server_logs_why_it_refused_a_request(server, tiny_policy, caplog):
     _srv, url = server
     obs = good_obs()
     obs["extra"] = 1
-    with caplog.at_level("WARNING", logger="rlinf_vla.real_robot.server"):
-        with PolicyClient(url, TOKEN) as c:
-            reply = c.send_raw(codec.packb({"type": "infer", "id": 5, "obs": obs}))
-            c.send_raw(b"\xc1\xc1\xc1")
+    with (
+        caplog.at_level("WARNING", logger="rlinf_vla.real_robot.server"),
+        PolicyClient(url, TOKEN) as c,
+    ):
+        reply = c.send_raw(codec.packb({"type": "infer", "id": 5, "obs": obs}))
+        c.send_raw(b"\xc1\xc1\xc1")
     refusals = [r.getMessage() for r in caplog.records if "refused a request" in r.getMessage()]
     assert len(refusals) == 2, refusals
     assert reply["reason"].splitlines()[0] in refusals[0] and "from 127.0.0.1:" in refusals[0]
