@@ -223,15 +223,18 @@ class RunLoop:
             with Progress(*columns, console=console, disable=plain) as progress:
                 task = progress.add_task(self.command, total=self.total, completed=start, status="")
 
+                doing = start  # the iteration under way (``start`` before the first)
+
                 def say(text: str) -> None:
                     progress.update(task, status=text)
                     if plain:
-                        console.print(f"{self.unit} {i + 1}/{self.total}: {text}", markup=False)
+                        console.print(f"{self.unit} {doing}/{self.total}: {text}", markup=False)
 
                 line = before(logger, say) if before is not None else None
                 if line:
                     progress.console.print(line)
                 for i in range(start, self.total):
+                    doing = i + 1
                     metrics = iteration(i, logger, say)
                     with self._disk_full_aborts("metrics.jsonl"):
                         logger.log(metrics)

@@ -208,6 +208,26 @@ def test_a_local_run_resumes_as_if_uninterrupted_and_starts_no_ray(tmp_path, mon
         assert r["time/rollout/serialise_s"] == 0.0  # nothing crosses a process
 
 
+def test_a_run_evaluated_at_its_start_ends_with_a_before_after_line_and_its_curves(
+    tmp_path, capsys
+):
+    out = tmp_path / "run"
+    args = ["placement=local", *SMALL, "runner.max_iterations=2", "runner.eval_interval=2"]
+    args += ["runner.eval_at_start=true", "runner.eval_episodes=4", "runner.eval_videos=false"]
+    assert cli.main(["train", *args, f"runner.output_dir={out}"]) == 0
+    rows = _metrics(out)
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    start, end = rows[0]["eval/success_rate"], rows[-1]["eval/success_rate"]
+    assert rows[0]["env_steps"] == 0 and "eval/success_rate" not in rows[1]
+    printed = capsys.readouterr().out
+    assert (
+        f"greedy success on 4 held-out scenes: {start:.2f} after iteration 0, {end:.2f} after "
+        "iteration 2"
+    ) in printed
+    assert f"curves: {out / 'curves.png'}" in printed
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_evaluating_leaves_the_training_unchanged(tmp_path):
