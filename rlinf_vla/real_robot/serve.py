@@ -16,7 +16,7 @@ from typing import Any
 
 from rlinf_vla.config import ConfigError, from_section
 from rlinf_vla.real_robot.openpi import check_layout, describe
-from rlinf_vla.real_robot.server import PolicyServer, ServerConfig
+from rlinf_vla.real_robot.server import PolicyServer, ServerConfig, is_loopback
 
 __all__ = ["ServeJob", "run", "validate"]
 
@@ -81,7 +81,7 @@ def run(job: ServeJob) -> None:
             f"protocol openpi, layout {job.server.openpi_layout}: "
             f"{describe(job.server.openpi_layout, meta.image_keys)}"
         )
-    if job.server.host not in ("127.0.0.1", "localhost", "::1") and not job.server.token:
+    if not is_loopback(job.server.host) and not job.server.token:  # allow_unauthenticated
         console.print("[yellow]warning:[/] serving beyond localhost without server.token")
     with console.status("warming up (first act call)..."):
         server.warmup()
@@ -93,5 +93,11 @@ def run(job: ServeJob) -> None:
             loop.add_signal_handler(sig, stop.set)
         await server.serve(stop=stop)
 
-    asyncio.run(serve_until_signal())
+    try:
+        asyncio.run(serve_until_signal())
+    except OSError as e:  # the address is taken, or not this machine's
+        raise ConfigError(
+            f"server.host={job.server.host} server.port={job.server.port}: cannot listen there "
+            f"({e.strerror or e}); choose another server.port (0: any free one)"
+        ) from None
     console.print(f"stopped; served {server.stats}")

@@ -66,10 +66,15 @@ class ServerConfig:
             (``0``: batch only what queued up while the previous batch ran).
         control_rate_hz: the control rate advertised to clients (the policy's training rate).
         greedy: ``act(obs, greedy=...)``; deterministic actions for deployment.
-        auth_failure_delay_s: after a failed authentication, the peer's address is refused
-            (HTTP 429, not logged, the token not checked) for this long, doubling with each
-            further failure up to :data:`MAX_AUTH_BACKOFF_S`; ``0`` turns throttling off. One
-            warning is logged per checked failure, so at most one per back-off window.
+        auth_failure_delay_s: after a failed authentication, further wrong tokens from the
+            peer's address are refused (HTTP 429, not logged) for this long, doubling with each
+            further failure up to :data:`MAX_AUTH_BACKOFF_S`; ``0`` turns throttling off. The
+            right token is always answered, so a guesser on the robot's address (or behind
+            the same NAT) slows only its own guesses. One warning is logged per checked
+            failure, so at most one per back-off window.
+        allow_unauthenticated: serve a host other than this machine (``0.0.0.0``, a LAN
+            address) without a ``token``; refused unless set, since anyone who reaches the
+            port could then drive the robot's policy.
         protocol: ``native`` (:mod:`.protocol`) or ``openpi`` (:mod:`.openpi`).
         openpi_layout: with ``protocol=openpi``, the robot family whose observation keys are
             mapped (:data:`.openpi.LAYOUTS`: ``libero``, ``droid``, ``aloha``).
@@ -89,6 +94,7 @@ class ServerConfig:
     protocol: str = "native"
     openpi_layout: str = "libero"
     openpi_default_prompt: str | None = None
+    allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         require_finite(self, "server")
@@ -124,6 +130,23 @@ class ServerConfig:
             )
         if self.token is not None and len(self.token) < 8:
             raise ValueError("server.token must have at least 8 characters")
+        if self.token is None and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise ValueError(
+                f"server.host={self.host} serves other machines: set server.token=<secret> "
+                "(clients send it), or server.allow_unauthenticated=true on a network you trust"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only (``localhost``, ``127.x.x.x``, ``::1``)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 #: The longest a peer is refused after repeated authentication failures (s).
@@ -272,6 +295,18 @@ class PolicyServer:
         if self.config.token is not None:
             peer = str((connection.remote_address or ("?",))[0])
             now = self.clock()
+            header = request.headers.get("Authorization", "").encode()
+            token = self.config.token
+            # Both compared (no early exit): native clients send Bearer, openpi's Api-Key.
+            matches = [
+                hmac.compare_digest(header, f"{scheme} {token}".encode())
+                for scheme in ("Bearer", "Api-Key")
+            ]
+            if any(matches):  # the right token is always answered: back-off slows guesses only
+                return None
+            # A wrong token from an address inside its back-off window is refused (429) without
+            # counting or logging it; outside, it is a failure that doubles the window. The
+            # failures are the address's guesses: a right token does not reset them.
             failures = self._auth_failures.get(peer)
             if failures is not None and now < failures.blocked_until:
                 self.stats["throttled_auth"] += 1
@@ -280,37 +315,28 @@ class PolicyServer:
                     f"too many failed authentications; retry in "
                     f"{failures.blocked_until - now:.1f} s\n",
                 )
-            header = request.headers.get("Authorization", "").encode()
-            token = self.config.token
-            # Both compared (no early exit): native clients send Bearer, openpi's Api-Key.
-            matches = [
-                hmac.compare_digest(header, f"{scheme} {token}".encode())
-                for scheme in ("Bearer", "Api-Key")
-            ]
-            if not any(matches):
-                self.stats["rejected_auth"] += 1
-                failures = self._auth_failures.setdefault(peer, _AuthFailures())
-                failures.count += 1
-                delay = 0.0
-                if self.config.auth_failure_delay_s > 0:
-                    delay = min(
-                        self.config.auth_failure_delay_s * 2.0 ** (failures.count - 1),
-                        MAX_AUTH_BACKOFF_S,
-                    )
-                    failures.blocked_until = now + delay
-                log.warning(
-                    "rejected a connection from %s: bad or missing token (%d in a row; "
-                    "refused for %.1f s)",
-                    peer,
-                    failures.count,
-                    delay,
+            self.stats["rejected_auth"] += 1
+            failures = self._auth_failures.setdefault(peer, _AuthFailures())
+            failures.count += 1
+            delay = 0.0
+            if self.config.auth_failure_delay_s > 0:
+                delay = min(
+                    self.config.auth_failure_delay_s * 2.0 ** (failures.count - 1),
+                    MAX_AUTH_BACKOFF_S,
                 )
-                return connection.respond(
-                    HTTPStatus.UNAUTHORIZED,
-                    "missing or wrong token (send 'Authorization: Bearer <token>' or "
-                    "'Authorization: Api-Key <token>')\n",
-                )
-            self._auth_failures.pop(peer, None)
+                failures.blocked_until = now + delay
+            log.warning(
+                "rejected a connection from %s: bad or missing token (%d in a row; "
+                "refused for %.1f s)",
+                peer,
+                failures.count,
+                delay,
+            )
+            return connection.respond(
+                HTTPStatus.UNAUTHORIZED,
+                "missing or wrong token (send 'Authorization: Bearer <token>' or "
+                "'Authorization: Api-Key <token>')\n",
+            )
         return None
 
     async def _handler(self, connection: Any) -> None:

@@ -279,8 +279,9 @@ def test_non_finite_policy_actions_are_not_sent(server, tiny_policy, monkeypatch
 
 
 def test_failed_authentication_is_throttled_per_peer(tiny_policy, caplog):
-    """After a wrong token the peer is refused (429, token not even checked, not logged) for
-    auth_failure_delay_s, doubling with each failure; a good token afterwards resets it."""
+    """After a wrong token, further wrong tokens from the peer's address are refused (429, not
+    logged, not counted) for auth_failure_delay_s, doubling with each failure; the right token
+    is always answered, and does not reset the address's failures."""
     from websockets.exceptions import InvalidStatus
 
     now = [1000.0]
@@ -301,27 +302,62 @@ def test_failed_authentication_is_throttled_per_peer(tiny_policy, caplog):
         srv.run_in_thread() as url,
     ):
         assert status("wrong-token!") == 401
-        # A burst of 200 guesses inside the 2 s window: all refused without a check.
+        # A burst of 200 guesses inside the 2 s window: all refused, none counted.
         assert [status(f"guess-{i:08d}") for i in range(200)] == [429] * 200
-        assert status(TOKEN) == 429  # even the right one, until the window ends
+        assert status(TOKEN) == 101  # the robot's own client, on the same address: served
         now[0] += 2.01
         assert status("wrong-again!") == 401  # second failure: 4 s
         now[0] += 3.9
-        assert status(TOKEN) == 429
-        now[0] += 0.2
-        assert status(TOKEN) == 101  # served, and the count is reset
-        assert status("wrong-token!") == 401  # first failure again: 2 s
-        now[0] += 2.01
+        assert status("wrong-again!") == 429
         assert status(TOKEN) == 101
+        now[0] += 0.2
+        assert status("wrong-again!") == 401  # third failure (not reset by the success): 8 s
+        now[0] += 7.9
+        assert status("guess") == 429
         assert check_health(url)  # the health check is never throttled
     assert srv.stats["rejected_auth"] == 3 and srv.stats["throttled_auth"] == 202
     warnings = [r for r in caplog.records if "bad or missing token" in r.getMessage()]
-    assert len(warnings) == 3  # one per checked failure, none for the 202 refused
+    assert [w.getMessage().split("(")[1].split(")")[0] for w in warnings] == [
+        "1 in a row; refused for 2.0 s",
+        "2 in a row; refused for 4.0 s",
+        "3 in a row; refused for 8.0 s",
+    ]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.20", "gpu-3.lab"])
+def test_serving_other_machines_needs_a_token_or_an_explicit_opt_out(host: str) -> None:
+    with pytest.raises(
+        ValueError, match=r"server\.host=.* serves other machines: set server\.token"
+    ):
+        ServerConfig(host=host)
+    assert ServerConfig(host=host, token=TOKEN).host == host
+    assert ServerConfig(host=host, allow_unauthenticated=True).token is None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.1.1", "::1", "localhost"])
+def test_this_machine_only_needs_no_token(host: str) -> None:
+    assert ServerConfig(host=host).token is None
+
+
+def test_serve_on_a_port_in_use_names_the_key(capsys, tmp_path):
+    import socket
+
+    from rlinf_vla import cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main(["serve", "policy=openvla_oft", f"server.port={port}"])
+    assert code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"server.host=127.0.0.1 server.port={port}: cannot listen there" in err
+    assert "choose another server.port" in err
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1", "::", "localhost", "gpu-3.lab"])
 def test_server_config_accepts_addresses_and_host_names(host: str) -> None:
-    assert ServerConfig(host=host).host == host
+    assert ServerConfig(host=host, token=TOKEN).host == host
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0.0", "256.1.1.1", "", "a..b", "-x.lab", "bad_host"])
