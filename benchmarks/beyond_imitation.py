@@ -178,7 +178,7 @@ def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed:
                 f"runner.eval_episodes={args.eval_episodes}",
                 f"runner.eval_num_envs={args.eval_envs}",
                 "runner.eval_videos=false",
-                f"runner.save_interval={iterations}",
+                f"runner.save_interval={args.eval_every}",  # a stopped run resumes from it
                 *common(out, seed),
                 *stage_sets(args, algo),
             ]

@@ -124,8 +124,11 @@ def policy_args(args: argparse.Namespace) -> list[str]:
 
 
 def common(out: Path, seed: int) -> list[str]:
+    # runner.resume=auto: a stage that was stopped (a crash, the machine's memory) continues
+    # from its last checkpoint, with the same rollouts and updates as one that ran through
     return [
         f"runner.output_dir={out}",
+        "runner.resume=auto",
         f"runner.seed={seed}",
         "runner.logging.tensorboard=true",
         "cluster.devices_per_node=1",
