@@ -196,7 +196,37 @@ def preflight(command: Command, job: Any) -> None:
     cluster = getattr(job, "cluster", None)
     if isinstance(cluster, ClusterConfig):
         errors.build(lambda: check_address(cluster.address))
+    for problem in _device_problems(job, cluster):
+        errors.add(problem)
     errors.raise_any()
+
+
+def _device_problems(job: Any, cluster: Any) -> list[str]:
+    """The devices a job names that this machine lacks (only where the job runs here: an
+    embedded Ray instance or none; a cluster's nodes have their own)."""
+    from rlinf_vla.config import device_problem
+    from rlinf_vla.runtime.cluster import ClusterConfig
+
+    if isinstance(cluster, ClusterConfig) and cluster.address is not None:
+        return []
+    # eval's policy device comes from eval.device unless policy.device is set
+    policy_key = (
+        "eval.device"
+        if hasattr(job, "eval") and "device" not in getattr(job, "policy", {})
+        else "policy.device"
+    )
+    named = [
+        (policy_key, getattr(getattr(job, "policy_config", None), "device", None)),
+        ("env.device", getattr(getattr(job, "env_config", None), "device", None)),
+    ]
+    problems = [device_problem(v, k) for k, v in named if isinstance(v, str)]
+    if isinstance(cluster, ClusterConfig) and cluster.num_gpus:
+        import torch
+
+        count = torch.cuda.device_count()
+        if cluster.num_gpus > count:
+            problems.append(f"cluster.num_gpus={cluster.num_gpus}: this machine has {count} GPU(s)")
+    return [p for p in problems if p]
 
 
 # --------------------------------------------------------------------------- config groups

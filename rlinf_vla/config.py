@@ -76,6 +76,28 @@ def env_error(error: Exception) -> ConfigError:
     return ConfigError(message if message.startswith("env.") else f"env: {message}")
 
 
+def device_problem(value: str, key: str) -> str | None:
+    """Why ``value`` (a torch device name set as ``key``) is not a device of this machine, or
+    ``None`` when it is (``auto`` and ``cpu`` always are). A device the machine lacks is
+    refused, never replaced by another."""
+    if value in ("auto", "cpu"):
+        return None
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        return f"{key}={value!r} is not a torch device (e.g. cpu, cuda, cuda:1)"
+    if device.type != "cuda":
+        return None
+    count = torch.cuda.device_count()
+    if count == 0:
+        return f"{key}={value}: this machine has no CUDA GPU (torch sees none); use cpu or auto"
+    if device.index is not None and device.index >= count:
+        return f"{key}={value}: this machine has {count} GPU(s), cuda:0..cuda:{count - 1}"
+    return None
+
+
 def check_at_least(obj: Any, section: str, keys: tuple[str, ...], minimum: int) -> None:
     """Raise :class:`ConfigError` naming every one of ``keys`` (attributes of ``obj``) whose value
     is below ``minimum``; ``None`` values (unset optional settings) pass."""

@@ -22,6 +22,9 @@ _NO_MANISKILL = pytest.mark.skipif(
     importlib.util.find_spec("mani_skill") is None, reason="needs ManiSkill3"
 )
 
+#: a 6-D arm's dataset written by LeRobot's own writer
+_SO100 = Path(__file__).parent / "data" / "fixtures" / "lerobot_so100"
+
 # (command line, the keys the message must name)
 BAD_CONFIGS = [
     # ranges of the algo keys (all silently accepted before)
@@ -81,6 +84,36 @@ BAD_CONFIGS = [
     (["train", "policy.image_keys=main"], ["policy.image_keys"]),
     (["eval", "env=libero", "policy=openvla_oft", "policy.image_keys=main"], ["policy.image_keys"]),
     (["train", "env=libero", "env.task_ids=3"], ["env.task_ids"]),
+    # values that started work before failing
+    (["train", "env=toy", "runner.seed=-1"], ["runner.seed"]),
+    (["sft", f"data.paths=[{_SO100}]", "runner.seed=-1"], ["runner.seed"]),
+    (["math-grpo", "runner.seed=-1"], ["runner.seed"]),
+    (["train", "env=toy", "runner.output_dir="], ["runner.output_dir is empty"]),
+    (["train", "env=toy", "runner.resume= "], ["runner.resume is empty"]),
+    (["train", "env=toy", "algo.entropy_coef=-0.1"], ["algo.entropy_coef"]),
+    (
+        ["sft", f"data.paths=[{_SO100}]", "runner.eval_interval=0", "sft.micro_batch_size=64"],
+        ["sft.micro_batch_size", "sft.batch_size=32"],
+    ),
+    (
+        ["math-grpo", "data.tasks.basic_arithmetic.weight=-1"],
+        ["data.tasks.basic_arithmetic.weight"],
+    ),
+    (
+        ["math-grpo", "data.tasks.basic_arithmetic.weight=0", "data.tasks.leg_counting.weight=0"],
+        ["data.tasks", "every weight is 0"],
+    ),
+    # devices this machine lacks are refused, never replaced
+    (["train", "env=toy", "policy.device=cuda:99"], ["policy.device=cuda:99"]),
+    (["train", "env=toy", "env.device=cuda:99"], ["env.device=cuda:99"]),
+    (["train", "env=toy", "policy.device=tpu"], ["policy.device='tpu' is not a torch device"]),
+    (["eval", "env=toy", "eval.device=cuda:99"], ["eval.device=cuda:99"]),
+    (["eval", "env=toy", "policy.device=cuda:99"], ["policy.device=cuda:99"]),
+    (
+        ["sft", f"data.paths=[{_SO100}]", "runner.eval_interval=0", "policy.device=cuda:99"],
+        ["policy.device=cuda:99"],
+    ),
+    (["train", "env=toy", "env.num_envs=64", "cluster.num_gpus=64"], ["cluster.num_gpus=64"]),
     # what the machine must provide
     (["train", "runner.output_dir=/proc/rlinf-vla-test"], ["runner.output_dir"]),
     (["train", "cluster=ray", "cluster.address=nohost"], ["cluster.address"]),

@@ -230,6 +230,7 @@ class AlgoConfig(AlgorithmSection):
                     "must be > 0 or null",
                 ),
                 ("value_coef", self.value_coef >= 0, "must be >= 0"),
+                ("entropy_coef", self.entropy_coef >= 0, "must be >= 0 (a bonus, not a penalty)"),
                 ("kl_coef", self.kl_coef >= 0, "must be >= 0"),
                 ("target_kl", self.target_kl is None or self.target_kl > 0, "must be > 0 or null"),
                 ("max_grad_norm", self.max_grad_norm > 0, "must be > 0 (the gradient's norm cap)"),

@@ -122,7 +122,7 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         positive = ("max_iterations", "rollout_chunks", "save_interval", "max_nan_updates")
         check_at_least(self, "runner", positive, 1)
-        check_at_least(self, "runner", ("eval_interval", "eval_episodes"), 0)
+        check_at_least(self, "runner", ("seed", "eval_interval", "eval_episodes"), 0)
         check_at_least(self, "runner", ("eval_num_envs",), 1)
         check_eval_episodes(self.eval_episodes)
         self.resume = resolve_resume(self.resume, self.output_dir, "iter")

@@ -106,6 +106,12 @@ class SFTConfig:
                 ("sft.lr", self.lr, self.lr > 0, "> 0"),
                 ("sft.max_grad_norm", self.max_grad_norm, self.max_grad_norm > 0, "> 0"),
                 ("sft.weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+                (
+                    "sft.micro_batch_size",
+                    self.micro_batch_size,
+                    self.micro_batch_size <= self.batch_size,
+                    f"<= sft.batch_size={self.batch_size}",
+                ),
             )
             if not ok
         ]
@@ -153,7 +159,7 @@ class SFTRunnerConfig:
 
     def __post_init__(self) -> None:
         check_at_least(self, "runner", ("save_interval", "max_nan_updates"), 1)
-        check_at_least(self, "runner", ("eval_interval", "eval_episodes"), 0)
+        check_at_least(self, "runner", ("seed", "eval_interval", "eval_episodes"), 0)
         check_at_least(self, "runner", ("eval_num_envs",), 1)
         check_eval_episodes(self.eval_episodes)
         self.resume = resolve_resume(self.resume, self.output_dir, "step")

@@ -154,6 +154,12 @@ def resolve_resume(resume: str | None, output_dir: str | None, prefix: str) -> s
     (:func:`check_resumable`). Without ``runner.resume``, an ``output_dir`` that already holds
     a run (metrics or checkpoints) is refused: starting afresh would overwrite them.
     """
+    for key, value in (("output_dir", output_dir), ("resume", resume)):
+        if value is not None and not str(value).strip():
+            raise ConfigError(
+                f"runner.{key} is empty: name a folder, or leave it null"
+                + (" (runs/<name>-<time>)" if key == "output_dir" else "")
+            )
     if resume is None:
         if output_dir:
             _check_not_a_run(Path(output_dir), prefix)

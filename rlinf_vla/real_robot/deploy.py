@@ -388,7 +388,7 @@ def run(job: DeployJob) -> list[EpisodeResult]:
     estop.watch_keys()
     console.print("[bold red]E-STOP:[/] press Enter (or Ctrl-C) to stop the robot at once")
     results = []
-    robot = make_robot(job.robot)
+    robot = None  # made once the server has answered and told its rate: nothing moves before
     try:
         try:
             if job.protocol == "openpi":
@@ -406,6 +406,7 @@ def run(job: DeployJob) -> list[EpisodeResult]:
                     f"the server at {job.server} does not advertise a control rate (openpi "
                     "servers do not): set control_rate_hz to the rate the policy was trained at"
                 )
+            robot = make_robot(job.robot)
             for ep in range(job.episodes):
                 if estop.triggered:
                     break
@@ -427,7 +428,8 @@ def run(job: DeployJob) -> list[EpisodeResult]:
             "stopped and the episode so far recorded"
         ) from e
     finally:
-        robot.stop()
-        robot.close()
+        if robot is not None:
+            robot.stop()
+            robot.close()
         estop.restore()
     return results

@@ -233,7 +233,7 @@ class MathRunnerConfig:
     def __post_init__(self) -> None:
         positive = ("max_steps", "save_interval", "eval_batch_size", "max_nan_updates")
         check_at_least(self, "runner", positive, 1)
-        check_at_least(self, "runner", ("eval_interval", "keep_checkpoints"), 0)
+        check_at_least(self, "runner", ("seed", "eval_interval", "keep_checkpoints"), 0)
         self.resume = resolve_resume(self.resume, self.output_dir, "step")
 
 

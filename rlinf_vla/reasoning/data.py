@@ -89,6 +89,18 @@ class DataConfig:
             self._check_files()
         elif not self.tasks:
             raise ConfigError("data.tasks is empty: name at least one reasoning_gym dataset")
+        else:
+            bad = [
+                f"data.tasks.{name}.weight must be a number >= 0, got {spec.get('weight')!r}"
+                for name, spec in self.tasks.items()
+                if not isinstance(spec.get("weight", 1.0), int | float)
+                or isinstance(spec.get("weight", 1.0), bool)
+                or not spec.get("weight", 1.0) >= 0
+            ]
+            if not bad and not sum(float(s.get("weight", 1.0)) for s in self.tasks.values()) > 0:
+                bad = ["data.tasks: every weight is 0; give at least one task a weight > 0"]
+            if bad:
+                raise ConfigError("; ".join(bad))
         if self.eval_size < 1 or self.train_size < 1 or self.max_prompt_tokens < 8:
             raise ConfigError(
                 "data.train_size and data.eval_size must be >= 1, data.max_prompt_tokens >= 8"

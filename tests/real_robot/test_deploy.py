@@ -426,3 +426,33 @@ def test_non_finite_config_values_are_refused_naming_the_key(override, key, caps
 def test_non_finite_serve_values_are_refused_naming_the_key(override, key, capsys):
     assert main(["serve", override, "--cfg", "job"]) == 2
     assert key in capsys.readouterr().err
+
+
+class _OpenpiServer(_FakeServer):
+    """An openpi policy server's handshake: metadata without a control rate (openpi's own
+    servers advertise none), then nothing."""
+
+    def handler(self, ws) -> None:
+        from rlinf_vla.real_robot import codec
+
+        ws.send(codec.packb({}, openpi=True))
+        for _ in ws:
+            pass
+
+
+def test_a_server_without_a_control_rate_is_refused_before_the_robot_starts(
+    tmp_path, capsys, monkeypatch
+):
+    from rlinf_vla.real_robot import deploy
+
+    def no_robot(*args, **kwargs):
+        raise AssertionError("the robot was started for a server that gives no control rate")
+
+    monkeypatch.setattr(deploy, "make_robot", no_robot)
+    with _OpenpiServer(b"") as url:
+        args = ["deploy", f"server={url}", "protocol=openpi", "robot.image_size=32"]
+        rc = main([*args, f"record.output_dir={tmp_path}"])
+    assert rc == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "does not advertise a control rate" in err and "set control_rate_hz" in err
+    assert not any(tmp_path.iterdir())  # no episode recorded
