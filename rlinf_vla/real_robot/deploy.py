@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,6 +33,7 @@ import numpy as np
 
 from rlinf_vla.config import ConfigError, RunAborted, from_section, to_dict
 from rlinf_vla.real_robot.kinematics import matrix_to_rotvec
+from rlinf_vla.real_robot.protocol import CONTROL_RATE_RANGE_HZ
 from rlinf_vla.real_robot.robot import Robot
 from rlinf_vla.real_robot.safety import EStop, SafetyConfig, SafetyFilter
 from rlinf_vla.real_robot.validation import require_finite
@@ -117,6 +119,7 @@ class DeployJob:
     control_rate_hz: float | None = None
     realtime: bool = True
     connect_timeout_s: float = 10.0
+    max_refusals: int = 3
     protocol: str = "native"
     openpi_layout: str = "libero"
     action: ActionConfig = field(default_factory=ActionConfig)
@@ -131,8 +134,13 @@ class DeployJob:
             raise ValueError("instruction is empty: say what the robot should do")
         if self.episodes < 1 or self.max_steps < 1:
             raise ValueError("episodes and max_steps must be >= 1")
-        if self.control_rate_hz is not None and not 0 < self.control_rate_hz <= 1000:
-            raise ValueError(f"control_rate_hz must be in (0, 1000], got {self.control_rate_hz}")
+        low, high = CONTROL_RATE_RANGE_HZ
+        if self.control_rate_hz is not None and not low <= self.control_rate_hz <= high:
+            raise ValueError(
+                f"control_rate_hz must be in [{low:g}, {high:g}] Hz, got {self.control_rate_hz}"
+            )
+        if self.max_refusals < 1:
+            raise ValueError(f"max_refusals must be >= 1, got {self.max_refusals}")
         if not self.connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
         from rlinf_vla.real_robot.openpi import PROTOCOLS, OpenpiClient
@@ -186,6 +194,46 @@ class EpisodeResult:
     estopped: bool
 
 
+#: The robot's proprioception: TCP position, axis-angle, two finger positions
+#: (``RobotState.proprio()``).
+PROPRIO_DIM = 8
+
+
+def fit_problems(meta: Any, cameras: Sequence[str], job: DeployJob) -> list[str]:
+    """Every way the served policy (its ``meta``) does not fit the robot (its ``cameras``): its
+    cameras, the 7-D action convention, the proprioception size."""
+    robot = job.robot.name
+    problems = []
+    missing = [k for k in meta.image_keys if k not in cameras]
+    if missing:
+        problems.append(
+            f"the policy needs cameras {list(meta.image_keys)}; robot {robot!r} has "
+            f"{list(cameras)} (missing {missing})"
+        )
+    if meta.action_dim != 7:
+        problems.append(
+            f"the policy's action_dim is {meta.action_dim}; the Franka convention needs 7"
+        )
+    if meta.state_dim is not None and (
+        meta.state_dim < PROPRIO_DIM or (meta.state_dim_exact and meta.state_dim != PROPRIO_DIM)
+    ):
+        problems.append(
+            f"the policy reads a state of {meta.state_dim} values; the robot sends "
+            f"{PROPRIO_DIM} (TCP position, axis-angle, two finger positions)"
+        )
+    return problems
+
+
+def rate_problem(meta: Any, job: DeployJob) -> str | None:
+    """Why no control rate is known (``None`` when the job or the server gives one)."""
+    if job.control_rate_hz or meta.control_rate_hz:
+        return None
+    return (
+        f"the server at {job.server} does not advertise a control rate (openpi servers do "
+        "not): set control_rate_hz to the rate the policy was trained at"
+    )
+
+
 def run_episode(
     robot: Robot,
     client: Any,
@@ -196,32 +244,19 @@ def run_episode(
     """Run one episode of ``job`` on ``robot`` with a connected :class:`PolicyClient`.
 
     Raises:
+        ValueError: the served policy does not fit the robot (:func:`fit_problems`).
         RunAborted: the server sent a malformed reply (wrong type, shape or non-finite
-            actions). Nothing of it was executed; the robot was stopped and the episode so far
-            recorded (``meta.json`` has the reason under ``aborted``).
+            actions; nothing of it was executed) or refused ``job.max_refusals`` requests in
+            a row. The robot was stopped and the episode so far recorded (``meta.json`` has
+            the reason under ``aborted``).
     """
     from rlinf_vla.real_robot.client import BadReply, ServerError
     from rlinf_vla.real_robot.recording import EpisodeWriter
 
     meta = client.metadata
-    missing = [k for k in meta.image_keys if k not in robot.camera_names]
-    if missing:
-        raise ValueError(
-            f"the policy needs cameras {list(meta.image_keys)}; robot {job.robot.name!r} has "
-            f"{list(robot.camera_names)} (missing {missing})"
-        )
-    if meta.action_dim != 7:
-        raise ValueError(
-            f"the policy's action_dim is {meta.action_dim}; the Franka convention needs 7"
-        )
-    proprio_dim = 8  # RobotState.proprio()
-    if meta.state_dim is not None and (
-        meta.state_dim < proprio_dim or (meta.state_dim_exact and meta.state_dim != proprio_dim)
-    ):
-        raise ValueError(
-            f"the policy reads a state of {meta.state_dim} values; the robot sends {proprio_dim} "
-            "(TCP position, axis-angle, two finger positions)"
-        )
+    problems = [*fit_problems(meta, robot.camera_names, job), rate_problem(meta, job)]
+    if any(problems):
+        raise ValueError("; ".join(p for p in problems if p))
     rate = job.control_rate_hz or meta.control_rate_hz
     dt = 1.0 / rate
     estop = estop or EStop()
@@ -252,7 +287,7 @@ def run_episode(
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-query")
     future: Future | None = None
     chunk: list[tuple[np.ndarray, float]] = []
-    queries = server_errors = late_chunks = 0
+    queries = server_errors = late_chunks = refused = 0
     aborted: str | None = None
     latency: list[float] = []
     steps = 0
@@ -284,11 +319,21 @@ def run_episode(
                     # Action k is due k ticks after its observation; the safety layer drops
                     # (holds) any executed more than watchdog_s after that.
                     chunk = [(a, observed + k * dt) for k, a in enumerate(actions[:per_query])]
+                    refused = 0
                 except ServerError as e:
                     server_errors += 1
+                    refused += 1
                     log.error("server refused the request: %s", e.reason)
+                    if refused >= job.max_refusals:
+                        aborted = (
+                            f"the policy server refused {refused} requests in a row (the last: "
+                            f"{e.reason})"
+                        )
+                        log.error("%s; stopping the robot", aborted)
+                        robot.stop()
+                        break
                 except BadReply as e:
-                    aborted = f"bad reply from the policy server: {e}"
+                    aborted = f"bad reply from the policy server: {e} (nothing of it was executed)"
                     log.error("%s; stopping the robot", aborted)
                     robot.stop()
                     break
@@ -365,7 +410,7 @@ def run_episode(
             )
     if aborted is not None:
         where = f"; the episode so far is in {folder}" if folder is not None else ""
-        raise RunAborted(f"{aborted}. Nothing of it was executed; the robot was stopped{where}")
+        raise RunAborted(f"{aborted}; the robot was stopped{where}")
     return EpisodeResult(
         steps, folder, safety.summary(), queries, server_errors, latency, estop.triggered
     )
@@ -401,10 +446,15 @@ def run(job: DeployJob) -> list[EpisodeResult]:
             raise RunAborted(f"{job.server}: {e}") from None
         with client:
             console.print(f"connected to {job.server}: {client.metadata}")
-            if not (job.control_rate_hz or client.metadata.control_rate_hz):
-                raise ConfigError(
-                    f"the server at {job.server} does not advertise a control rate (openpi "
-                    "servers do not): set control_rate_hz to the rate the policy was trained at"
+            # a missing setting, then everything that does not fit, before the robot starts
+            missing_rate = rate_problem(client.metadata, job)
+            if missing_rate:
+                raise ConfigError(missing_rate)
+            problems = fit_problems(client.metadata, job.robot.cameras, job)
+            if problems:
+                raise RunAborted(
+                    f"the policy served at {job.server} does not fit robot "
+                    f"{job.robot.name!r}, nothing was started: " + "; ".join(problems)
                 )
             robot = make_robot(job.robot)
             for ep in range(job.episodes):

@@ -39,6 +39,11 @@ class RequestError(ValueError):
     """A request the server refuses; the message is sent back as the error reason."""
 
 
+#: The control rates a robot client executes (Hz): slower would hold each action for seconds,
+#: faster than any arm's command loop.
+CONTROL_RATE_RANGE_HZ = (1.0, 1000.0)
+
+
 @dataclass(frozen=True)
 class PolicyMetadata:
     """What the server tells every client when it connects.
@@ -84,9 +89,50 @@ class PolicyMetadata:
             raise ValueError(
                 f"server speaks protocol {msg.get('protocol')!r}, this client {PROTOCOL_VERSION}"
             )
+        missing = [k for k in cls.__dataclass_fields__ if k not in msg]
+        if missing:
+            raise ValueError(f"the server's metadata lacks {missing}")
         values = {k: msg[k] for k in cls.__dataclass_fields__}
-        values["image_keys"] = tuple(values["image_keys"])
-        return cls(**values)
+        if isinstance(values["image_keys"], list | tuple):
+            values["image_keys"] = tuple(values["image_keys"])
+        meta = cls(**values)
+        problems = meta.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return meta
+
+    def problems(self) -> list[str]:
+        """What makes these values unusable by a client (wrong types, sizes below 1, a
+        control rate outside :data:`CONTROL_RATE_RANGE_HZ`; ``0``: not advertised)."""
+        import math
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        out = []
+        if not (
+            isinstance(self.image_keys, tuple)
+            and self.image_keys
+            and all(isinstance(k, str) and k for k in self.image_keys)
+        ):
+            out.append(
+                f"image_keys must be a non-empty list of camera names, got {self.image_keys!r}"
+            )
+        for name in ("action_dim", "chunk_size", "max_message_bytes"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                out.append(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("image_size", "state_dim"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                out.append(f"{name} must be an integer >= 1 or null, got {value!r}")
+        rate = self.control_rate_hz
+        low, high = CONTROL_RATE_RANGE_HZ
+        if not isinstance(rate, int | float) or isinstance(rate, bool) or not math.isfinite(rate):
+            out.append(f"control_rate_hz must be a number, got {rate!r}")
+        elif rate != 0 and not low <= rate <= high:
+            out.append(f"control_rate_hz must be in [{low:g}, {high:g}] Hz, got {rate!r}")
+        return out
 
 
 def policy_metadata(

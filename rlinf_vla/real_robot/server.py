@@ -36,6 +36,7 @@ import numpy as np
 
 from rlinf_vla.real_robot import codec, openpi
 from rlinf_vla.real_robot.protocol import (
+    CONTROL_RATE_RANGE_HZ,
     InferRequest,
     PolicyMetadata,
     RequestError,
@@ -122,8 +123,12 @@ class ServerConfig:
             raise ValueError(f"server.max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.batch_window_ms < 0:
             raise ValueError(f"server.batch_window_ms must be >= 0, got {self.batch_window_ms}")
-        if self.control_rate_hz <= 0:
-            raise ValueError(f"server.control_rate_hz must be > 0, got {self.control_rate_hz}")
+        low, high = CONTROL_RATE_RANGE_HZ
+        if not low <= self.control_rate_hz <= high:
+            raise ValueError(
+                f"server.control_rate_hz must be in [{low:g}, {high:g}] Hz, got "
+                f"{self.control_rate_hz}"
+            )
         if self.auth_failure_delay_s < 0:
             raise ValueError(
                 f"server.auth_failure_delay_s must be >= 0, got {self.auth_failure_delay_s}"

@@ -3,6 +3,7 @@ episodes read back; the watchdog under a slow server; the e-stop; config validat
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -456,3 +457,85 @@ def test_a_server_without_a_control_rate_is_refused_before_the_robot_starts(
     err = " ".join(capsys.readouterr().err.split())
     assert "does not advertise a control rate" in err and "set control_rate_hz" in err
     assert not any(tmp_path.iterdir())  # no episode recorded
+
+
+def _serving(**metadata):
+    """A server whose metadata differs from a good one by ``metadata``."""
+
+    class Server(_FakeServer):
+        META: ClassVar[dict] = {**_FakeServer.META, **metadata}
+
+    return Server(b"")
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"action_dim": 6}, "the policy's action_dim is 6; the Franka convention needs 7"),
+        ({"state_dim": 5}, "the policy reads a state of 5 values; the robot sends 8"),
+        ({"image_keys": ["top"]}, "the policy needs cameras ['top']; robot 'sim' has"),
+        ({"control_rate_hz": float("nan")}, "control_rate_hz must be a number, got nan"),
+        ({"control_rate_hz": "fast"}, "control_rate_hz must be a number, got 'fast'"),
+        ({"control_rate_hz": 0.01}, "control_rate_hz must be in [1, 1000] Hz, got 0.01"),
+        ({"control_rate_hz": 1e6}, "control_rate_hz must be in [1, 1000] Hz"),
+        ({"chunk_size": 0}, "chunk_size must be an integer >= 1, got 0"),
+        ({"chunk_size": -3}, "chunk_size must be an integer >= 1, got -3"),
+        ({"image_keys": []}, "image_keys must be a non-empty list"),
+    ],
+)
+def test_a_server_that_does_not_fit_is_refused_before_the_robot_starts(
+    metadata, message, tmp_path, capsys, monkeypatch
+):
+    from rlinf_vla.real_robot import deploy
+
+    def no_robot(*args, **kwargs):
+        raise AssertionError("the robot was started for a server that does not fit it")
+
+    monkeypatch.setattr(deploy, "make_robot", no_robot)
+    with _serving(**metadata) as url:
+        args = ["deploy", f"server={url}", "robot.image_size=32", f"record.output_dir={tmp_path}"]
+        rc = main(args)
+    assert rc == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert message in err and "Traceback" not in err
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+class _Refuser(_FakeServer):
+    """Answers the first two requests, then refuses every one."""
+
+    def handler(self, ws) -> None:
+        from rlinf_vla.real_robot import codec
+
+        ws.send(codec.packb(self.META))
+        for n, frame in enumerate(ws):
+            req = codec.unpackb(frame)
+            if n < 2:
+                good = np.zeros((8, 7), np.float32)
+                ws.send(codec.packb({"type": "actions", "id": req["id"], "actions": good}))
+            else:
+                refusal = {"type": "error", "id": req["id"], "reason": "out of memory"}
+                ws.send(codec.packb({**refusal, "traceback": None}))
+
+
+@pytest.mark.sim
+def test_a_server_that_keeps_refusing_stops_the_episode_with_its_reason(tmp_path, capsys):
+    with _Refuser(b"") as url:
+        rc = main(
+            [
+                "deploy",
+                f"server={url}",
+                "max_steps=60",
+                "realtime=false",
+                "robot.image_size=32",
+                f"record.output_dir={tmp_path}",
+            ]
+        )
+    assert rc == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the policy server refused 3 requests in a row (the last: out of memory)" in err
+    (folder,) = tmp_path.iterdir()
+    meta = json.loads((folder / "meta.json").read_text())
+    assert "refused 3 requests in a row" in meta["aborted"] and meta["server_errors"] == 3
+    steps = np.load(folder / "steps.npz")
+    assert len(steps["timestamp"]) < 60  # stopped before its 60 steps
