@@ -589,14 +589,29 @@ def _export_episodes(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    skipped: list[Path] = []
+
+    def on_skip(folder: Path, reason: str) -> None:
+        skipped.append(folder)
+        print(f"rlinf-vla export-episodes: skipped {folder}: {reason}", file=sys.stderr)
+
     try:
         out = export_recordings(
-            folders, args.output, args.fps, robot_type=args.robot_type, overwrite=args.overwrite
+            folders,
+            args.output,
+            args.fps,
+            robot_type=args.robot_type,
+            overwrite=args.overwrite,
+            on_skip=on_skip,
         )
     except (ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"rlinf-vla export-episodes: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out} ({len(folders)} episodes)")
+    print(
+        f"wrote {out} ({len(folders) - len(skipped)} episodes"
+        + (f"; {len(skipped)} skipped, see above" if skipped else "")
+        + ")"
+    )
     return 0
 
 

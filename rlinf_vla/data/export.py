@@ -3,13 +3,15 @@
 Each recorded episode folder becomes one episode: every recorded camera as
 ``observation.images.<camera>``, the proprio the policy saw as ``observation.state``, the action
 actually executed from it (after the safety layer, in the policy's units) as ``action``, and the
-instruction as the task. Episodes with no steps are skipped.
+instruction as the task. Episodes with no steps are skipped, and so is a recording that cannot
+be read (a truncated ``steps.npz``, a malformed ``meta.json``, a video that does not decode):
+its reason goes to ``on_skip`` and the others are exported.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,7 @@ def export_recordings(
     *,
     robot_type: str | None = None,
     overwrite: bool = False,
+    on_skip: Callable[[Path, str], None] | None = None,
 ) -> Path:
     """Convert recorded deploy episodes into one LeRobotDataset v3.0 folder.
 
@@ -44,21 +47,34 @@ def export_recordings(
             the same whole number for all of them).
         robot_type: for ``info.json``; default the recorded robot config's ``name``.
         overwrite: replace an existing dataset at ``output``.
+        on_skip: called with each recording left out and why (default: a logged warning).
 
     Returns:
         ``output``.
 
     Raises:
         ValueError: no folder, recordings that disagree (cameras, image sizes, state or action
-            size, frame rate), a camera whose frame count differs from the steps, or no steps.
+            size, frame rate), no steps, or none that could be read.
     """
-    from rlinf_vla.real_robot.recording import read_episode
+    from rlinf_vla.real_robot.recording import RecordingError, read_episode
 
+    skip = on_skip or (lambda folder, reason: log.warning("%s skipped: %s", folder, reason))
     folders = [Path(f) for f in folders]
     if not folders:
         raise ValueError("no recording folder given")
-    # Check every recording's metadata before writing anything.
-    metas = [read_episode(f, load_images=False) for f in folders]
+    # Check every recording's metadata before writing anything; one that cannot be read is
+    # skipped with its reason.
+    readable = []
+    reasons = []
+    for folder in folders:
+        try:
+            readable.append((folder, read_episode(folder, load_images=False)))
+        except RecordingError as e:
+            skip(folder, str(e))
+            reasons.append(str(e))
+    if not readable:
+        raise ValueError("no recording could be read: " + "; ".join(reasons))
+    metas = [m for _, m in readable]
     rates = {float(m.meta.get("fps", 0)) for m in metas}
     if fps is None:
         if len(rates) != 1 or not next(iter(rates)).is_integer() or next(iter(rates)) <= 0:
@@ -82,17 +98,21 @@ def export_recordings(
 
     writer: LeRobotWriter | None = None
     try:
-        for folder, m in zip(folders, metas, strict=True):
+        exported = 0
+        for folder, m in readable:
             if len(m) == 0:
-                log.warning("%s: no steps, skipped", folder)
+                skip(folder, "no steps")
                 continue
-            episode = read_episode(folder)
+            try:
+                episode = read_episode(folder)
+            except RecordingError as e:  # its images do not decode
+                skip(folder, str(e))
+                continue
             images = episode.images
-            for cam, frames in images.items():
-                if len(frames) != len(episode):
-                    raise ValueError(
-                        f"{folder}: camera {cam!r} has {len(frames)} frames for {len(episode)} steps"
-                    )
+            short = {c: len(f) for c, f in images.items() if len(f) != len(episode)}
+            if short:
+                skip(folder, f"camera frames {short} for {len(episode)} steps")
+                continue
             if writer is None:
                 writer = LeRobotWriter(
                     output,
@@ -107,16 +127,20 @@ def export_recordings(
                 )
             task = str(episode.meta.get("instruction") or "")
             if not task:
-                raise ValueError(f"{folder}: meta.json has no instruction")
+                skip(folder, "meta.json has no instruction (the dataset's task)")
+                continue
             writer.add_episode(
                 {c: np.asarray(f, dtype=np.uint8) for c, f in images.items()},
                 episode.steps["state"],
                 episode.steps["action"],
                 task,
             )
+            exported += 1
+        if not exported:
+            raise ValueError("no recording could be exported (each was skipped, see above)")
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
-    assert writer is not None  # at least one recording has steps (checked above)
+    assert writer is not None
     return writer.close()

@@ -42,7 +42,7 @@ import numpy as np
 
 from rlinf_vla.real_robot.safety import INTERVENTIONS, Intervention
 
-__all__ = ["FORMAT_VERSION", "Episode", "EpisodeWriter", "read_episode"]
+__all__ = ["FORMAT_VERSION", "Episode", "EpisodeWriter", "RecordingError", "read_episode"]
 
 FORMAT_VERSION = 1
 _STEP_KEYS = {
@@ -200,30 +200,82 @@ class Episode:
         return int(self.meta["num_steps"])
 
 
+class RecordingError(ValueError):
+    """A recorded episode folder that cannot be read; the message names the folder and what is
+    wrong with it."""
+
+
+#: The arrays every recorded episode's ``steps.npz`` holds.
+REQUIRED_STEPS = ("timestamp", "state", "action")
+
+
 def read_episode(folder: str | Path, load_images: bool = True) -> Episode:
-    """Read an episode folder written by :class:`EpisodeWriter`."""
+    """Read an episode folder written by :class:`EpisodeWriter`.
+
+    Raises:
+        RecordingError: a missing, truncated or malformed file (``meta.json``, ``steps.npz``,
+            a camera's video or frames, ``interventions.jsonl``), naming the folder and file.
+    """
+    folder = Path(folder)
+    try:
+        return _read_episode(folder, load_images)
+    except RecordingError:
+        raise
+    except Exception as e:  # whatever a damaged file raises (zipfile, numpy, json, ffmpeg)
+        raise RecordingError(f"{folder}: {type(e).__name__}: {e}") from None
+
+
+def _read_episode(folder: Path, load_images: bool) -> Episode:
     import imageio.v2 as imageio
 
-    folder = Path(folder)
-    meta = json.loads((folder / "meta.json").read_text())
+    def bad(what: str) -> RecordingError:
+        return RecordingError(f"{folder}: {what}")
+
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise bad(f"meta.json cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict):
+        raise bad(f"meta.json holds a {type(meta).__name__}, not a map")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{folder}: format version {meta.get('format_version')} (this reader: {FORMAT_VERSION})"
-        )
-    with np.load(folder / "steps.npz") as f:
-        steps = {k: f[k] for k in f.files}
+        raise bad(f"format version {meta.get('format_version')} (this reader: {FORMAT_VERSION})")
+    cameras = meta.get("cameras")
+    if not isinstance(cameras, list) or not all(isinstance(c, str) and c for c in cameras):
+        raise bad(f"meta.json's cameras must be a list of camera names, got {cameras!r}")
+    if meta.get("video") not in ("mp4", "png"):
+        raise bad(f"meta.json's video must be mp4 or png, got {meta.get('video')!r}")
+    try:
+        with np.load(folder / "steps.npz") as f:
+            steps = {k: f[k] for k in f.files}
+    except Exception as e:
+        raise bad(
+            f"steps.npz cannot be read, truncated or damaged ({type(e).__name__}: {e})"
+        ) from None
+    missing = [k for k in REQUIRED_STEPS if k not in steps]
+    if missing:
+        raise bad(f"steps.npz lacks {missing} (it has {sorted(steps)})")
+    n = int(meta.get("num_steps", -1))
+    lengths = {k: len(v) for k, v in steps.items() if v.ndim}
+    if any(length != n for length in lengths.values()):
+        raise bad(f"meta.json says {n} steps, steps.npz has {lengths}")
     images: dict[str, np.ndarray] = {}
     if load_images:
-        for cam in meta["cameras"]:
-            if meta["video"] == "png":
-                files = sorted((folder / cam).glob("*.png"))
-                images[cam] = (
-                    np.stack([imageio.imread(p) for p in files])
-                    if files
-                    else np.zeros((0,), np.uint8)
-                )
-            else:
-                with imageio.get_reader(folder / f"{cam}.mp4") as r:
-                    images[cam] = np.stack([np.asarray(fr) for fr in r])
+        for cam in cameras:
+            try:
+                if meta["video"] == "png":
+                    files = sorted((folder / cam).glob("*.png"))
+                    images[cam] = (
+                        np.stack([imageio.imread(p) for p in files])
+                        if files
+                        else np.zeros((0,), np.uint8)
+                    )
+                else:
+                    with imageio.get_reader(folder / f"{cam}.mp4") as r:
+                        images[cam] = np.stack([np.asarray(fr) for fr in r])
+            except Exception as e:
+                raise bad(
+                    f"camera {cam!r}: its frames cannot be decoded ({type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+                ) from None
     lines = (folder / "interventions.jsonl").read_text().splitlines()
     return Episode(meta, steps, images, [json.loads(line) for line in lines if line])

@@ -662,3 +662,71 @@ def test_export_episodes_command_takes_a_deploy_folder(tmp_path, capsys):
     assert str(out) in capsys.readouterr().err
     assert cli.main(["export-episodes", str(tmp_path / "nothing"), "-o", str(out)]) == 2
     assert "no recorded episode" in capsys.readouterr().err
+
+
+def _damage(folder, how):
+    """Break one recorded episode ``folder`` the way a crash or a full disk leaves it."""
+    import json as _json
+
+    if how == "truncated steps.npz":
+        data = (folder / "steps.npz").read_bytes()
+        (folder / "steps.npz").write_bytes(data[: len(data) // 2])
+    elif how == "steps.npz without actions":
+        with np.load(folder / "steps.npz") as f:
+            kept = {k: f[k] for k in f.files if k != "action"}
+        np.savez(folder / "steps.npz", **kept)
+    elif how == "meta.json is a list":
+        (folder / "meta.json").write_text("[1, 2]")
+    elif how == "meta.json without cameras":
+        meta = _json.loads((folder / "meta.json").read_text())
+        del meta["cameras"]
+        (folder / "meta.json").write_text(_json.dumps(meta))
+    elif how == "truncated video":
+        data = (folder / "main.mp4").read_bytes()
+        (folder / "main.mp4").write_bytes(data[: len(data) // 3])
+    elif how == "garbage video":
+        (folder / "main.mp4").write_bytes(b"\x00garbage" * 100)
+    return folder
+
+
+DAMAGE = {
+    "truncated steps.npz": "steps.npz cannot be read",
+    "steps.npz without actions": "steps.npz lacks ['action']",
+    "meta.json is a list": "meta.json holds a list, not a map",
+    "meta.json without cameras": "meta.json's cameras must be a list of camera names",
+    "truncated video": "camera 'main': its frames cannot be decoded",
+    "garbage video": "camera 'main': its frames cannot be decoded",
+}
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_one_broken_recording_is_skipped_with_its_reason_and_the_others_export(
+    tmp_path, capsys, how
+):
+    from rlinf_vla import cli
+
+    _record(tmp_path / "episodes/1-ep000", 4, "put the cup away", seed=1)
+    broken = _damage(_record(tmp_path / "episodes/2-ep001", 5, "wipe the table", seed=2), how)
+    _record(tmp_path / "episodes/3-ep002", 3, "stack the cups", seed=3)
+    out = tmp_path / "ds"
+    assert cli.main(["export-episodes", str(tmp_path / "episodes"), "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    err = " ".join(captured.err.split())
+    assert f"skipped {broken}: {broken}: {DAMAGE[how]}" in err, err
+    assert "Traceback" not in err and "2 episodes; 1 skipped" in captured.out
+    ds = open_dataset(out)
+    assert [e.length for e in ds.episodes] == [4, 3]
+    assert ds.tasks == ["put the cup away", "stack the cups"]
+
+
+def test_an_export_of_only_broken_recordings_fails_naming_each(tmp_path, capsys):
+    from rlinf_vla import cli
+
+    a = _damage(_record(tmp_path / "episodes/1-ep000", 4, "a", seed=1), "truncated steps.npz")
+    b = _damage(_record(tmp_path / "episodes/2-ep001", 4, "b", seed=2), "meta.json is a list")
+    assert (
+        cli.main(["export-episodes", str(tmp_path / "episodes"), "-o", str(tmp_path / "ds")]) == 2
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert "no recording could be read" in err and str(a) in err and str(b) in err
+    assert not (tmp_path / "ds").exists()
