@@ -168,6 +168,12 @@ class Dataset:
         out["tasks"] = list(self.tasks)
         return out
 
+    def load_tabular(self, episodes: Sequence[int] | None = None) -> dict[str, Any]:
+        """What :meth:`load` returns without the images (nothing is decoded): the numeric
+        features and ``tasks``, for checks that need the values but not the pictures."""
+        columns = self._load_columns(self._select(episodes), images=False)
+        return {**columns, "tasks": list(self.tasks)}
+
     def _select(self, episodes: Sequence[int] | None) -> list[int]:
         if episodes is None:
             return list(range(len(self.episodes)))
@@ -189,12 +195,12 @@ class Dataset:
             if f.get("dtype") in NUMERIC_DTYPES or f.get("dtype") == "string"
         ]
 
-    def _load_columns(self, order: list[int]) -> dict[str, Any]:
+    def _load_columns(self, order: list[int], images: bool = True) -> dict[str, Any]:
         """Columns of the selected episodes, concatenated in ``order``; ``image`` features as
-        decoded frames."""
+        decoded frames (unless ``images`` is false)."""
         _, pq = pyarrow_modules()
         names = self._tabular_features()
-        image_keys = [k for k in self.cameras if self.features[k]["dtype"] == "image"]
+        image_keys = [k for k in self.cameras if self.features[k]["dtype"] == "image" and images]
         parts: dict[str, list[Any]] = {k: [] for k in names + image_keys}
         cache: tuple[str, Any, np.ndarray] | None = None
         for i in order:

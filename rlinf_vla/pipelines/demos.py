@@ -130,15 +130,24 @@ class Demonstrations:
         frames: per dataset, what :meth:`rlinf_vla.data.Dataset.load` returns.
         features: per dataset, its :class:`FeatureMap`.
         chunk_size: ``K``, actions per sample.
+        names: per dataset, its path (for errors).
+
+    Raises:
+        ValueError: a dataset's frames cannot train (:func:`check_frames`).
     """
 
     def __init__(
-        self, frames: list[dict[str, Any]], features: list[FeatureMap], chunk_size: int
+        self,
+        frames: list[dict[str, Any]],
+        features: list[FeatureMap],
+        chunk_size: int,
+        names: list[str] | None = None,
     ) -> None:
         images: dict[str, list[np.ndarray]] = {cam: [] for cam in features[0].cameras}
         states, actions, episodes, tasks = [], [], [], []
         offset = 0
-        for data, fmap in zip(frames, features, strict=True):
+        for data, fmap, name in zip(frames, features, names or [""] * len(frames), strict=True):
+            check_frames(name, data, fmap)
             for cam, feature in fmap.cameras.items():
                 images[cam].append(np.asarray(data["images"][feature]))
             if fmap.state is not None:
@@ -194,4 +203,41 @@ def load_demonstrations(
     from rlinf_vla.data import open_dataset
 
     frames = [open_dataset(Path(p)).load() for p in paths]
-    return Demonstrations(frames, features, chunk_size)
+    return Demonstrations(frames, features, chunk_size, [str(p) for p in paths])
+
+
+def value_problem(name: str, data: dict[str, Any], features: list[str]) -> str | None:
+    """Where the numeric ``features`` of dataset ``name``'s frames (``data``: what
+    :meth:`~rlinf_vla.data.Dataset.load_tabular` returns) are not finite: the feature, how many
+    frames, the first episode and frame; ``None`` when every value is finite."""
+    episode = np.asarray(data["episode_index"])
+    frame = np.asarray(data.get("frame_index", np.arange(len(episode))))
+    for feature in features:
+        values = np.asarray(data[feature], dtype=np.float64).reshape(len(episode), -1)
+        bad = ~np.isfinite(values).all(axis=1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            return (
+                f"{name}: {feature} holds NaN or inf in {int(bad.sum())} frame(s), the first "
+                f"in episode {int(episode[i])} at frame {int(frame[i])}"
+            )
+    return None
+
+
+def check_frames(name: str, data: dict[str, Any], fmap: FeatureMap) -> None:
+    """``ValueError`` naming the dataset ``name``, the feature and the first episode and frame
+    where its frames cannot train: actions or states that are not finite, a camera whose
+    frames are not ``uint8 [T, H, W, 3]`` for every frame."""
+    problem = value_problem(name, data, [f for f in (fmap.action, fmap.state) if f])
+    if problem:
+        raise ValueError(problem)
+    n = len(data["episode_index"])
+    for cam, feature in fmap.cameras.items():
+        images = np.asarray(data["images"][feature])
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+            raise ValueError(
+                f"{name}: camera {cam!r} ({feature}): frames are {images.dtype} "
+                f"{list(images.shape)}, expected uint8 [T, H, W, 3]"
+            )
+        if len(images) != n:
+            raise ValueError(f"{name}: {feature} has {len(images)} frames for {n} rows")

@@ -33,7 +33,7 @@ from rlinf_vla.config import (
     from_section,
     to_dict,
 )
-from rlinf_vla.pipelines.demos import FeatureMap, combine_stats, map_features
+from rlinf_vla.pipelines.demos import FeatureMap, combine_stats, map_features, value_problem
 from rlinf_vla.pipelines.evaluation import check_eval_episodes
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume, run_folder
 from rlinf_vla.runtime.cluster import ClusterConfig
@@ -225,6 +225,20 @@ def _cameras_from_data(
     return kept or names[:1]
 
 
+def _stats_problem(stats: dict[str, Any] | None, feature: str) -> str | None:
+    """Why the dataset's statistics of ``feature`` cannot normalise it, or ``None``."""
+    if stats is None:
+        return "meta/stats.json is missing (the policy normalises with the data's statistics)"
+    if feature not in stats:
+        return f"meta/stats.json has no statistics of {feature!r}"
+    bad = sorted(
+        k for k, v in stats[feature].items() if not np.isfinite(np.asarray(v, dtype=float)).all()
+    )
+    if bad:
+        return f"meta/stats.json: the statistics {bad} of {feature!r} hold NaN or inf"
+    return None
+
+
 def _open(paths: list[str]) -> list[Any]:
     from rlinf_vla.data import DatasetError, open_dataset
 
@@ -290,6 +304,24 @@ def validate(cfg: Any) -> SFTJob:
             f"data.action={data.action!r} is not a feature of {data.paths[0]} "
             f"(its features: {sorted(first.features)})"
         )
+    for path, ds in zip(data.paths, datasets, strict=True):
+        if data.state is not None and data.state not in ds.features:
+            tabular = sorted(k for k, f in ds.features.items() if f.get("dtype") == "float32")
+            errors.add(
+                f"data.state={data.state!r} is not a feature of {path} (its float features: "
+                f"{tabular}): set data.state=<one of them>, or data.state=null to train "
+                "without the robot's state"
+            )
+        read = [f for f in (data.action, data.state) if f is not None and f in ds.features]
+        for feature in read:
+            problem = _stats_problem(ds.stats, feature)
+            if problem:
+                errors.add(f"data.paths: {path}: {problem}")
+        # every value, before anything starts (the tabular columns only: no video decoded)
+        problem = value_problem(path, ds.load_tabular(), read)
+        if problem:
+            errors.add(f"data.paths: {problem}")
+    errors.raise_any()
     action_dim = int(first.features[data.action]["shape"][0])
     state_dim = (
         int(first.features[data.state]["shape"][0])

@@ -407,3 +407,97 @@ def test_lerobots_own_dataset_trains_without_a_simulator(tmp_path):
     [(name, entry)] = stats.items()  # the dataset's statistics, as the official format keeps them
     assert name == "lerobot_so100" and len(entry["action"]["q99"]) == 6
     assert len(entry["proprio"]["mean"]) == 6
+
+
+def _two_episodes(path, action_nan_at=None):
+    """A LeRobot dataset of two 6-frame episodes (8 x 8 camera, 3-D state, 2-D action); with
+    ``action_nan_at=(episode, frame)`` that frame's action is made NaN in the data file
+    afterwards, as a writer that does not check would leave it (the statistics stay finite)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlinf_vla.data import LeRobotWriter
+
+    rng = np.random.default_rng(0)
+    with LeRobotWriter(path, fps=10, cameras={"main": (8, 8)}, state_dim=3, action_dim=2) as w:
+        for _ in range(2):
+            action = rng.uniform(-1, 1, (6, 2)).astype(np.float32)
+            w.add_episode(
+                images={"main": rng.integers(0, 255, (6, 8, 8, 3), dtype=np.uint8)},
+                state=rng.normal(size=(6, 3)).astype(np.float32),
+                action=action,
+                task="go",
+            )
+    if action_nan_at is not None:
+        [data_file] = (path / "data").rglob("*.parquet")
+        table = pq.read_table(data_file)
+        episode, frame = action_nan_at
+        actions = table.column("action").to_pylist()
+        actions[episode * 6 + frame][1] = float("nan")
+        column = pa.array(actions, type=table.schema.field("action").type)
+        table = table.set_column(table.schema.get_field_index("action"), "action", column)
+        pq.write_table(table, data_file)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (
+            "nan action",
+            "action holds NaN or inf in 1 frame(s), the first in episode 1 at frame 4",
+        ),
+        (
+            "no stats.json",
+            "meta/stats.json is missing (the policy normalises with the data's statistics)",
+        ),
+        ("nan stats", "the statistics ['q99'] of 'observation.state' hold NaN or inf"),
+        ("state named otherwise", "data.state='observation.joints' is not a feature of"),
+    ],
+)
+def test_datasets_that_cannot_train_are_refused_before_anything_starts(
+    tmp_path, capsys, nothing_starts, damage, message
+):
+    from rlinf_vla import cli
+
+    ds = _two_episodes(tmp_path / "ds", action_nan_at=(1, 4) if damage == "nan action" else None)
+    extra = []
+    if damage == "no stats.json":
+        (ds / "meta" / "stats.json").unlink()
+    elif damage == "nan stats":
+        stats = json.loads((ds / "meta" / "stats.json").read_text())
+        stats["observation.state"]["q99"][1] = float("nan")
+        (ds / "meta" / "stats.json").write_text(json.dumps(stats))
+    elif damage == "state named otherwise":
+        extra = ["data.state=observation.joints"]
+    args = ["sft", f"data.paths=[{ds}]", "runner.eval_interval=0", *extra]
+    assert cli.main([*args, f"runner.output_dir={tmp_path / 'run'}"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert message in err and "Traceback" not in err
+    if damage == "state named otherwise":
+        assert "['action', 'observation.state'" in err and "data.state=null" in err
+
+
+def test_frames_that_cannot_train_name_their_dataset_episode_and_frame():
+    from rlinf_vla.pipelines.demos import check_frames
+
+    n = 8
+    data = {
+        "episode_index": np.repeat([0, 1], 4),
+        "frame_index": np.tile(np.arange(4), 2),
+        "action": np.zeros((n, 2), np.float32),
+        "observation.state": np.zeros((n, 3), np.float32),
+        "images": {"observation.images.main": np.zeros((n, 8, 8, 3), np.uint8)},
+    }
+    fmap = FeatureMap({"main": "observation.images.main"}, "observation.state", "action")
+    check_frames("data/x", data, fmap)  # a good one passes
+    data["observation.state"][6, 0] = np.inf
+    with pytest.raises(
+        ValueError,
+        match=r"data/x: observation.state holds NaN or inf in 1 frame\(s\), the first in episode 1 at frame 2",
+    ):
+        check_frames("data/x", data, fmap)
+    data["observation.state"][6, 0] = 0
+    data["images"]["observation.images.main"] = np.zeros((n, 8, 8), np.float32)
+    with pytest.raises(ValueError, match=r"camera 'main' .* float32 \[8, 8, 8\], expected uint8"):
+        check_frames("data/x", data, fmap)
