@@ -277,7 +277,20 @@ def latest_config(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     path = starts[-1][1] if starts else run_dir / "config.yaml"
     if not path.is_file():
         return None
-    return path, yaml.safe_load(path.read_text()) or {}
+    try:
+        saved = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"runner.resume: {path} is not a readable config ({first}); restore it from a copy "
+            "or start a new run"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ConfigError(
+            f"runner.resume: {path} holds a {type(saved).__name__}, not a config; restore it "
+            "or start a new run"
+        )
+    return path, saved
 
 
 def _show(value: Any) -> str:
@@ -305,8 +318,15 @@ def check_resume_config(run_dir: str | Path, config: dict[str, Any]) -> list[str
     if str(new.get("placement.mode")) == "auto":  # resolved again at start
         old = {k: v for k, v in old.items() if not k.startswith("placement.")}
         new = {k: v for k, v in new.items() if not k.startswith("placement.")}
-    changed = [k for k in new if k in old and new[k] != old[k]]
-    lines = {k: f"{k}: {_show(old[k])} -> {_show(new[k])}" for k in changed}
+    # a key set on only one side changed too (set now, or no longer: its default applies)
+    unset = object()
+    keys = [*new, *(k for k in old if k not in new)]
+    changed = [k for k in keys if old.get(k, unset) != new.get(k, unset)]
+
+    def show(side: dict[str, Any], k: str) -> str:
+        return _show(side[k]) if k in side else "(unset)"
+
+    lines = {k: f"{k}: {show(old, k)} -> {show(new, k)}" for k in changed}
     safe = [k for k in changed if any(fnmatch.fnmatchcase(k, p) for p in SAFE_ON_RESUME)]
     refused = [k for k in changed if k not in safe]
     if refused:
@@ -350,6 +370,17 @@ def prepare_resume(
     """
     if not resume:
         return None
+    metrics = Path(resume) / "metrics.jsonl"
+    if metrics.is_file():
+        from rlinf_vla.pipelines.tracking import parse_metrics
+
+        try:
+            parse_metrics(metrics)  # a torn last row is dropped; damage before it is not
+        except ValueError as e:
+            raise ConfigError(
+                f"runner.resume: {e}; repair or remove that row (the run's curves come from "
+                "this file), or start a new run"
+            ) from None
     changed = check_resume_config(resume, config)
     chosen = resume_checkpoint(resume, prefix)
     if changed:

@@ -315,3 +315,38 @@ def test_a_changed_chunk_size_is_refused_before_anything_starts(
     assert "policy.chunk_size: 2 -> 4" in err
     assert "runner.max_iterations" not in err  # an allowed change is not among the refused
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_key_set_on_only_one_side_is_a_change(tmp_path):
+    # the first start took policy.chunk_size from the checkpoint; the resume sets it
+    saved = {"policy": {"name": "openvla_oft"}, "env": {"name": "toy", "num_envs": 8}}
+    run = _saved_run(tmp_path, saved)
+    chunk = {**saved, "policy": {"name": "openvla_oft", "chunk_size": 4}}
+    with pytest.raises(ConfigError, match=r"policy\.chunk_size: \(unset\) -> 4"):
+        check_resume_config(run, chunk)
+    with pytest.raises(ConfigError, match=r"env\.num_envs: 8 -> \(unset\)"):
+        check_resume_config(run, {**saved, "env": {"name": "toy"}})
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("garbage config", "config.yaml is not a readable config"),
+        ("config is a list", "config.yaml holds a list, not a config"),
+        ("metrics damaged mid-file", "metrics.jsonl: row 2 is not a JSON object"),
+    ],
+)
+def test_a_damaged_run_folder_is_refused_before_anything_starts(tmp_path, damage, message):
+    from rlinf_vla.pipelines.checkpoints import prepare_resume
+
+    run = _saved_run(tmp_path, {"algo": {"lr": 1e-4}})
+    _fake_checkpoint(tmp_path, 2)
+    (run / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n')
+    if damage == "garbage config":
+        (run / "config.yaml").write_text("algo: {lr: [1e-4\n  : :\n")
+    elif damage == "config is a list":
+        (run / "config.yaml").write_text("- 1\n- 2\n")
+    else:
+        (run / "metrics.jsonl").write_text('{"iteration": 1}\n{"iterat\n{"iteration": 2}\n')
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        prepare_resume(str(run), {"algo": {"lr": 1e-4}}, "iter")
