@@ -395,6 +395,10 @@ def run_episode(
                     time.sleep(delay)
                 else:
                     next_tick = time.monotonic()  # overran: do not try to catch up
+    except BaseException as e:  # the connection failed (closed, a frame too big, no answer)
+        if aborted is None:
+            aborted = f"{type(e).__name__}: {e}"
+        raise
     finally:
         robot.stop()
         executor.shutdown(wait=False, cancel_futures=True)
@@ -482,4 +486,13 @@ def run(job: DeployJob) -> list[EpisodeResult]:
             robot.stop()
             robot.close()
         estop.restore()
+    if estop.triggered:  # the episodes were cut short: say how, with the exit code to match
+        print(f"stopped by the e-stop ({estop.reason}); the episode so far is recorded")
+        if estop.reason == "signal SIGTERM":
+            from rlinf_vla.cli import Terminated
+
+            raise Terminated()
+        if estop.reason == "signal SIGINT":
+            raise KeyboardInterrupt
+        raise RunAborted(f"stopped by the e-stop ({estop.reason}); the episode so far is recorded")
     return results

@@ -539,3 +539,46 @@ def test_a_server_that_keeps_refusing_stops_the_episode_with_its_reason(tmp_path
     assert "refused 3 requests in a row" in meta["aborted"] and meta["server_errors"] == 3
     steps = np.load(folder / "steps.npz")
     assert len(steps["timestamp"]) < 60  # stopped before its 60 steps
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_mid_episode_is_an_estop_in_the_episode_record(served, tmp_path, capsys, sig):
+    import os
+    import signal
+
+    _, url = served
+    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), getattr(signal, sig)))
+    timer.start()
+    try:
+        rc = main(
+            [
+                "deploy",
+                f"server={url}",
+                "max_steps=400",  # 20 s at 20 Hz: the signal comes first
+                "robot.image_size=32",
+                f"record.output_dir={tmp_path}",
+            ]
+        )
+    finally:
+        timer.cancel()
+    (folder,) = tmp_path.iterdir()
+    ep = read_episode(folder, load_images=False)
+    assert ep.meta["estop"] == f"signal {sig}"
+    assert 0 < len(ep) < 400 and ep.steps["hold"].tolist()[-1]
+    assert rc == {"SIGTERM": 143, "SIGINT": 130}[sig]  # not 0: the run did not complete
+
+
+@pytest.mark.sim
+def test_an_episode_cut_by_the_connection_records_why(tiny_policy, tmp_path, capsys):
+    import json as _json
+
+    small = ServerConfig(port=0, control_rate_hz=20.0, max_message_bytes=4096)
+    with PolicyServer(tiny_policy, "openvla_oft", small).run_in_thread() as url:
+        args = ["deploy", f"server={url}", "max_steps=20", "realtime=false"]
+        rc = main([*args, "robot.image_size=64", f"record.output_dir={tmp_path}"])
+    assert rc == 1  # two 64 px cameras are more than the server's 4 kB frames
+    assert "no answer from the policy server" in capsys.readouterr().err
+    (folder,) = tmp_path.iterdir()
+    meta = _json.loads((folder / "meta.json").read_text())
+    assert "ConnectionClosed" in meta["aborted"] and "1009" in meta["aborted"]
