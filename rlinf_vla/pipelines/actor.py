@@ -885,7 +885,7 @@ class ActorWorker(Worker, HasLearner):
                 loss = self.policy.loss(obs.select(rows), actions[rows].to(self.device))
             self.learner.backward(loss.float() * share)
             loss_sum += float(loss.detach()) * len(actions[rows]) / a.minibatch_size
-        grad_norm = self.learner.step()
+        grad_norm = self.learner.step(loss_finite=math.isfinite(loss_sum))
         return {
             "train/loss": loss_sum,
             "train/grad_norm": grad_norm,

@@ -32,7 +32,11 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 MAX_IMAGE_SIDE = 4096
-MAX_INSTRUCTION_CHARS = 2048
+#: The longest instruction a request may carry: characters, and UTF-8 bytes (what bounds the
+#: tokens: a tokenizer splits rare characters such as emoji into their bytes). A task
+#: instruction is a sentence; a 2048-emoji one held the inference thread for seconds.
+MAX_INSTRUCTION_CHARS = 512
+MAX_INSTRUCTION_BYTES = 1024
 
 
 class RequestError(ValueError):
@@ -246,8 +250,18 @@ def parse_infer_request(msg: Any, meta: PolicyMetadata) -> InferRequest:
             if not np.isfinite(state).all():
                 raise RequestError("obs.state holds NaN or inf (as float32)")
     instruction = obs.get("instruction")
-    if not isinstance(instruction, str) or len(instruction) > MAX_INSTRUCTION_CHARS:
+    if (
+        not isinstance(instruction, str)
+        or len(instruction) > MAX_INSTRUCTION_CHARS
+        or len(instruction.encode("utf-8", "surrogatepass")) > MAX_INSTRUCTION_BYTES
+    ):
+        got = (
+            f"{len(instruction)} chars, {len(instruction.encode('utf-8', 'surrogatepass'))} bytes"
+            if isinstance(instruction, str)
+            else type(instruction).__name__
+        )
         raise RequestError(
-            f"obs.instruction must be a string of at most {MAX_INSTRUCTION_CHARS} chars"
+            f"obs.instruction must be a string of at most {MAX_INSTRUCTION_CHARS} chars and "
+            f"{MAX_INSTRUCTION_BYTES} UTF-8 bytes, got {got}"
         )
     return InferRequest(id=req_id, images=checked, state=state, instruction=instruction)

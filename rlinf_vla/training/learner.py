@@ -168,16 +168,20 @@ class Learner:
         global count of its minibatch."""
         (loss * self.fsdp_world if self.fsdp_world else loss).backward()
 
-    def step(self) -> float:
-        """Sum the gradients over the ranks, clip them and step; a non-finite gradient is
-        dropped instead (counted in :attr:`nan_streak`). Returns the norm before clipping."""
+    def step(self, loss_finite: bool = True) -> float:
+        """Sum the gradients over the ranks, clip them and step; a non-finite gradient, or a
+        non-finite loss on any rank (``loss_finite`` false), is dropped instead (counted in
+        :attr:`nan_streak`). Returns the norm before clipping (``nan`` when dropped for the
+        loss)."""
         params = self.parameters
         if self.dp is not None and not self.fsdp_world:
             _all_reduce_gradients(self.dp, params)
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
             norm = norm.full_tensor()
-        value = float(norm)
+        # every rank takes the same decision: a loss that is not finite anywhere drops the step
+        bad_loss = self.global_sum(0.0 if loss_finite else 1.0) > 0
+        value = float("nan") if bad_loss else float(norm)
         if math.isfinite(value):
             self.optimizer.step()
             self.nan_streak = 0

@@ -95,6 +95,9 @@ def test_handshake_and_health(server, tiny_policy):
         (lambda o: o.__setitem__("state", np.full(8, 1e300)), "NaN or inf (as float32)"),
         (lambda o: o.__setitem__("state", np.full(8, -3.5e38)), "NaN or inf (as float32)"),
         (lambda o: o.__setitem__("instruction", 42), "obs.instruction"),
+        # a sentence, not a book: characters, and the bytes that bound its tokens
+        (lambda o: o.__setitem__("instruction", "a" * 513), "at most 512 chars"),
+        (lambda o: o.__setitem__("instruction", "\U0001f916" * 300), "got 300 chars, 1200 bytes"),
         (lambda o: o.__setitem__("extra", 1), "unknown obs key"),
     ],
 )

@@ -499,6 +499,20 @@ def test_second_group_has_its_own_learning_rate():
 
 
 # ------------------------------------------------------------------ non-finite updates
+def test_a_non_finite_loss_with_finite_gradients_is_skipped_and_counted():
+    # a loss that masks or clamps its NaN (normalised targets of NaN statistics) can leave
+    # finite gradients: the loss decides too
+    model = _PolicyAndValue()
+    learner = Learner(model, LR, betas=BETAS, weight_decay=WD, max_grad_norm=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    learner.zero_grad()
+    learner.backward(model.policy(X).pow(2).sum())
+    assert not math.isfinite(learner.step(loss_finite=False))
+    assert learner.nan_streak == 1
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+
+
 def test_non_finite_gradient_is_skipped_and_counted():
     model = _PolicyAndValue()
     learner = Learner(model, LR, betas=BETAS, weight_decay=WD, max_grad_norm=1.0)
