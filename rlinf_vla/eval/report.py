@@ -2,8 +2,9 @@
 
 ``trials.jsonl`` gets one JSON line per finished trial, flushed and ``fsync``-ed before the next
 trial is scheduled, so an interrupted evaluation loses at most the episodes that were running.
-A re-run into the same folder reads it back (a torn last line from a killed process is
-dropped) and skips those trials. The reports are rewritten from the log:
+A re-run into the same folder reads it back and skips those trials: a torn last line from a
+killed process is dropped, and so is a damaged line inside the file (named in a warning, the
+file as it was kept beside it as ``trials.jsonl.damaged``), every valid record kept. The reports are rewritten from the log:
 
 - ``results.json``: the ``protocol``, ``trials`` (sorted by suite, task index, init state),
   per-task and per-suite counts with success rates (errors counted as failures, and over
@@ -24,12 +25,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from rlinf_vla.config import ConfigError
 from rlinf_vla.eval.stats import aggregate, compare_ood, condition
+
+log = logging.getLogger(__name__)
 
 TRIALS_FILE = "trials.jsonl"
 CONFIG_FILE = "eval_config.json"
@@ -58,6 +62,7 @@ class TrialLog:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / TRIALS_FILE
         self.records: dict[tuple[str, str, int, str | None], dict[str, Any]] = {}
+        self.dropped: list[int] = []  # line numbers of damaged lines dropped on reading
         self._load()
 
     @staticmethod
@@ -74,17 +79,32 @@ class TrialLog:
             return
         raw = self.path.read_bytes()
         lines = raw.split(b"\n")
-        good = 0  # bytes of complete, parsable lines
-        for line in lines[:-1]:  # the part after the last newline is incomplete
+        kept: list[bytes] = []
+        for n, line in enumerate(lines[:-1], start=1):  # after the last newline: incomplete
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            self.records[self.key(record)] = record
-            good += len(line) + 1
-        if good != len(raw):  # drop a torn tail so the next append starts on a fresh line
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
+                key = self.key(record)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                if line.strip():
+                    self.dropped.append(n)
+                continue
+            self.records[key] = record
+            kept.append(line)
+        if self.dropped:  # damage inside the file: keep a copy, say which lines went
+            damaged = self.path.with_name(self.path.name + ".damaged")
+            damaged.write_bytes(raw)
+            log.warning(
+                "%s: line(s) %s are not trial records and were dropped (the file as it was is "
+                "in %s); the other %d records are kept and their trials not run again",
+                self.path,
+                self.dropped,
+                damaged,
+                len(self.records),
+            )
+        if self.dropped or lines[-1]:  # rewrite without them (and without a torn tail)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_bytes(b"".join(line + b"\n" for line in kept))
+            os.replace(tmp, self.path)
 
     def __contains__(self, key: tuple) -> bool:
         """Whether trial ``(suite, task, init_state, perturbation)`` is recorded (a key
