@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rlinf_vla.config import ConfigError, check_at_least
+from rlinf_vla.config import ConfigError, RunAborted, check_at_least
 from rlinf_vla.runtime.stall import StallPolicy
 
 logger = logging.getLogger(__name__)
@@ -264,7 +264,21 @@ class Cluster:
                 check_address(config.address)
                 kwargs["address"] = config.address
             sigterm = _main_thread_sigterm_handler()
-            ray.init(**kwargs)
+            try:
+                ray.init(**kwargs)
+            except Exception as e:  # Ray raises a bare Exception when its node times out
+                # Ray's own traceback says little; one line says what to try
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                where = (
+                    "a local Ray instance did not start"
+                    if config.address is None
+                    else f"Ray at cluster.address={config.address!r} did not answer"
+                )
+                raise RunAborted(
+                    f"{where} ({type(e).__name__}: {first}); Ray gives its processes 30 s to "
+                    "start: on a loaded machine try again, and stop stale Ray processes "
+                    "(`ray stop`)"
+                ) from None
             self._owns_ray = True
             if sigterm is not None:
                 _keep_sigterm_handler(sigterm)

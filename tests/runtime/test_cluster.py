@@ -26,3 +26,27 @@ def test_a_new_local_instance_uses_token_auth_without_the_warning():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "driver token worker token" in out.stdout
     assert "Token authentication is" not in out.stderr
+
+
+def test_ray_failing_to_start_is_one_line_with_what_to_try(monkeypatch, capsys, tmp_path):
+    import ray
+
+    from rlinf_vla import cli
+
+    def times_out(**kwargs):  # what Ray raises when its raylet does not register in 30 s
+        raise Exception(
+            "The current node timed out during startup. This could happen because some of "
+            "the raylet failed to startup or the GCS has become overloaded."
+        )
+
+    monkeypatch.setattr(ray, "init", times_out)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    code = cli.main(["train", "env=toy", f"runner.output_dir={tmp_path / 'run'}"])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "rlinf-vla train: RunAborted: a local Ray instance did not start (Exception: The current "
+        "node timed out during startup. This could happen because some of the raylet failed to "
+        "startup or the GCS has become overloaded.); Ray gives its processes 30 s to start: on a "
+        "loaded machine try again, and stop stale Ray processes (`ray stop`)"
+    ]
