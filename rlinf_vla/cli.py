@@ -647,7 +647,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "multirun", False):
         from rlinf_vla.multirun import multirun
 
-        return multirun(command, args.overrides)
+        def prepare(overrides: list[str]) -> Any:
+            job = command.load()[0](compose(command.config_name, overrides, command.config_dir))
+            preflight(command, job)
+            return job
+
+        def run_job(job: Any) -> int:
+            return execute(command, command.load()[1], job)
+
+        assert command.folder_key is not None  # only such commands take --multirun
+        return multirun(command.name, command.folder_key, args.overrides, prepare, run_job)
     cfg = None
     try:
         cfg = compose(command.config_name, args.overrides, command.config_dir)

@@ -15,15 +15,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlinf_vla.config import ConfigError, SectionErrors
-
-if TYPE_CHECKING:
-    from rlinf_vla.cli import Command
 
 #: the exit codes that stop a sweep (the user stopped it)
 _STOPPED = (130, 143)
@@ -46,34 +43,40 @@ def combinations(overrides: Sequence[str]) -> list[list[str]]:
     return [list(run) for batch in BasicSweeper.split_arguments(parsed, None) for run in batch]
 
 
-def multirun(command: Command, overrides: Sequence[str]) -> int:
-    """Run every combination of ``overrides``; 0 when every run succeeded, 1 when one failed,
-    2 when a combination's config is invalid (nothing ran), or the code that stopped it."""
-    from rlinf_vla import cli
+def multirun(
+    name: str,
+    folder_key: str,
+    overrides: Sequence[str],
+    prepare: Callable[[list[str]], Any],
+    execute: Callable[[Any], int],
+) -> int:
+    """Run every combination of ``overrides`` of command ``name``; 0 when every run succeeded,
+    1 when one failed, 2 when a combination's config is invalid (nothing ran), or the code
+    that stopped it.
 
+    Args:
+        folder_key: the key of the folder a run writes (set for each run).
+        prepare: a run's overrides -> its validated job, nothing started (raises
+            :class:`ConfigError`).
+        execute: runs a job, returns its exit code.
+    """
     sweep_dir, rest = _sweep_dir(overrides)
-    prefix = f"rlinf-vla {command.name} --multirun"
+    prefix = f"rlinf-vla {name} --multirun"
     try:
-        if any(o.partition("=")[0].lstrip("+~") == command.folder_key for o in rest):
+        if any(o.partition("=")[0].lstrip("+~") == folder_key for o in rest):
             raise ConfigError(
-                f"{command.folder_key}: the sweep gives each run its own folder under "
+                f"{folder_key}: the sweep gives each run its own folder under "
                 "hydra.sweep.dir; set that instead"
             )
         runs = combinations(rest)
     except ConfigError as e:
         print(f"{prefix}: invalid config: {e}", file=sys.stderr)
         return 2
-    validate, run = command.load()
     jobs, errors = [], SectionErrors()
     for n, combo in enumerate(runs):
         folder = sweep_dir / str(n)
         try:
-            cfg = cli.compose(
-                command.config_name, [*combo, f"{command.folder_key}={folder}"], command.config_dir
-            )
-            job = validate(cfg)
-            cli.preflight(command, job)
-            jobs.append(job)
+            jobs.append(prepare([*combo, f"{folder_key}={folder}"]))
         except ConfigError as e:
             errors.add(f"run {n} ({' '.join(combo) or 'the defaults'}): {e}")
     try:
@@ -85,11 +88,9 @@ def multirun(command: Command, overrides: Sequence[str]) -> int:
     print(f"{prefix}: {len(runs)} run(s) in {sweep_dir}", file=sys.stderr)
     results: list[dict[str, Any]] = []
     for n, (combo, job) in enumerate(zip(runs, jobs, strict=True)):
-        print(
-            f"\n[{n + 1}/{len(runs)}] rlinf-vla {command.name} {' '.join(combo)}", file=sys.stderr
-        )
+        print(f"\n[{n + 1}/{len(runs)}] rlinf-vla {name} {' '.join(combo)}", file=sys.stderr)
         t0 = time.perf_counter()
-        code = cli.execute(command, run, job)
+        code = execute(job)
         folder = sweep_dir / str(n)
         results.append(
             {
