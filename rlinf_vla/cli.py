@@ -62,8 +62,8 @@ class Command:
     ``validate(cfg) -> job`` must be pure; ``run(job)`` does the work. ``config_root`` is a
     folder under ``configs/`` holding the command's own primary config and groups (e.g. the
     ``algo`` group of ``math-grpo``); groups it lacks (``cluster``...) come from ``configs/``.
-    ``output(job)`` names the folder the command writes and the key that sets it; it must be
-    writable before anything starts (:func:`preflight`). ``sections`` names the config class
+    ``output(job)`` names the folder the command writes and the key that sets it (``None``:
+    none this time); it must be writable before anything starts (:func:`preflight`). ``sections`` names the config class
     (``module:Class``) of a config group's section, whose fields and docstring ``--help`` lists
     (the policy and env groups' classes come from their registries). ``folder_key`` is the
     key of the folder a run writes, which ``--multirun`` sets for each run.
@@ -74,7 +74,7 @@ class Command:
     config_name: str
     module: str
     config_root: str = ""
-    output: Callable[[Any], tuple[str, Path]] | None = None
+    output: Callable[[Any], tuple[str, Path] | None] | None = None
     sections: dict[str, str] = field(default_factory=dict)
     folder_key: str | None = None
 
@@ -168,6 +168,10 @@ COMMANDS: dict[str, Command] = {
             "run a served policy on a Franka (real or simulated) through the safety layer, recording episodes",
             "deploy",
             "rlinf_vla.real_robot.deploy",
+            # the episodes' folder must take files before the robot moves
+            output=lambda job: (
+                ("record.output_dir", Path(job.record.output_dir)) if job.record.enabled else None
+            ),
             sections={
                 "action": "rlinf_vla.real_robot.deploy:ActionConfig",
                 "safety": "rlinf_vla.real_robot.safety:SafetyConfig",
@@ -188,10 +192,11 @@ def preflight(command: Command, job: Any) -> None:
     from rlinf_vla.runtime.cluster import ClusterConfig, check_address
 
     errors = SectionErrors()
-    if command.output is not None:
+    target = command.output(job) if command.output is not None else None
+    if target is not None:
         from rlinf_vla.pipelines.tracking import check_writable
 
-        key, folder = command.output(job)
+        key, folder = target
         errors.build(lambda: check_writable(folder, key))
     cluster = getattr(job, "cluster", None)
     if isinstance(cluster, ClusterConfig):

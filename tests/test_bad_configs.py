@@ -116,6 +116,7 @@ BAD_CONFIGS = [
     (["train", "env=toy", "env.num_envs=64", "cluster.num_gpus=64"], ["cluster.num_gpus=64"]),
     # what the machine must provide
     (["train", "runner.output_dir=/proc/rlinf-vla-test"], ["runner.output_dir"]),
+    (["deploy", "record.output_dir=/proc/rlinf-vla-test"], ["record.output_dir"]),
     (["train", "cluster=ray", "cluster.address=nohost"], ["cluster.address"]),
 ]
 
