@@ -168,11 +168,12 @@ class Learner:
         global count of its minibatch."""
         (loss * self.fsdp_world if self.fsdp_world else loss).backward()
 
-    def step(self, loss_finite: bool = True) -> float:
+    def step(self, loss_finite: bool | None = None) -> float:
         """Sum the gradients over the ranks, clip them and step; a non-finite gradient, or a
         non-finite loss on any rank (``loss_finite`` false), is dropped instead (counted in
         :attr:`nan_streak`). Returns the norm before clipping (``nan`` when dropped for the
-        loss)."""
+        loss). ``loss_finite=None`` (every rank alike): the loss is not checked, and no
+        collective is spent on it."""
         params = self.parameters
         if self.dp is not None and not self.fsdp_world:
             _all_reduce_gradients(self.dp, params)
@@ -180,7 +181,7 @@ class Learner:
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
             norm = norm.full_tensor()
         # every rank takes the same decision: a loss that is not finite anywhere drops the step
-        bad_loss = self.global_sum(0.0 if loss_finite else 1.0) > 0
+        bad_loss = loss_finite is not None and self.global_sum(0.0 if loss_finite else 1.0) > 0
         value = float("nan") if bad_loss else float(norm)
         if math.isfinite(value):
             self.optimizer.step()
