@@ -12,9 +12,13 @@ Prints a table and writes JSON (default ``benchmarks/results/pipeline.json``)::
 For each workload, in one run on the same hardware:
 
 - **sync**: the loop of synchronous VLA-RL systems, in one process: all envs step, then the
-  policy computes the next actions, one after the other; timed as ``--iterations`` rollouts of
-  ``T`` chunk steps, each starting with a reset of every env (``r``), as each rollout of
-  ``rlinf-vla train`` does (the median rollout counts). Its per-chunk env time ``e`` and inference time ``i`` give the **overlap bound**
+  policy computes the next actions, one after the other, and what PPO needs with them (the
+  log-probabilities and values, the values of episodes cut by the time limit, and after the
+  last step the bootstrap value), as a single-file PPO script does; on CPU with the cores the
+  modes are given (``--devices`` slots' threads, as ``placement=local`` computes). Timed as
+  ``--iterations`` rollouts of ``T`` chunk steps, each starting with a reset of every env
+  (``r``), as each rollout of ``rlinf-vla train`` does (the median rollout counts). Its
+  per-chunk env time ``e`` and inference time ``i`` give the **overlap bound**
   ``B * K * T / (r + T * max(e, i))``: the rate if env and inference overlapped perfectly.
 - **collocated**, **disaggregated**, **hybrid S=1, 2, 4**: ``rlinf-vla train`` on a local Ray
   with ``--devices`` devices (CPU slots here; disaggregated gets one more, for the actor),
@@ -26,6 +30,13 @@ For each workload, in one run on the same hardware:
 - **local S=1, 2, 4**: ``placement=local``, every component in one process on device 0 (no
   Ray workers, no channel hops); with ``S >= 2`` one stage's simulators step while the process
   computes another stage's actions.
+
+``--repeats R`` measures the loop and then every mode, ``R`` times in turn: each mode's ratio
+is taken against the loop measured just before it, and the table gives the median ratio and
+the spread over the repeats (on a small machine a single run's rank within ~10 % is noise).
+Before the runs, ``placement=auto``'s profile is taken once on a Ray cluster of ``--devices``
+devices, and its estimated rate of every mode it weighs is printed beside the measured one
+(``--no-estimates`` skips it), with the plan it picks.
 
 Each mode's rollout time is also broken down (a second table, and ``breakdown`` in the JSON):
 the env side's reset and simulator steps, the policy's compute, serialisation and
@@ -73,6 +84,7 @@ from rlinf_vla.envs import make_env
 from rlinf_vla.pipelines.actor import autocast
 from rlinf_vla.pipelines.config import validate
 from rlinf_vla.policies import make_policy
+from rlinf_vla.runtime.cluster import node_devices
 from rlinf_vla.runtime.local import worker_environment
 
 #: Where the sync loop runs the policy: where the Ray modes' devices are.
@@ -96,11 +108,71 @@ class Workload:
 class Row:
     workload: str
     mode: str
+    #: medians over the repeats (each repeat's rate is its own median over iterations)
     env_steps_per_s: float
     vs_sync: float
     of_bound: float
     #: where a rollout's seconds went (:data:`PARTS`), medians over the timed iterations
     breakdown: dict[str, float] | None = None
+    #: each repeat's rate over the sync loop's rate measured just before it
+    ratios: list[float] | None = None
+    #: ``placement=auto``'s estimate of the rate (env steps/s), where it weighs the mode
+    estimate: float | None = None
+
+
+#: The plan of ``placement=auto`` (mode, env devices, rollout devices, stages) each benchmark
+#: mode runs, with 2 devices (disaggregated: 3); collocated with stages is not weighed.
+PLAN_OF = {
+    "collocated": ("collocated", "all", "all", 1),
+    "disaggregated": ("disaggregated", "0", "1", 1),
+    "hybrid S=1": ("hybrid", "0", "1", 1),
+    "hybrid S=2": ("hybrid", "0", "1", 2),
+    "hybrid S=4": ("hybrid", "0", "1", 4),
+    "local S=1": ("local", "0", "0", 1),
+    "local S=2": ("local", "0", "0", 2),
+    "local S=4": ("local", "0", "0", 4),
+}
+
+
+def auto_estimates(
+    w: Workload, policy_args: list[str], devices: int
+) -> tuple[dict[str, float], str, str]:
+    """``placement=auto``'s estimated rollout rate (env steps/s) of each benchmark mode it
+    weighs, the mode it picks among its plans on ``devices`` devices, and its measured costs
+    (one line): its profile runs on a Ray cluster of ``devices`` devices, as a run's would."""
+    from rlinf_vla.pipelines.auto import candidate_plans, describe_costs, estimate
+    from rlinf_vla.runtime import Cluster
+
+    job = validate(
+        cli.compose(
+            "train",
+            [
+                *env_overrides(w),
+                *policy_args,
+                "placement=auto",
+                f"cluster.devices_per_node={devices}",
+                f"runner.rollout_chunks={w.chunks}",
+                "runner.eval_interval=0",
+                "algo.update_epochs=1",
+            ],
+        )
+    )
+    with Cluster(job.cluster) as cluster:
+        costs, plans, chosen = estimate(job, cluster)
+    groups = w.num_envs // job.env_config.group_size
+    more = candidate_plans(costs, devices + 1, groups, w.chunks, job.placement.max_stages)
+
+    def key(p: Any) -> tuple:
+        return (p.mode, p.components["env"], p.components["rollout"], p.stages)
+
+    steps = w.num_envs * job.policy_config.chunk_size * w.chunks
+    by_key = {key(p): p for p in plans}
+    by_key[PLAN_OF["disaggregated"]] = next(
+        (p for p in more if key(p) == PLAN_OF["disaggregated"]), None
+    )
+    rates = {m: steps / by_key[k].rollout_s for m, k in PLAN_OF.items() if by_key.get(k)}
+    pick = next((m for m, k in PLAN_OF.items() if k == key(chosen)), chosen.describe().strip())
+    return rates, pick, describe_costs(costs, w.num_envs)
 
 
 #: The parts of a rollout's wall time the breakdown table shows, and the metric each is read
@@ -145,8 +217,12 @@ def sync_loop(
 ) -> tuple[float, float, float, float]:
     """The synchronous loop in this process, ``rollouts`` rollouts of ``chunks`` chunk steps,
     each starting with a reset (as every rollout of ``rlinf-vla train`` starts fresh episodes,
-    inside its time). Returns the median rollout's (env steps/s, e, i, r): e and i per chunk
-    step, r its reset (the median, like the modes' rates, is robust to one slow rollout)."""
+    inside its time). It computes what a PPO rollout needs, as a single-file PPO script's
+    loop does: the actions with their log-probabilities and values at every chunk step, the
+    values of the final observations of episodes cut by the time limit, and after the last
+    step the value of the observation the rollout stopped in. Returns the median rollout's
+    (env steps/s, e, i, r): e and i per chunk step (i with those values), r its reset (the
+    median, like the modes' rates, is robust to one slow rollout)."""
     # Env and policy exactly as `rlinf-vla train` builds them: the groups' defaults, then ours.
     # (no evaluation: its video check would refuse a machine without FFmpeg for nothing)
     job = validate(
@@ -158,12 +234,25 @@ def sync_loop(
     with worker_environment():  # its simulator processes start as every mode's do
         env = make_env(job.env_name, job.env_config)
 
+    def done() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     def act(obs: Any) -> torch.Tensor:
         with torch.no_grad(), autocast(device, job.algo.autocast):
             actions = policy.act(obs).actions
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        done()
         return actions
+
+    def values(obs: Any) -> None:
+        with torch.no_grad(), autocast(device, job.algo.autocast):
+            policy.value(obs)
+        done()
+
+    def truncated_values(result: Any) -> None:
+        rows = torch.nonzero(result.truncated.any(dim=1)).flatten()
+        if result.final_obs is not None and len(rows):
+            values(result.final_obs.select(rows))
 
     steps = w.num_envs * job.policy_config.chunk_size * chunks
     timed: list[tuple[float, float, float, float]] = []
@@ -180,10 +269,15 @@ def sync_loop(
                 t0 = time.perf_counter()
                 actions = act(obs)
                 t1 = time.perf_counter()
-                obs = env.chunk_step(actions).obs
+                result = env.chunk_step(actions)
                 t2 = time.perf_counter()
-                i += t1 - t0
+                truncated_values(result)
+                obs = result.obs
+                i += t1 - t0 + time.perf_counter() - t2
                 e += t2 - t1
+            t0 = time.perf_counter()
+            values(obs)  # bootstrap
+            i += time.perf_counter() - t0
             timed.append((steps / (r + e + i), e / chunks, i / chunks, r))
     finally:
         env.close()
@@ -225,6 +319,15 @@ def main() -> int:
     parser.add_argument("--workloads", default="toy,maniskill")
     parser.add_argument("--devices", type=int, default=2, help="devices of the Ray modes")
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure the loop and every mode this many times, in turn (medians and spread)",
+    )
+    parser.add_argument(
+        "--no-estimates", action="store_true", help="skip placement=auto's estimates"
+    )
     parser.add_argument("--chunk-size", type=int, default=2)
     parser.add_argument("--toy-envs", type=int, default=64, help="envs of the toy workload")
     parser.add_argument("--maniskill-envs", type=int, default=4, help="envs of ManiSkill")
@@ -289,7 +392,10 @@ def main() -> int:
         if unknown:
             parser.error(f"unknown modes {unknown}; known: {', '.join(modes)}")
         modes = {m: modes[m] for m in chosen}
-    torch.set_num_threads(1)  # the sync loop gets one device, like each Ray component
+    # The sync loop computes with the cores the modes are given: those of `--devices` CPU slots
+    # (every core here), as placement=local does and as a plain PyTorch script would.
+    if DEVICE == "cpu":
+        torch.set_num_threads(node_devices(0, os.cpu_count() or 1, d)[2] * d)
     results: list[Row] = []
     meta = {}
     skipped: dict[str, str] = {}
@@ -315,6 +421,7 @@ def main() -> int:
                     "chunk_size": args.chunk_size,
                     "skipped": skipped,
                     "iterations": args.iterations,
+                    "repeats": args.repeats,
                     "workloads": meta,
                     "rows": [asdict(r) for r in results],
                 },
@@ -327,9 +434,47 @@ def main() -> int:
             # Balance: pick the per-env sleep so that a chunk of env steps costs what inference does.
             _, _, i, _ = sync_loop(w, policy_args, 4)
             w.env_config["step_time_per_env_s"] = round(i / (args.chunk_size * w.num_envs), 5)
-        sync, e, i, reset = sync_loop(w, policy_args, w.chunks, rollouts=args.iterations)
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()  # the sync loop's policy is gone; the workers need the memory
+        estimates: dict[str, float] = {}
+        if not args.no_estimates:
+            estimates, pick, measured = auto_estimates(w, policy_args, d)
+            print(f"{w.name}: placement=auto {measured}; it picks {pick}", flush=True)
+        loops: list[tuple[float, float, float, float]] = []
+        rates: dict[str, list[float]] = {}
+        ratios: dict[str, list[float]] = {}
+        parts_of: dict[str, list[dict[str, float]]] = {}
+        for rep in range(args.repeats):
+            loop = sync_loop(w, policy_args, w.chunks, rollouts=args.iterations)
+            loops.append(loop)
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()  # the sync loop's policy is gone; the workers need it
+            print(f"{w.name}: [{rep + 1}/{args.repeats}] sync loop {loop[0]:.1f} env steps/s")
+            for mode, overrides in modes.items():
+                devices = d + 1 if mode == "disaggregated" else d
+                if not mode.startswith(("collocated", "local")) and d < 2:
+                    skipped[mode] = "needs env and rollout on different devices (--devices 2)"
+                elif gpus is not None and devices > gpus:
+                    skipped[mode] = f"needs {devices} GPUs, the machine has {gpus}"
+                if mode in skipped or f"{w.name}: {mode}" in skipped:
+                    continue
+                with tempfile.TemporaryDirectory() as tmp:
+                    try:
+                        rate, parts = mode_rate(
+                            w, overrides, policy_args, devices, args.iterations, Path(tmp)
+                        )
+                    except Skipped as e:
+                        skipped[f"{w.name}: {mode}"] = str(e)
+                        print(f"{w.name}: {mode} skipped: {e}", flush=True)
+                        continue
+                rates.setdefault(mode, []).append(rate)
+                ratios.setdefault(mode, []).append(rate / loop[0])
+                parts_of.setdefault(mode, []).append(parts)
+                print(
+                    f"{w.name}: [{rep + 1}/{args.repeats}] {mode} {rate:.1f} env steps/s "
+                    f"({rate / loop[0]:.2f}x the loop)",
+                    flush=True,
+                )
+        sync = statistics.median(x[0] for x in loops)
+        e, i, reset = (statistics.median(x[k] for x in loops) for k in (1, 2, 3))
         # perfect overlap of env and inference after the rollout's reset
         bound = w.num_envs * args.chunk_size * w.chunks / (reset + w.chunks * max(e, i))
         meta[w.name] = {
@@ -337,7 +482,11 @@ def main() -> int:
             "infer_chunk_s": i,
             "env_reset_s": reset,
             "config": w.env_config,
+            "loop_rates": [round(x[0], 2) for x in loops],
         }
+        if estimates:
+            meta[w.name]["auto_pick"] = pick
+            meta[w.name]["auto_costs"] = measured
         loop_parts = with_rest(
             {
                 "wall": reset + w.chunks * (e + i),
@@ -359,46 +508,40 @@ def main() -> int:
                 {k: round(v, 4) for k, v in loop_parts.items()},
             )
         )
-        print(f"{w.name}: sync loop {sync:.1f} env steps/s, overlap bound {bound:.1f}", flush=True)
-        write()
-        for mode, overrides in modes.items():
-            devices = d + 1 if mode == "disaggregated" else d
-            if not mode.startswith(("collocated", "local")) and d < 2:
-                skipped[mode] = "needs env and rollout on different devices (--devices 2)"
-            elif gpus is not None and devices > gpus:
-                skipped[mode] = f"needs {devices} GPUs, the machine has {gpus}"
-            if mode in skipped:
-                print(f"{w.name}: {mode} skipped: {skipped[mode]}", flush=True)
-                continue
-            with tempfile.TemporaryDirectory() as tmp:
-                try:
-                    rate, parts = mode_rate(
-                        w, overrides, policy_args, devices, args.iterations, Path(tmp)
-                    )
-                except Skipped as e:
-                    skipped[f"{w.name}: {mode}"] = str(e)
-                    print(f"{w.name}: {mode} skipped: {e}", flush=True)
-                    continue
+        for mode, measured_rates in rates.items():
+            rate = statistics.median(measured_rates)
+            parts = {k: statistics.median(p[k] for p in parts_of[mode]) for k in parts_of[mode][0]}
             results.append(
                 Row(
                     w.name,
                     mode,
                     round(rate, 1),
-                    round(rate / sync, 2),
+                    round(statistics.median(ratios[mode]), 2),
                     round(rate / bound, 3),
                     {k: round(v, 4) for k, v in parts.items()},
+                    [round(x, 3) for x in ratios[mode]],
+                    round(estimates[mode], 1) if mode in estimates else None,
                 )
             )
-            print(f"{w.name}: {mode} {rate:.1f} env steps/s", flush=True)
-            write()
         results.append(Row(w.name, "overlap bound", round(bound, 1), round(bound / sync, 2), 1.0))
+        write()
 
-    print(f"\n{'workload':<20} {'mode':<15} {'env steps/s':>11} {'x sync':>7} {'of bound':>9}")
+    print(
+        f"\n{'workload':<20} {'mode':<15} {'env steps/s':>11} {'x sync':>7} {'spread':>11} "
+        f"{'of bound':>9} {'auto est.':>9} {'est. err':>8}"
+    )
     for r in results:
+        spread = f"{min(r.ratios):.2f}-{max(r.ratios):.2f}" if r.ratios else ""
+        est = (
+            f"{r.estimate:>9.1f} {r.estimate / r.env_steps_per_s - 1:>+8.0%}" if r.estimate else ""
+        )
         print(
             f"{r.workload:<20} {r.mode:<15} {r.env_steps_per_s:>11.1f} {r.vs_sync:>7.2f} "
-            f"{r.of_bound:>8.0%}"
+            f"{spread:>11} {r.of_bound:>8.0%} {est}"
         )
+    for name, m in meta.items():
+        if "auto_pick" in m:
+            print(f"{name}: placement=auto picks {m['auto_pick']}")
     names = [*PARTS, "rest"]
     print(f"\nwhere a rollout's seconds go ({', '.join(names[1:])}: see PARTS)")
     print(f"{'workload':<20} {'mode':<15}" + "".join(f" {n:>9}" for n in names))

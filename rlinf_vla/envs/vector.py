@@ -32,6 +32,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,9 @@ import torch
 
 from rlinf_vla.envs.base import StepOutput
 from rlinf_vla.types import Observation
+
+#: clock ticks per second of the CPU times in ``/proc/<pid>/stat``
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 #: Returned by :meth:`SubprocEnvs.call` for a child that crashed (it has been restarted).
 CRASHED = object()
@@ -209,6 +213,22 @@ class SubprocEnvs:
         """The process of env ``i``'s child (for tests and monitoring)."""
         child = self._children[self._child_of(i)]
         return None if child is None else child.process
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system, all threads) the live children have used so far, from
+        ``/proc``; ``None`` where that is not readable (not Linux)."""
+        total = 0.0
+        for child in self._children:
+            if child is None or child.process.pid is None:
+                continue
+            try:
+                stat = Path(f"/proc/{child.process.pid}/stat").read_text()
+            except OSError:
+                return None
+            # fields after the command name (which may hold spaces) close with ") "
+            fields = stat.rsplit(") ", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        return total
 
     # ------------------------------------------------------------------ commands
     def call(self, method: str, args: dict[int, tuple]) -> dict[int, Any]:

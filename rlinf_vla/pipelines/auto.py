@@ -4,41 +4,56 @@ Profiling runs a few chunk steps of the env batch and of the policy's ``act``, a
 forward/backward pass over those samples, in a worker of its own on the cluster's first device
 (as a rollout worker runs them: that device, its torch threads, ``algo.autocast``; the worker
 exits before the run's workers start, so the driver never holds a model or a GPU context).
-That gives three costs:
+That gives these costs:
 
-- ``e``: one chunk step of all ``B`` envs, seconds;
+- ``e``: one chunk step of all ``B`` envs, seconds; ``r``: the reset of all of them that starts
+  every rollout;
 - ``i``: the policy's actions for all ``B`` observations, seconds, and ``f``, the part of it
   every call pays whatever its batch (``act`` is timed on ``B`` and on ``B / 2``
-  observations; a call on ``b`` envs costs ``f + (i - f) b / B``);
+  observations; a call on ``b`` envs costs ``f + (i - f) b / B``); ``v``: the values of all
+  ``B`` observations, the bootstrap call that ends a rollout;
 - ``u``: one update over an iteration's ``B * T`` samples (``update_epochs`` passes), seconds.
   When only the read-out trains and ``algo.cache_frozen_features`` is on, the actor computes
   the frozen features once per iteration (or takes those the rollout computed while acting)
   and runs the read-out in every pass, and ``u`` is measured the same way. With
   ``algo.fsdp`` the actor shards over several actor workers, and sharded it runs the whole
   pass in every epoch: ``u`` is then measured both ways, the cached update for plans with one
-  actor device and the whole one for plans with several.
+  actor device and the whole one for plans with several;
+- ``o``: one chunk step's channel traffic between an env and a rollout worker (the
+  observation there, the actions back, through a channel actor and the object store as a run
+  sends them);
+- on a CPU cluster whose simulators run in subprocesses, the CPU seconds they use per chunk
+  step (``c``), and, for the single-process executor, inference timed again with every CPU
+  slot's threads (``i_L``, ``f_L``: it computes alone, with all of them).
 
 The cost model of one iteration of ``T`` chunk steps on ``N`` devices, with the envs splitting
-evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor devices) and
-``o`` the cost of one channel round trip per stage and chunk. The env batch is cut into
-``P = E * S`` stage batches; a rollout worker serves ``n = ceil(P / R)`` of them per chunk
-step, one call each, so it is busy ``b = n * (f + (i - f) / P)`` per chunk step (``i / R``
-when ``f = 0``):
+evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor devices). The env
+batch is cut into ``P = E * S`` stage batches; a rollout worker serves ``n = ceil(P / R)`` of
+them per chunk step, one call each, so it is busy ``b = n * (f + (i - f) / P)`` per chunk
+step (``i / R`` when ``f = 0``). ``a`` is a chunk step of the env batch on ``E`` devices:
+``e / E`` where the env computes in its worker, ``e`` where its simulators run in subprocesses
+(they step in parallel already, on the node's cores, however many env workers drive them);
+``r_E`` likewise. Every rollout is ``r_E + T * step + tail + v / R``:
 
 - collocated (everything on all ``N``; env and inference take turns):
-  ``T * (e / N + f + (i - f) / N) + u / N``
+  ``step = a + b + o`` with ``E = R = N``
 - disaggregated (disjoint ``E + R + A = N``; env and inference alternate):
-  ``T * (e / E + b + o) + u / A``
+  ``step = a + b + o``
 - local with ``S`` stages (every component in one process on device 0, no Ray workers and no
   channel hops; stage ``s`` simulates, in its subprocesses or while sleeping, as the process
-  computes stage ``s - 1``'s actions): ``T * (e + i) + u`` with ``S = 1`` (the plain loop), else
-  ``T * max(e, b) + min(e, b) / S + u`` with ``b`` the busy time of one rollout worker serving
-  ``S`` batches;
+  computes stage ``s - 1``'s actions; inference as ``i_L``, ``f_L``): ``step = e + i_L`` with
+  ``S = 1`` (the plain loop), else ``step = max(e, b)`` and ``tail = min(e, b) / S`` with ``b``
+  the busy time of one rollout worker serving ``S`` batches;
 - hybrid with ``S`` stages (disjoint ``E + R = N``; env stage ``s`` steps while the rollout
   computes stage ``s - 1``, so the two overlap after the pipeline fills; actor on ``A`` of the
   ``N`` devices, all of them when the ``E * S`` trajectories share evenly, else the most that
-  do): ``T * (max(a, b) + S * o) + min(a, b) / S + u / A`` with ``a = e / E``;
-  with ``S = 1`` there is no overlap: ``T * (a + b + o) + u / A``.
+  do): ``step = max(a, b) + S * o`` and ``tail = min(a, b) / S``; with ``S = 1`` there is no
+  overlap: ``step = a + b + o``.
+
+On a CPU cluster with subprocess simulators, the simulators and CPU inference share the
+node's ``C`` cores, so no chunk step is shorter than ``(c + R * b * threads) / C``: the
+overlap a plan promises is only there where the cores have room for it.
+The update adds ``u / A``.
 
 The fixed cost ``f`` is what makes many small stages lose: each stage is a call of its own.
 
@@ -58,6 +73,7 @@ from typing import Any
 import torch
 
 from rlinf_vla.config import ConfigError
+from rlinf_vla.runtime.local import local_threads
 from rlinf_vla.runtime.threads import torch_threads
 from rlinf_vla.runtime.worker import Worker
 
@@ -77,18 +93,63 @@ class Costs:
     #: ``train_s`` (the whole pass in every epoch, no feature cache); used for the plans with
     #: several actor devices. ``None``: the same as ``train_s``.
     train_sharded_s: float | None = None
+    #: The reset of all ``B`` envs that starts every rollout.
+    reset_s: float = 0.0
+    #: The policy's values of all ``B`` observations: the bootstrap call that ends a rollout.
+    value_s: float = 0.0
+    #: The simulators run in subprocesses (:attr:`VectorEnv.workers`): they step at the same
+    #: time whatever the env worker, so on one node more env devices do not shorten a chunk
+    #: step (``e`` and ``r`` stay), and they share the node's CPU cores with everything else.
+    subprocess_env: bool = False
+    #: CPU seconds the simulator processes spent per chunk step of all ``B`` envs (``None``:
+    #: not measured), and the node's cores they share with CPU inference (``None``: the policy
+    #: computes on a GPU, or not measured): together they bound a chunk step from below.
+    env_cpu_s: float | None = None
+    cores: int | None = None
+    #: Torch threads of the profiled device (CPU), and inference as the single-process
+    #: executor computes it (on CPU with every slot's threads, ``local_threads``); ``None``: as
+    #: on the device.
+    threads: int = 1
+    local_threads: int | None = None
+    local_infer_chunk_s: float | None = None
+    local_infer_fixed_s: float | None = None
 
     def update_s(self, actors: int) -> float:
         """Seconds of one iteration's update on ``actors`` actor devices."""
         u = self.train_s if actors == 1 or self.train_sharded_s is None else self.train_sharded_s
         return u / actors
 
-    def rollout_busy_s(self, batches: int, workers: int) -> float:
+    def rollout_busy_s(self, batches: int, workers: int, local: bool = False) -> float:
         """Seconds a rollout worker computes per chunk step when the env batch is cut into
-        ``batches`` stage batches shared by ``workers`` rollout workers (module docstring)."""
-        f = min(self.infer_fixed_s, self.infer_chunk_s)
+        ``batches`` stage batches shared by ``workers`` rollout workers (module docstring);
+        ``local``: as the single-process executor computes."""
+        i, f = self.inference(local)
         calls = -(-batches // workers)
-        return calls * (f + (self.infer_chunk_s - f) / batches)
+        return calls * (f + (i - f) / batches)
+
+    def inference(self, local: bool = False) -> tuple[float, float]:
+        """``(i, f)``: inference for all ``B`` envs and its part per call, on the device or
+        (``local``) in the single-process executor."""
+        i, f = self.infer_chunk_s, self.infer_fixed_s
+        if local and self.local_infer_chunk_s is not None:
+            i = self.local_infer_chunk_s
+            f = self.infer_fixed_s if self.local_infer_fixed_s is None else self.local_infer_fixed_s
+        return i, min(f, i)
+
+    def env_s(self, env_devices: int) -> tuple[float, float]:
+        """``(e, r)``: a chunk step and a reset of all ``B`` envs spread over ``env_devices``
+        env devices: shared evenly where the env computes in its worker, unchanged where its
+        simulators run in subprocesses (they already step in parallel, on the node's cores)."""
+        if self.subprocess_env:
+            return self.env_chunk_s, self.reset_s
+        return self.env_chunk_s / env_devices, self.reset_s / env_devices
+
+    def cpu_bound_s(self, inference_cpu_s: float) -> float:
+        """The shortest a chunk step can be when the simulators' processes and
+        ``inference_cpu_s`` CPU seconds of inference share the node's cores (0: not bound)."""
+        if self.cores is None or self.env_cpu_s is None:
+            return 0.0
+        return (self.env_cpu_s + inference_cpu_s) / self.cores
 
 
 @dataclass(frozen=True)
@@ -123,32 +184,57 @@ def candidate_plans(
 ) -> list[Plan]:
     """Every placement that fits ``num_devices`` and splits ``num_groups`` env groups evenly,
     with its estimated rollout and train time for ``chunks`` chunk steps."""
-    e, o = costs.env_chunk_s, costs.overhead_s
-    n, t = num_devices, chunks
+    o, n, t = costs.overhead_s, num_devices, chunks
+    thr = costs.threads
+
+    def rollout(
+        reset: float, step: float, tail: float, inference_cpu: float, value: float
+    ) -> float:
+        """A rollout: its reset, ``t`` chunk steps (no shorter than the CPU bound), the
+        pipeline's tail and the bootstrap values."""
+        return reset + t * max(step, costs.cpu_bound_s(inference_cpu)) + tail + value
+
     plans: list[Plan] = []
     if num_groups % n == 0:
+        e, r = costs.env_s(n)
+        b = costs.rollout_busy_s(n, n)
         plans.append(
             Plan(
                 "collocated",
                 {"actor": "all", "env": "all", "rollout": "all"},
                 1,
-                t * (e / n + costs.rollout_busy_s(n, n)),
+                rollout(r, e + b + o, 0.0, n * b * thr, costs.value_s / n),
                 costs.update_s(n),
             )
         )
-    i = costs.infer_chunk_s
+    e, r = costs.env_s(1)
+    i, _ = costs.inference(local=True)
+    local_thr = costs.local_threads or thr
+    local_value = costs.value_s * i / costs.infer_chunk_s if costs.infer_chunk_s > 0 else 0.0
     stages = 1
     while stages <= max_stages:
         if num_groups % stages == 0:
-            b = costs.rollout_busy_s(stages, 1)
+            b = costs.rollout_busy_s(stages, 1, local=True)
             # one process: no channel hops; stage s simulates while stage s - 1 infers
-            rollout = t * (e + i) if stages == 1 else t * max(e, b) + min(e, b) / stages
+            if stages == 1:
+                step, tail = e + i, 0.0
+            else:
+                step, tail = max(e, b), min(e, b) / stages
             components = {"actor": "0", "env": "0", "rollout": "0"}
-            plans.append(Plan("local", components, stages, rollout, costs.update_s(1)))
+            plans.append(
+                Plan(
+                    "local",
+                    components,
+                    stages,
+                    rollout(r, step, tail, b * local_thr, local_value),
+                    costs.update_s(1),
+                )
+            )
         stages *= 2
     for env_devices in range(1, n):
         rollout_devices = n - env_devices
-        a = e / env_devices
+        a, r = costs.env_s(env_devices)
+        value = costs.value_s / rollout_devices
         stages = 1
         while stages <= max_stages:
             parts = env_devices * stages  # trajectories per iteration
@@ -157,30 +243,39 @@ def candidate_plans(
                 # the actor takes as many devices as share the trajectories evenly
                 actors = max(d for d in range(1, n + 1) if parts % d == 0)
                 if stages == 1:
-                    rollout = t * (a + b + o)
+                    step, tail = a + b + o, 0.0
                 else:
-                    rollout = t * (max(a, b) + stages * o) + min(a, b) / stages
+                    step, tail = max(a, b) + stages * o, min(a, b) / stages
                 components = {
                     "actor": "all" if actors == n else _span(0, actors),
                     "env": _span(0, env_devices),
                     "rollout": _span(env_devices, rollout_devices),
                 }
-                plans.append(Plan("hybrid", components, stages, rollout, costs.update_s(actors)))
+                plans.append(
+                    Plan(
+                        "hybrid",
+                        components,
+                        stages,
+                        rollout(r, step, tail, rollout_devices * b * thr, value),
+                        costs.update_s(actors),
+                    )
+                )
             stages *= 2
         for actor_devices in range(1, rollout_devices):
-            r = rollout_devices - actor_devices
+            rd = rollout_devices - actor_devices
             if num_groups % env_devices or env_devices % actor_devices:
                 continue
+            b = costs.rollout_busy_s(env_devices, rd)
             plans.append(
                 Plan(
                     "disaggregated",
                     {
-                        "actor": _span(env_devices + r, actor_devices),
+                        "actor": _span(env_devices + rd, actor_devices),
                         "env": _span(0, env_devices),
-                        "rollout": _span(env_devices, r),
+                        "rollout": _span(env_devices, rd),
                     },
                     1,
-                    t * (e / env_devices + costs.rollout_busy_s(env_devices, r) + o),
+                    rollout(r, a + b + o, 0.0, rd * b * thr, costs.value_s / rd),
                     costs.update_s(actor_devices),
                 )
             )
@@ -208,8 +303,12 @@ def profile(
     sharded: bool = False,
     threads: int | None = 1,
     device: torch.device | None = None,
+    local_threads: int | None = None,
+    cores: int | None = None,
+    round_trip: bool = False,
 ) -> Costs:
-    """Measure ``e``, ``i`` and ``u`` (module docstring) in this process on one device.
+    """Measure ``e``, ``i``, ``u``, ``r``, ``v`` (module docstring) in this process on one
+    device.
 
     ``sharded``: plans may shard the actor with FSDP (``algo.fsdp`` on several devices), which
     always runs the whole ``evaluate`` (no feature cache); the update is then also profiled
@@ -218,6 +317,12 @@ def profile(
     ``None`` keeps this process's setting.
     ``device``: where the policy and a ManiSkill ``sim_backend=auto`` go (default: the
     policy's own default); forward passes there run under ``algo.autocast``.
+    ``local_threads``: on CPU, the threads the single-process executor computes with (every
+    slot's); inference is timed with them too when they differ from ``threads``.
+    ``cores``: the node's cores that CPU inference and the simulators' processes share (a CPU
+    cluster); with simulators in subprocesses their CPU time is measured as well.
+    ``round_trip``: time a channel round trip carrying the observation and the actions (this
+    process must be connected to Ray); otherwise ``o`` keeps its default.
     """
     from rlinf_vla.envs import for_device, make_env
     from rlinf_vla.pipelines.actor import autocast
@@ -247,6 +352,14 @@ def profile(
                     return policy.act_with_features(obs)
                 return policy.act(obs), None
 
+        def inference(obs: Any, half: torch.Tensor) -> tuple[float, float]:
+            """Seconds of ``act`` on all of ``obs`` and on its ``half`` rows."""
+            t0 = clock()
+            act(obs)
+            t1 = clock()
+            act(obs.select(half))
+            return t1 - t0, clock() - t1
+
         obs = env.reset()
         for _ in range(2):  # the first calls pay one-off kernel and allocator set-up
             out, shipped = act(obs)
@@ -255,51 +368,125 @@ def profile(
         paths = (cache, False) if sharded and cache else (cache,)
         for path in paths:
             _update_cost(policy, obs, out.replay, path, shipped, precision, clock)
+        t0 = clock()
+        obs = env.reset()  # every rollout starts with one
+        reset_s = clock() - t0
+        pool = env.workers
+        cpu0 = pool.cpu_seconds() if pool is not None and cores is not None else None
         half = torch.arange(max(1, env.num_envs // 2))
         env_s = infer_s = half_s = 0.0
+        seen = []
         for _ in range(chunks):
             t0 = clock()
             out, shipped = act(obs)
             t1 = clock()
             next_obs = env.chunk_step(out.actions).obs
             t2 = clock()
-            act(obs.select(half))
-            half_s += clock() - t2
             infer_s += t1 - t0
             env_s += t2 - t1
+            seen.append(obs)
             last_obs, obs = obs, next_obs
+        cpu1 = pool.cpu_seconds() if cpu0 is not None else None  # type: ignore[union-attr]
+        for o in seen:  # after the steps: the simulators' CPU time is theirs alone
+            half_s += inference(o, half)[1]
+        t0 = clock()
+        with torch.no_grad(), precision():
+            policy.value(obs)  # the bootstrap call that ends a rollout
+        value_s = clock() - t0
+        local = None
+        if not cuda and local_threads is not None and local_threads != threads:
+            with torch_threads(local_threads):
+                times = [inference(o, half) for o in seen]
+            local = (sum(t for t, _ in times) / chunks, sum(h for _, h in times) / chunks)
         updates = [
             _update_cost(policy, last_obs, out.replay, path, shipped, precision, clock)
             for path in paths
         ]
+        overhead = _round_trip_s(obs, out.actions) if round_trip else CHANNEL_ROUND_TRIP_S
     # the update was timed on one chunk step of all B envs; an iteration has T of them
     update_s = [
         (once_s + pass_s * job.algo.update_epochs) * job.runner.rollout_chunks
         for once_s, pass_s in updates
     ]
-    i, i_half = infer_s / chunks, half_s / chunks
-    # i(b) = f + (i - f) b / B through the two measurements (b = B and b = len(half))
     share = len(half) / env.num_envs
-    fixed = (i_half - share * i) / (1 - share) if share < 1 else 0.0
+    i, fixed = infer_s / chunks, _fixed(infer_s / chunks, half_s / chunks, share)
+    env_cpu = None
+    if cpu0 is not None and cpu1 is not None:
+        env_cpu = (cpu1 - cpu0) / chunks
     return Costs(
         env_s / chunks,
         i,
         update_s[0],
-        infer_fixed_s=min(max(fixed, 0.0), i),
+        overhead_s=overhead,
+        infer_fixed_s=fixed,
         train_sharded_s=update_s[1] if len(update_s) > 1 else None,
+        reset_s=reset_s,
+        value_s=value_s,
+        subprocess_env=pool is not None,
+        env_cpu_s=env_cpu,
+        cores=cores if not cuda else None,
+        threads=(threads or torch.get_num_threads()) if not cuda else 1,
+        local_threads=local_threads if local is not None else None,
+        local_infer_chunk_s=None if local is None else local[0],
+        local_infer_fixed_s=None if local is None else _fixed(*local, share),
     )
+
+
+def _fixed(i: float, i_half: float, share: float) -> float:
+    """``f``, the part of a call's cost that does not shrink with its batch, from ``i`` on
+    the whole batch and ``i_half`` on its ``share``: ``i(b) = f + (i - f) b / B`` through the
+    two measurements."""
+    fixed = (i_half - share * i) / (1 - share) if share < 1 else 0.0
+    return min(max(fixed, 0.0), i)
+
+
+def _round_trip_s(obs: Any, actions: torch.Tensor, reps: int = 3) -> float:
+    """Seconds of one chunk step's channel traffic: the observation to the rollout and the
+    actions back (two puts and two gets through a channel actor, payloads through the
+    object store as a run sends them), the median of ``reps``."""
+    import uuid
+
+    from rlinf_vla.pipelines.rollout import EnvMessage
+    from rlinf_vla.runtime.channel import Channel
+
+    channel = Channel.create(f"auto-profile-{uuid.uuid4().hex[:8]}")
+    message = EnvMessage(obs=obs)
+    times = []
+    try:
+        for _ in range(reps + 1):  # the first pays the channel's start
+            t0 = time.perf_counter()
+            channel.put("obs", message)
+            channel.get("obs")
+            channel.put("act", actions)
+            channel.get("act")
+            times.append(time.perf_counter() - t0)
+    finally:
+        channel.close()
+    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 class Profiler(Worker):
     """Runs :func:`profile` on its device, with that device's threads, as a rollout worker
     would; started for the measurement and shut down after it."""
 
-    def costs(self, job: Any, chunks: int, sharded: bool) -> Costs:
+    def costs(
+        self, job: Any, chunks: int, sharded: bool, local_threads: int | None = None
+    ) -> Costs:
         import gc
 
         from rlinf_vla.runtime.offload import release_cuda_memory
 
-        costs = profile(job, chunks, sharded=sharded, threads=None, device=self.device)
+        cores = local_threads if self.device_info.kind == "cpu" else None
+        costs = profile(
+            job,
+            chunks,
+            sharded=sharded,
+            threads=None,
+            device=self.device,
+            local_threads=local_threads,
+            cores=cores,
+            round_trip=True,
+        )
         gc.collect()
         # The model and env are gone; their cached GPU memory goes back to the driver now,
         # not when the process exits (it is killed asynchronously, as the run's workers start
@@ -358,23 +545,22 @@ def plan_table(plans: list[Plan], chosen: Plan, env_steps: int) -> str:
     return "\n".join(lines)
 
 
-def resolve_auto(job: Any, cluster: Any, log: Any = print) -> Any:
-    """A copy of ``job`` whose ``placement`` is the plan chosen by profiling on the first
-    device of ``cluster`` (a :class:`~rlinf_vla.runtime.Cluster`; module docstring)."""
+def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
+    """Profile the workload on the first device of ``cluster`` (a
+    :class:`~rlinf_vla.runtime.Cluster`; module docstring) and weigh every plan that fits it:
+    ``(costs, plans, chosen)``."""
     from rlinf_vla.runtime.worker import WorkerGroup
 
     env_cfg = job.env_config
     num_devices = cluster.num_devices
-    log(
-        f"placement=auto: profiling {job.placement.profile_chunks} chunk steps and one update "
-        f"on device {cluster.device(0)} ..."
-    )
     profiler = WorkerGroup(cluster, Profiler, name="profile", devices=[0])
     try:
         # The runner shards (algo.fsdp) only over several actor workers: on one device never;
         # on several, plans with one actor device keep the cache and the others do not.
         sharded = job.algo.fsdp and num_devices > 1
-        costs = profiler.costs(job, job.placement.profile_chunks, sharded).wait()[0]
+        costs = profiler.costs(
+            job, job.placement.profile_chunks, sharded, local_threads(cluster)
+        ).wait()[0]
     finally:
         profiler.shutdown()
     plans = candidate_plans(
@@ -384,19 +570,47 @@ def resolve_auto(job: Any, cluster: Any, log: Any = print) -> Any:
         job.runner.rollout_chunks,
         job.placement.max_stages,
     )
-    chosen = choose(plans)
-    env_steps = env_cfg.num_envs * job.runner.rollout_chunks * job.policy_config.chunk_size
-    log(
+    return costs, plans, choose(plans)
+
+
+def describe_costs(costs: Costs, num_envs: int) -> str:
+    """The measured costs in one line."""
+    line = (
         f"measured on one device: env chunk step {costs.env_chunk_s * 1e3:.1f} ms, "
-        f"inference {costs.infer_chunk_s * 1e3:.1f} ms ({env_cfg.num_envs} envs, of which "
+        f"inference {costs.infer_chunk_s * 1e3:.1f} ms ({num_envs} envs, of which "
         f"{costs.infer_fixed_s * 1e3:.1f} ms per call whatever its batch), "
         f"update {costs.train_s:.2f} s"
-        + (
-            f" ({costs.train_sharded_s:.2f} s as FSDP runs it, without the feature cache)"
-            if costs.train_sharded_s is not None
-            else ""
-        )
     )
+    if costs.train_sharded_s is not None:
+        line += f" ({costs.train_sharded_s:.2f} s as FSDP runs it, without the feature cache)"
+    line += (
+        f"; reset {costs.reset_s * 1e3:.0f} ms, bootstrap values {costs.value_s * 1e3:.1f} ms, "
+        f"channel round trip {costs.overhead_s * 1e3:.1f} ms per rollout/chunk step"
+    )
+    if costs.env_cpu_s is not None and costs.cores is not None:
+        line += (
+            f"; the simulators' processes use {costs.env_cpu_s * 1e3:.0f} ms of CPU per chunk "
+            f"step of the node's {costs.cores} cores"
+        )
+    if costs.local_infer_chunk_s is not None:
+        line += (
+            f"; inference with {costs.local_threads} threads (placement=local) "
+            f"{costs.local_infer_chunk_s * 1e3:.1f} ms"
+        )
+    return line
+
+
+def resolve_auto(job: Any, cluster: Any, log: Any = print) -> Any:
+    """A copy of ``job`` whose ``placement`` is the plan chosen by profiling on the first
+    device of ``cluster`` (a :class:`~rlinf_vla.runtime.Cluster`; module docstring)."""
+    log(
+        f"placement=auto: profiling {job.placement.profile_chunks} chunk steps and one update "
+        f"on device {cluster.device(0)} ..."
+    )
+    costs, plans, chosen = estimate(job, cluster)
+    env_cfg = job.env_config
+    env_steps = env_cfg.num_envs * job.runner.rollout_chunks * job.policy_config.chunk_size
+    log(describe_costs(costs, env_cfg.num_envs))
     log(plan_table(plans, chosen, env_steps))
     placement = replace(
         job.placement, mode=chosen.mode, components=dict(chosen.components), stages=chosen.stages

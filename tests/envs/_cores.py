@@ -43,6 +43,12 @@ class CounterCore:
     def pid(self) -> int:
         return os.getpid()
 
+    def burn(self, seconds: float) -> None:
+        """Compute (not sleep) for ``seconds`` of this process's CPU time."""
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+
     def boom(self) -> None:
         raise RuntimeError("boom inside the core")
 

@@ -11,6 +11,7 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 from _cores import CounterCore
@@ -287,6 +288,23 @@ def test_the_first_episode_of_each_env_is_counted_apart() -> None:
         assert again["first_success"] == [1.0, 1.0]
     finally:
         env.close()
+
+
+def test_cpu_seconds_count_what_the_children_compute_not_what_they_sleep() -> None:
+    pool = SubprocEnvs([CounterCore, CounterCore], name="counter")
+    try:
+        before = pool.cpu_seconds()
+        pool.call("burn", {0: (0.3,), 1: (0.2,)})
+        burnt = pool.cpu_seconds()
+        pool.call("step", {0: (np.ones(1), False), 1: (np.ones(1), False)})  # no sleep
+        time.sleep(0.3)  # the children wait for a command meanwhile
+        idle = pool.cpu_seconds()
+    finally:
+        pool.close()
+    assert before is not None and burnt is not None and idle is not None
+    # /proc counts in clock ticks (10 ms): 0.5 s of computing, within a few ticks
+    assert 0.45 <= burnt - before < 0.7
+    assert idle - burnt < 0.05
 
 
 def test_stages_in_subprocesses_step_at_the_same_time() -> None:

@@ -20,8 +20,11 @@ def test_estimates_match_the_formulas_by_hand():
     # e = 0.3 s, i = 0.1 s per chunk for the whole batch, u = 2 s; o = 0.01 s; T = 10 chunks
     costs = Costs(env_chunk_s=0.3, infer_chunk_s=0.1, train_s=2.0, overhead_s=0.01)
     plans = _by_key(candidate_plans(costs, num_devices=3, num_groups=12, chunks=10, max_stages=4))
+    # collocated: each device steps a third of the envs and infers on them, and the two
+    # halves of a chunk step meet over the channel (o)
     col = plans[("collocated", "all", "all", 1)]
-    assert col.rollout_s == pytest.approx(10 * 0.4 / 3) and col.train_s == pytest.approx(2 / 3)
+    assert col.rollout_s == pytest.approx(10 * (0.4 / 3 + 0.01))
+    assert col.train_s == pytest.approx(2 / 3)
     # hybrid, env on 2 devices (a = 0.15), rollout on 1 (b = 0.1)
     h1 = plans[("hybrid", "0-1", "2", 1)]
     assert h1.rollout_s == pytest.approx(10 * (0.15 + 0.1 + 0.01))
@@ -71,7 +74,7 @@ def test_choice_prefers_overlap_when_env_and_inference_are_balanced():
     costs = Costs(env_chunk_s=0.2, infer_chunk_s=0.2, train_s=0.1, overhead_s=0.001)
     plans = candidate_plans(costs, num_devices=2, num_groups=4, chunks=20)
     best = choose(plans)
-    # collocated 20 * 0.4 / 2 = 4.0 s; hybrid S=4: 20 * (0.2 + 0.004) + 0.2 / 4 = 4.13 s
+    # collocated 20 * (0.4 / 2 + 0.001) = 4.02 s; hybrid S=4: 20 * (0.2 + 0.004) + 0.2 / 4 = 4.13 s
     assert best.mode == "collocated"
     costs = Costs(env_chunk_s=0.2, infer_chunk_s=0.05, train_s=0.1, overhead_s=0.0)
     # one device: collocated and local fit; local overlaps the slow env with inference
@@ -85,6 +88,64 @@ def test_choice_prefers_overlap_when_env_and_inference_are_balanced():
         ("local", 4),
     ]
     assert (choose(one).mode, choose(one).stages) == ("local", 2)
+
+
+def test_resets_bootstrap_values_and_subprocess_simulators_by_hand():
+    # e = 0.3 s per chunk step, i = 0.1 s, r = 0.5 s reset, v = 0.04 s of bootstrap values,
+    # o = 0.01 s, T = 10 chunk steps, 2 devices
+    base = {"overhead_s": 0.01, "reset_s": 0.5, "value_s": 0.04}
+    inside = _by_key(candidate_plans(Costs(0.3, 0.1, 1.0, **base), 2, 4, 10, max_stages=2))
+    # an env that computes in its worker splits its steps and its reset over the env devices
+    col = inside[("collocated", "all", "all", 1)]
+    assert col.rollout_s == pytest.approx(0.5 / 2 + 10 * (0.15 + 0.05 + 0.01) + 0.04 / 2)
+    assert inside[("local", "0", "0", 1)].rollout_s == pytest.approx(0.5 + 10 * 0.4 + 0.04)
+    # simulators in subprocesses step in parallel already: more env workers change nothing
+    sub = Costs(0.3, 0.1, 1.0, subprocess_env=True, **base)
+    plans = _by_key(candidate_plans(sub, 2, 4, 10, max_stages=2))
+    col = plans[("collocated", "all", "all", 1)]
+    assert col.rollout_s == pytest.approx(0.5 + 10 * (0.3 + 0.05 + 0.01) + 0.04 / 2)
+    h2 = plans[("hybrid", "0", "1", 2)]
+    assert h2.rollout_s == pytest.approx(0.5 + 10 * (0.3 + 2 * 0.01) + 0.1 / 2 + 0.04)
+
+
+def test_simulators_and_cpu_inference_share_the_cores():
+    # 4 simulator processes use 0.2 CPU seconds per chunk step (e = 0.1 s on 2 cores) and the
+    # policy 0.08 s on one thread: overlapped in one process they could take max(0.1, 0.08),
+    # but the 2 cores hold (0.2 + 0.08) / 2 = 0.14 s of work per chunk step
+    costs = Costs(
+        0.1, 0.08, 1.0, overhead_s=0.0, subprocess_env=True, env_cpu_s=0.2, cores=2, threads=1
+    )
+    plans = _by_key(candidate_plans(costs, 1, 4, 10, max_stages=2))
+    assert plans[("local", "0", "0", 2)].rollout_s == pytest.approx(10 * 0.14 + 0.08 / 2)
+    # the plain loop is no shorter than its work: 0.1 + 0.08 > 0.14
+    assert plans[("local", "0", "0", 1)].rollout_s == pytest.approx(10 * 0.18)
+    # without a measured CPU share there is no bound
+    free = Costs(0.1, 0.08, 1.0, overhead_s=0.0, subprocess_env=True)
+    free_plans = _by_key(candidate_plans(free, 1, 4, 10, max_stages=2))
+    assert free_plans[("local", "0", "0", 2)].rollout_s == pytest.approx(10 * 0.1 + 0.08 / 2)
+
+
+def test_local_plans_infer_with_every_cpu_slot():
+    # one slot's thread infers in 0.2 s; the single-process executor, with both slots'
+    # threads, in 0.12 s (of which 0.02 s per call): its plans are charged that
+    costs = Costs(
+        0.2,
+        0.2,
+        1.0,
+        overhead_s=0.0,
+        infer_fixed_s=0.05,
+        threads=1,
+        local_threads=2,
+        local_infer_chunk_s=0.12,
+        local_infer_fixed_s=0.02,
+    )
+    plans = _by_key(candidate_plans(costs, 2, 4, 10, max_stages=2))
+    assert plans[("local", "0", "0", 1)].rollout_s == pytest.approx(10 * (0.2 + 0.12))
+    # S=2: two calls of half the batch, 2 * (0.02 + 0.1 / 2) = 0.14 against the env's 0.2
+    assert plans[("local", "0", "0", 2)].rollout_s == pytest.approx(10 * 0.2 + 0.14 / 2)
+    # the Ray plans infer on one slot: collocated 0.1 + (0.05 + 0.15 / 2)
+    col = plans[("collocated", "all", "all", 1)]
+    assert col.rollout_s == pytest.approx(10 * (0.1 + 0.125))
 
 
 def test_only_plans_that_split_whole_groups_are_considered():
@@ -241,3 +302,77 @@ def test_auto_profiles_on_the_gpu_its_workers_use(tmp_path, capsys):
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["placement"]["mode"] == (
         "collocated"
     )
+
+
+def _toy_job(*extra):
+    from rlinf_vla.pipelines.config import validate
+
+    return validate(
+        cli.compose(
+            "train",
+            ["env=toy", "env.num_envs=4", "runner.rollout_chunks=2", "placement=auto", *extra],
+        )
+    )
+
+
+def test_the_profile_measures_resets_bootstrap_values_and_local_inference(monkeypatch):
+    """Besides ``e``, ``i`` and ``u``: the reset, the bootstrap values, the simulators' CPU
+    seconds per chunk step, and inference again with the single-process executor's threads."""
+    import torch
+
+    import rlinf_vla.envs
+    import rlinf_vla.policies
+    from rlinf_vla.pipelines import auto
+
+    threads_seen: list[int] = []
+    make_policy, make_env = rlinf_vla.policies.make_policy, rlinf_vla.envs.make_env
+
+    def counting_policy(*args, **kwargs):
+        policy = make_policy(*args, **kwargs)
+        act = policy.act
+
+        def act_counting(obs, *args, **kw):
+            threads_seen.append(torch.get_num_threads())
+            return act(obs, *args, **kw)
+
+        policy.act = act_counting
+        return policy
+
+    class Pool:  # the simulators' CPU clock: 0.3 s more at every reading
+        seconds = 1.0
+
+        def cpu_seconds(self):
+            self.seconds += 0.3
+            return self.seconds
+
+    pool = Pool()
+
+    def env_with_pool(*args, **kwargs):
+        env = make_env(*args, **kwargs)
+        monkeypatch.setattr(type(env), "workers", property(lambda self: pool), raising=False)
+        return env
+
+    monkeypatch.setattr(rlinf_vla.policies, "make_policy", counting_policy)
+    monkeypatch.setattr(rlinf_vla.envs, "make_env", env_with_pool)
+    costs = auto.profile(_toy_job(), 2, threads=1, local_threads=2, cores=2)
+    assert costs.reset_s > 0 and costs.value_s > 0
+    assert costs.subprocess_env and costs.cores == 2 and costs.threads == 1
+    # read before and after the 2 timed chunk steps: 0.3 s of CPU over 2 chunk steps
+    assert costs.env_cpu_s == pytest.approx(0.15)
+    assert costs.local_threads == 2 and costs.local_infer_chunk_s is not None
+    assert 0 < costs.local_infer_fixed_s <= costs.local_infer_chunk_s
+    # calls with one thread (warm-up, the timed steps, the device's inference) and with two
+    assert set(threads_seen) == {1, 2}
+    assert threads_seen.count(2) == 2 * 2  # 2 chunk steps, whole batch and half of it
+
+
+@pytest.mark.ray
+def test_a_channel_round_trip_is_timed_with_the_workloads_payload():
+    import torch
+
+    from rlinf_vla.pipelines import auto
+    from tests.policies.conftest import make_obs
+
+    obs = make_obs(4)
+    seconds = auto._round_trip_s(obs, torch.zeros(4, 2, 7))
+    assert 0 < seconds < 2.0
