@@ -26,6 +26,9 @@ _NO_MANISKILL = pytest.mark.skipif(
 _SO100 = Path(__file__).parent / "data" / "fixtures" / "lerobot_so100"
 
 # (command line, the keys the message must name)
+#: sft on the LeRobot-written fixture, without evaluation (no env is built)
+_SFT_NO_EVAL = ["sft", f"data.paths=[{_SO100}]", "runner.eval_interval=0"]
+
 BAD_CONFIGS = [
     # ranges of the algo keys (all silently accepted before)
     (["train", "algo.clip_low=-0.5"], ["algo.clip_low"]),
@@ -114,6 +117,14 @@ BAD_CONFIGS = [
         ["policy.device=cuda:99"],
     ),
     (["train", "env=toy", "env.num_envs=64", "cluster.num_gpus=64"], ["cluster.num_gpus=64"]),
+    (
+        [*_SFT_NO_EVAL, "cluster.devices_per_node=2", "sft.devices=0-3"],
+        ["sft.devices", "3"],
+    ),
+    (
+        [*_SFT_NO_EVAL, "cluster.devices_per_node=3", "sft.devices=all", "sft.batch_size=32"],
+        ["sft.batch_size=32", "3 actor workers"],
+    ),
     # what the machine must provide
     (["train", "runner.output_dir=/proc/rlinf-vla-test"], ["runner.output_dir"]),
     (["deploy", "record.output_dir=/proc/rlinf-vla-test"], ["record.output_dir"]),

@@ -280,6 +280,38 @@ class Dataset:
 
     # -- videos ------------------------------------------------------------------------------
 
+    def video_problems(self) -> list[str]:
+        """What keeps the video files from giving the frames the episodes need, without
+        decoding them whole: each file must decode the last frame any of its episodes reads
+        (a truncated or damaged file does not). One seek and a few frames per file, the files
+        in parallel; ``[]`` when every file delivers."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        last: dict[tuple[str, str], int] = {}
+        for i, ep in enumerate(self.episodes):
+            for key, (file, from_ts, _) in self._locations[i].videos.items():
+                frame = int(np.rint(from_ts * self.fps)) + ep.length - 1
+                last[(key, file)] = max(last.get((key, file), -1), frame)
+
+        def problem(item: tuple[tuple[str, str], int]) -> str | None:
+            (key, file), frame = item
+            if frame < 0:
+                return None
+            h, w = _image_size(key, self.features[key])
+            try:
+                got = decode_frames(self.path / file, h, w, frame, 1, self.fps)
+            except (OSError, RuntimeError, ValueError) as e:
+                return f"{file}: cannot be decoded ({str(e).splitlines()[0]})"
+            if len(got) != 1:
+                return (
+                    f"{file}: frame {frame}, the last its episodes need, does not decode "
+                    "(the file is truncated or damaged)"
+                )
+            return None
+
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(last)))) as pool:
+            return [p for p in pool.map(problem, sorted(last.items())) if p]
+
     def _load_camera(self, key: str, order: list[int], columns: dict[str, Any]) -> np.ndarray:
         if self.features[key]["dtype"] == "image":
             return columns[key]

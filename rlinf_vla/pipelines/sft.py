@@ -318,9 +318,16 @@ def validate(cfg: Any) -> SFTJob:
             if problem:
                 errors.add(f"data.paths: {path}: {problem}")
         # every value, before anything starts (the tabular columns only: no video decoded)
-        problem = value_problem(path, ds.load_tabular(), read)
+        from rlinf_vla.data import DatasetError
+
+        try:
+            problem = value_problem(path, ds.load_tabular(), read)
+        except DatasetError as e:
+            problem = f"{path}: {e}"
         if problem:
             errors.add(f"data.paths: {problem}")
+        for problem in ds.video_problems():  # each video delivers its last needed frame
+            errors.add(f"data.paths: {path}: {problem}")
     errors.raise_any()
     action_dim = int(first.features[data.action]["shape"][0])
     state_dim = (
@@ -431,6 +438,7 @@ def validate(cfg: Any) -> SFTJob:
         policy["dtype"] = "float32"  # float32 weights and AdamW state; sft.autocast computes
     pol_cfg = policy_config_for(policy_name, policy)  # with the statistics: what trains
     sft: SFTConfig = built["sft"]
+    _check_devices(sft, built["cluster"])
     if built["runner"].eval_interval and built["runner"].eval_videos:
         from rlinf_vla.envs.video import require_ffmpeg
 
@@ -453,6 +461,23 @@ def validate(cfg: Any) -> SFTJob:
         policy_config=pol_cfg,
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
+
+
+def _check_devices(sft: SFTConfig, cluster: ClusterConfig) -> None:
+    """``sft.devices`` names devices of the local cluster (counted without starting it) and
+    the batch splits evenly over them; a remote cluster is checked when it starts."""
+    from rlinf_vla.pipelines.config import local_device_count
+    from rlinf_vla.runtime.placement import parse_devices
+
+    count = local_device_count(cluster)
+    if count is None:
+        return
+    ranks = len(parse_devices(sft.devices, count, "sft.devices"))
+    if sft.batch_size % ranks:
+        raise ConfigError(
+            f"sft.batch_size={sft.batch_size} does not split evenly over the {ranks} actor "
+            f"workers of sft.devices={sft.devices!r}"
+        )
 
 
 class SFTRunner:

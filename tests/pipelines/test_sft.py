@@ -453,6 +453,9 @@ def _two_episodes(path, action_nan_at=None):
         ),
         ("nan stats", "the statistics ['q99'] of 'observation.state' hold NaN or inf"),
         ("state named otherwise", "data.state='observation.joints' is not a feature of"),
+        ("truncated video", "the last its episodes need, does not decode"),
+        ("mixed action sizes", "column 'action' has 6 values for 6 rows of shape [2]"),
+        ("images of another size", "frames are 8x8, feature observation.images.main says 16x16"),
     ],
 )
 def test_datasets_that_cannot_train_are_refused_before_anything_starts(
@@ -470,6 +473,32 @@ def test_datasets_that_cannot_train_are_refused_before_anything_starts(
         (ds / "meta" / "stats.json").write_text(json.dumps(stats))
     elif damage == "state named otherwise":
         extra = ["data.state=observation.joints"]
+    elif damage == "truncated video":  # a copy cut short: the last frames are gone
+        [video] = (ds / "videos").rglob("*.mp4")
+        video.write_bytes(video.read_bytes()[: video.stat().st_size // 2])
+    elif damage == "mixed action sizes":  # episode 1 written by an arm with one joint less
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        [data_file] = (ds / "data").rglob("*.parquet")
+        table = pq.read_table(data_file)
+        episodes = table.column("episode_index").to_pylist()
+        actions = [
+            a[:1] if e == 1 else a
+            for a, e in zip(table.column("action").to_pylist(), episodes, strict=True)
+        ]
+        column = pa.array(actions, type=pa.list_(pa.float32()))
+        pq.write_table(
+            table.set_column(table.schema.get_field_index("action"), "action", column), data_file
+        )
+    elif damage == "images of another size":  # the metadata says 16 x 16, the video is 8 x 8
+        info = json.loads((ds / "meta" / "info.json").read_text())
+        feature = info["features"]["observation.images.main"]
+        feature["shape"] = [16, 16, 3]
+        for k in ("video.height", "video.width"):
+            if k in feature.get("info", {}):
+                feature["info"][k] = 16
+        (ds / "meta" / "info.json").write_text(json.dumps(info))
     args = ["sft", f"data.paths=[{ds}]", "runner.eval_interval=0", *extra]
     assert cli.main([*args, f"runner.output_dir={tmp_path / 'run'}"]) == 2
     err = " ".join(capsys.readouterr().err.split())
