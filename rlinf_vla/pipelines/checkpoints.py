@@ -36,8 +36,10 @@ __all__ = [
     "damage",
     "finish_checkpoint",
     "latest_config",
+    "latest_settings",
     "prepare_resume",
     "resume_checkpoint",
+    "settings_of",
     "write_manifest",
 ]
 
@@ -263,6 +265,52 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+def settings_of(sections: dict[str, Any]) -> dict[str, Any]:
+    """Every setting of a validated job, defaults included: each typed section as plain values
+    (``{"env": {"name": ..., **env_config}, "algo": ..., ...}``), for ``configs/settings_<k>
+    .yaml`` and the resume check. Values YAML cannot hold (arrays, paths) become lists and
+    text."""
+    from rlinf_vla.config import to_dict
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        if value is None or isinstance(value, bool | int | float | str):
+            return value
+        if hasattr(value, "tolist"):  # numpy and torch values
+            return plain(value.tolist())
+        return str(value)
+
+    return {name: plain(to_dict(section)) for name, section in sections.items()}
+
+
+def latest_settings(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The settings (:func:`settings_of`) the run's last start wrote, if it wrote them."""
+    import yaml
+
+    starts = sorted(
+        (int(p.stem.rsplit("_", 1)[1]), p)
+        for p in (Path(run_dir) / "configs").glob("settings_*.yaml")
+        if p.stem.rsplit("_", 1)[1].isdigit()
+    )
+    if not starts:
+        return None
+    path = starts[-1][1]
+    try:
+        saved = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"runner.resume: {path} is not readable ({first}); restore it from a copy or start "
+            "a new run"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"runner.resume: {path} holds a {type(saved).__name__}, not settings")
+    return path, saved
+
+
 def latest_config(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The config the run's last start ran with: its newest ``configs/start_<k>.yaml``, else
     ``config.yaml`` (the first start's); ``None`` when neither exists."""
@@ -297,11 +345,18 @@ def _show(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (list, dict, str)) else str(value)
 
 
-def check_resume_config(run_dir: str | Path, config: dict[str, Any]) -> list[str]:
-    """Compare a resumed run's resolved ``config`` with its previous start's.
+def check_resume_config(
+    run_dir: str | Path, config: dict[str, Any], settings: dict[str, Any] | None = None
+) -> list[str]:
+    """Compare a resumed run's resolved ``config`` with its previous start's, and its
+    ``settings`` (every setting, defaults included: :func:`settings_of`) with those the
+    previous start wrote, where it wrote them: a default that differs between the two starts
+    (another version of the package) is a change too.
 
     Returns:
-        One ``key: old -> new`` line per changed key that :data:`SAFE_ON_RESUME` allows.
+        One ``key: old -> new`` line per changed key that :data:`SAFE_ON_RESUME` allows, and
+        one per setting only one of the starts has (a setting this version added or removed:
+        nothing to compare it with).
 
     Raises:
         ConfigError: other keys changed, naming each with its old and new value.
@@ -315,27 +370,54 @@ def check_resume_config(run_dir: str | Path, config: dict[str, Any]) -> list[str
     # The same YAML round trip as the saved file, so that equal values compare equal.
     new = _flat(yaml.safe_load(yaml.safe_dump(config, sort_keys=False)) or {})
     old = _flat(saved)
-    if str(new.get("placement.mode")) == "auto":  # resolved again at start
-        old = {k: v for k, v in old.items() if not k.startswith("placement.")}
-        new = {k: v for k, v in new.items() if not k.startswith("placement.")}
+    auto = str(new.get("placement.mode")) == "auto"  # resolved again at start
     # a key set on only one side changed too (set now, or no longer: its default applies)
-    unset = object()
-    keys = [*new, *(k for k in old if k not in new)]
-    changed = [k for k in keys if old.get(k, unset) != new.get(k, unset)]
-
-    def show(side: dict[str, Any], k: str) -> str:
-        return _show(side[k]) if k in side else "(unset)"
-
-    lines = {k: f"{k}: {show(old, k)} -> {show(new, k)}" for k in changed}
+    changed = _changes(old, new, one_sided=True, skip_placement=auto)
+    notes: dict[str, str] = {}
+    earlier = latest_settings(run_dir) if settings is not None else None
+    if earlier is not None:
+        spath, saved_settings = earlier
+        old_s = _flat(saved_settings)
+        new_s = _flat(yaml.safe_load(yaml.safe_dump(settings, sort_keys=False)) or {})
+        for k, line in _changes(old_s, new_s, one_sided=False, skip_placement=auto).items():
+            changed.setdefault(k, line)
+        for k in sorted(set(old_s) ^ set(new_s)):
+            if not (auto and k.startswith("placement.")):
+                side = "this start" if k in new_s else f"the previous start ({spath.name})"
+                notes[k] = f"{k}: only {side} has this setting"
+        path = f"{path}, {spath}"  # type: ignore[assignment]
     safe = [k for k in changed if any(fnmatch.fnmatchcase(k, p) for p in SAFE_ON_RESUME)]
     refused = [k for k in changed if k not in safe]
     if refused:
         raise ConfigError(
             f"runner.resume: {len(refused)} setting(s) differ from the run's ({path}) and a "
-            f"resume cannot change them: {'; '.join(lines[k] for k in refused)}. Set them back, "
-            "or start a new run (docs/training.md lists what a resume may change)"
+            f"resume cannot change them: {'; '.join(changed[k] for k in refused)}. Set them "
+            "back, or start a new run (docs/training.md lists what a resume may change)"
         )
-    return [lines[k] for k in safe if not k.startswith(("runner.resume", "runner.output_dir"))]
+    allowed = [changed[k] for k in safe if not k.startswith(("runner.resume", "runner.output_dir"))]
+    return allowed + [line for k, line in notes.items() if k not in changed]
+
+
+def _changes(
+    old: dict[str, Any], new: dict[str, Any], one_sided: bool, skip_placement: bool
+) -> dict[str, str]:
+    """``key -> "key: old -> new"`` for every key whose value differs (``one_sided``: also
+    keys only one side has); placement keys left out when ``skip_placement``."""
+    unset = object()
+    keys = [*new, *(k for k in old if k not in new)]
+    if not one_sided:
+        keys = [k for k in keys if k in old and k in new]
+    if skip_placement:
+        keys = [k for k in keys if not k.startswith("placement.")]
+
+    def show(side: dict[str, Any], k: str) -> str:
+        return _show(side[k]) if k in side else "(unset)"
+
+    return {
+        k: f"{k}: {show(old, k)} -> {show(new, k)}"
+        for k in keys
+        if old.get(k, unset) != new.get(k, unset)
+    }
 
 
 # ---------------------------------------------------------------------- the trainers' side
@@ -358,7 +440,11 @@ def finish_checkpoint(path: Path, number: int) -> Path:
 
 
 def prepare_resume(
-    resume: str | None, config: dict[str, Any], prefix: str, say: Any = None
+    resume: str | None,
+    config: dict[str, Any],
+    prefix: str,
+    say: Any = None,
+    settings: dict[str, Any] | None = None,
 ) -> Resume | None:
     """Before anything starts: check a resumed run's config (:func:`check_resume_config`),
     then choose its checkpoint (:func:`resume_checkpoint`); ``say(line)`` hears the skipped
@@ -381,7 +467,7 @@ def prepare_resume(
                 f"runner.resume: {e}; repair or remove that row (the run's curves come from "
                 "this file), or start a new run"
             ) from None
-    changed = check_resume_config(resume, config)
+    changed = check_resume_config(resume, config, settings)
     chosen = resume_checkpoint(resume, prefix)
     if changed:
         chosen.notes.append("settings changed on resume (allowed): " + "; ".join(changed))

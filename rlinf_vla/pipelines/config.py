@@ -152,6 +152,29 @@ class TrainJob:
     resolved: Placement | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
+    def settings(self) -> dict[str, Any]:
+        """Every setting, defaults included (:func:`~rlinf_vla.pipelines.checkpoints
+        .settings_of`): what a resume compares beside the command line's keys."""
+        from rlinf_vla.pipelines.checkpoints import settings_of
+
+        return settings_of(
+            {
+                "cluster": self.cluster,
+                "env": {"name": self.env_name, **_fields(self.env_config)},
+                "policy": {"name": self.policy_name, **_fields(self.policy_config)},
+                "algo": self.algo,
+                "placement": self.placement,
+                "runner": self.runner,
+            }
+        )
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    """A dataclass config's fields as a dict (its nested values left as they are)."""
+    import dataclasses
+
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
 
 def _named(section: Any, path: str) -> tuple[str, dict[str, Any]]:
     from omegaconf import OmegaConf

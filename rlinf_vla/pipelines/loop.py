@@ -137,6 +137,9 @@ class RunLoop:
         devices: the cluster's devices, recorded in ``run_info.jsonl``.
         header: lines printed before the first iteration: what runs where (see
             :func:`parameter_counts`, :func:`device_summary`).
+        settings: every setting of the job, defaults included
+            (:func:`~rlinf_vla.pipelines.checkpoints.settings_of`), written to
+            ``configs/settings_<k>.yaml`` for a resume to compare with.
     """
 
     output_dir: Path
@@ -150,6 +153,7 @@ class RunLoop:
     devices: list[str] | None = None
     header: list[str] | None = None
     last_checkpoint: Path | None = None
+    settings: dict[str, Any] | None = None
 
     def run(
         self,
@@ -191,7 +195,12 @@ class RunLoop:
         # Each start's own config, numbered as its line in run_info.jsonl (0: the first).
         starts = self.output_dir / "configs"
         starts.mkdir(exist_ok=True)
-        (starts / f"start_{len(provenance.read(self.output_dir)) - 1}.yaml").write_text(text)
+        number = len(provenance.read(self.output_dir)) - 1
+        (starts / f"start_{number}.yaml").write_text(text)
+        if self.settings is not None:
+            (starts / f"settings_{number}.yaml").write_text(
+                yaml.safe_dump(self.settings, sort_keys=False)
+            )
         logger = MetricsLogger(
             self.output_dir,
             self.logging,

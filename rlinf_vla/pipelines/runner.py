@@ -73,8 +73,17 @@ class EmbodiedRunner:
     of ``runner.resume``).
     """
 
-    def __init__(self, job: TrainJob, cluster: Cluster, checkpoint: Resume | None = None) -> None:
+    def __init__(
+        self,
+        job: TrainJob,
+        cluster: Cluster,
+        checkpoint: Resume | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
+        """``settings``: every setting of the job as validated (before ``placement=auto``
+        resolved it), written beside the start's config; default: ``job.settings()``."""
         self.job, self.cluster = job, cluster
+        self.settings = job.settings() if settings is None else settings
         placement = self.placement = resolve_placement(job.placement, cluster.num_devices)
         check_env_split(job, len(placement.of("env")), len(placement.of("actor")))
         if job.runner.resume and checkpoint is None:
@@ -196,6 +205,7 @@ class EmbodiedRunner:
             devices=[str(d) for d in self.cluster.devices],
             header=self.header(),
             last_checkpoint=None if self.checkpoint is None else self.checkpoint.path,
+            settings=self.settings,
         )
 
         def iteration(it: int, logger: MetricsLogger, say: Say) -> dict[str, Any]:
@@ -473,7 +483,8 @@ def _say(line: str) -> None:
 def run(job: TrainJob) -> Path:
     """``rlinf-vla train``: start the cluster, train, print where the outputs are."""
     # A resume's config and checkpoint are checked before anything starts.
-    checkpoint = prepare_resume(job.runner.resume, job.raw, "iter", _say)
+    settings = job.settings()  # as validated: placement=auto is resolved again at each start
+    checkpoint = prepare_resume(job.runner.resume, job.raw, "iter", _say, settings)
     # placement=local needs no Ray (runtime.local); auto may still choose it
     local = job.placement.mode == "local"
     with contextlib.ExitStack() as stack:
@@ -488,7 +499,7 @@ def run(job: TrainJob) -> Path:
             # on the node's cores but the simulators), on a GPU as its device says
             stack.enter_context(torch_threads(local_threads(cluster)))
             stack.enter_context(worker_environment())  # simulators start as under Ray
-        runner = EmbodiedRunner(job, cluster, checkpoint)
+        runner = EmbodiedRunner(job, cluster, checkpoint, settings)
         try:
             out = runner.run()
         except BaseException:

@@ -188,6 +188,23 @@ class SFTJob:
     policy_config: Any  # the actor's policy, statistics included
     raw: dict[str, Any] = field(default_factory=dict)
 
+    def settings(self) -> dict[str, Any]:
+        """Every setting, defaults included (:func:`~rlinf_vla.pipelines.checkpoints
+        .settings_of`): what a resume compares beside the command line's keys."""
+        from rlinf_vla.pipelines.checkpoints import settings_of
+        from rlinf_vla.pipelines.config import _fields
+
+        sections: dict[str, Any] = {
+            "cluster": self.cluster,
+            "data": self.data,
+            "sft": self.sft,
+            "runner": self.runner,
+            "policy": {"name": self.policy_name, **_fields(self.policy_config)},
+        }
+        if self.env_config is not None:
+            sections["env"] = {"name": self.env_name, **_fields(self.env_config)}
+        return settings_of(sections)
+
     def algo(self, ranks: int) -> dict[str, Any]:
         """The actor workers' optimisation settings (``algo`` section of ``train``)."""
         s = self.sft
@@ -595,6 +612,7 @@ class SFTRunner:
             devices=[str(d) for d in self.cluster.devices],
             header=self.header(),
             last_checkpoint=None if self.checkpoint is None else self.checkpoint.path,
+            settings=job.settings(),
         )
 
         def step(i: int, logger: Any, say: Any) -> dict[str, Any]:
@@ -696,7 +714,11 @@ def run(job: SFTJob) -> Path:
 
     # A resume's config and checkpoint are checked before anything starts.
     checkpoint = prepare_resume(
-        job.runner.resume, job.raw, "step", lambda line: print(line, file=sys.stderr)
+        job.runner.resume,
+        job.raw,
+        "step",
+        lambda line: print(line, file=sys.stderr),
+        settings=job.settings(),
     )
     torch.manual_seed(job.runner.seed)
     with Cluster(job.cluster) as cluster:

@@ -165,6 +165,37 @@ def test_changes_that_alter_the_run_are_refused_naming_every_key(tmp_path):
     assert check_resume_config(run, new) == []
 
 
+def test_every_setting_is_compared_where_the_previous_start_wrote_them(tmp_path):
+    """A default that differs between two starts (another version of the package) changes
+    the run as much as a key set on the command line; a setting only one start has (added or
+    removed by a version) has nothing to compare with and is reported, not refused."""
+    raw = {"algo": {"name": "ppo"}, "runner": {"max_iterations": 2}}
+    run = _saved_run(tmp_path, raw)
+    settings = {"algo": {"name": "ppo", "gamma": 0.99, "lam": 0.95}, "runner": {"seed": 0}}
+    # a run from before the settings were written: only its command-line keys compare
+    assert check_resume_config(run, raw, settings) == []
+    (run / "configs").mkdir()
+    earlier = {"algo": {"name": "ppo", "gamma": 0.98, "lam": 0.95}, "runner": {"seed": 0}}
+    (run / "configs" / "settings_0.yaml").write_text(yaml.safe_dump(earlier))
+    with pytest.raises(ConfigError, match=r"algo\.gamma: 0\.98 -> 0\.99") as e:
+        check_resume_config(run, raw, settings)
+    assert "settings_0.yaml" in str(e.value)
+    earlier["algo"]["gamma"] = 0.99
+    earlier["algo"]["old_knob"] = 1
+    del earlier["algo"]["lam"]
+    (run / "configs" / "settings_0.yaml").write_text(yaml.safe_dump(earlier))
+    assert check_resume_config(run, raw, settings) == [
+        "algo.lam: only this start has this setting",
+        "algo.old_knob: only the previous start (settings_0.yaml) has this setting",
+    ]
+    # allowed keys stay allowed, whichever file says they changed
+    bigger = json.loads(json.dumps(settings))
+    bigger["runner"]["max_iterations"] = 5
+    earlier["runner"]["max_iterations"] = 2
+    (run / "configs" / "settings_0.yaml").write_text(yaml.safe_dump(earlier))
+    assert "runner.max_iterations: 2 -> 5" in check_resume_config(run, raw, bigger)
+
+
 def test_an_auto_placement_is_resolved_again_on_resume(tmp_path):
     run = _saved_run(tmp_path, {"placement": {"mode": "hybrid", "stages": 2}})
     assert check_resume_config(run, {"placement": {"mode": "auto", "max_stages": 4}}) == []
@@ -196,7 +227,7 @@ def test_a_resume_keeps_the_first_config_and_records_each_start(tmp_path):
     run = tmp_path / "run"
     assert yaml.safe_load((run / "config.yaml").read_text())["runner"]["max_iterations"] == 2
     starts = sorted(p.name for p in (run / "configs").iterdir())
-    assert starts == ["start_0.yaml", "start_1.yaml"]
+    assert starts == ["start_0.yaml", "start_1.yaml"]  # no settings given: none written
     start_1 = yaml.safe_load((run / "configs" / "start_1.yaml").read_text())
     assert start_1["runner"]["max_iterations"] == 3
 
@@ -350,3 +381,24 @@ def test_a_damaged_run_folder_is_refused_before_anything_starts(tmp_path, damage
         (run / "metrics.jsonl").write_text('{"iteration": 1}\n{"iterat\n{"iteration": 2}\n')
     with pytest.raises(ConfigError, match=re.escape(message)):
         prepare_resume(str(run), {"algo": {"lr": 1e-4}}, "iter")
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_default_that_changed_since_the_run_started_is_refused(
+    trained_run, tmp_path, capsys, nothing_starts
+):
+    """The run wrote every setting at its start; a resume whose defaults differ (as another
+    version of the package would have them) is refused naming the setting, before Ray
+    starts; the command line alone could not show it."""
+    run = _copy(trained_run, tmp_path)
+    settings = run / "configs" / "settings_0.yaml"
+    saved = yaml.safe_load(settings.read_text())
+    assert saved["algo"]["gamma"] == 0.99 and saved["env"]["name"] == "toy"
+    assert "chunk_size" in saved["policy"]  # a default the command line never set
+    saved["algo"]["gamma"] = 0.95  # the default when the run started
+    settings.write_text(yaml.safe_dump(saved))
+    args = ["train", *SMALL, "runner.max_iterations=3", f"runner.resume={run}"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "algo.gamma: 0.95 -> 0.99" in err and "settings_0.yaml" in err
