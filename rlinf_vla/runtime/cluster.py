@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlinf_vla.config import ConfigError, RunAborted, check_at_least
+from rlinf_vla.runtime.reaper import Reaper, node_pids, watch
 from rlinf_vla.runtime.stall import StallPolicy
 
 logger = logging.getLogger(__name__)
@@ -249,6 +250,7 @@ class Cluster:
         #: The deadlines of the calls on this cluster's workers.
         self.stall = StallPolicy(config.stall_factor, config.stall_min_s, config.start_timeout_s)
         self._owns_ray = False
+        self._reaper: Reaper | None = None
         if ray.is_initialized():
             logger.info("using the Ray instance already initialised in this process")
         else:
@@ -280,6 +282,8 @@ class Cluster:
                     "(`ray stop`)"
                 ) from None
             self._owns_ray = True
+            # a driver killed outright runs no exit code: this watcher stops Ray's processes
+            self._reaper = watch(node_pids())
             if sigterm is not None:
                 _keep_sigterm_handler(sigterm)
         self._wait_for_nodes()
@@ -357,6 +361,9 @@ class Cluster:
 
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+        if self._reaper is not None:
+            self._reaper.close()  # kills what ray.shutdown left, if anything
+            self._reaper = None
         self._owns_ray = False
 
     def __enter__(self) -> Cluster:
