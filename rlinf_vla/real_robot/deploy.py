@@ -19,10 +19,11 @@ flat observation keys, ``Api-Key`` token, ``{"actions": ...}`` replies).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -234,6 +235,22 @@ def rate_problem(meta: Any, job: DeployJob) -> str | None:
     )
 
 
+class RecordingFailed(RunAborted):
+    """Writing an episode's record failed (a full disk, a removed folder): the robot was
+    stopped, and the message says how much of the record there is."""
+
+
+@contextlib.contextmanager
+def _recording(folder: Path, then: str) -> Iterator[None]:
+    """``RecordingFailed`` naming ``folder`` for an ``OSError`` of the block."""
+    try:
+        yield
+    except OSError as e:
+        raise RecordingFailed(
+            f"cannot record to {folder} ({type(e).__name__}: {e}); {then}"
+        ) from None
+
+
 def run_episode(
     robot: Robot,
     client: Any,
@@ -269,26 +286,28 @@ def run_episode(
     if job.record.enabled:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         folder = Path(job.record.output_dir) / f"{stamp}-{job.robot.name}-ep{episode_index:03d}"
-        writer = EpisodeWriter(
-            folder,
-            list(robot.camera_names),
-            job.record.video,
-            rate,
-            meta={
-                "instruction": job.instruction,
-                "robot": to_dict(job.robot),
-                "server": job.server,
-                "control_rate_hz": rate,
-                "policy": {**meta.__dict__, "image_keys": list(meta.image_keys)},
-                "action": to_dict(job.action),
-                "safety": to_dict(job.safety),
-            },
-        )
+        with _recording(folder, "the robot did not move"):
+            writer = EpisodeWriter(
+                folder,
+                list(robot.camera_names),
+                job.record.video,
+                rate,
+                meta={
+                    "instruction": job.instruction,
+                    "robot": to_dict(job.robot),
+                    "server": job.server,
+                    "control_rate_hz": rate,
+                    "policy": {**meta.__dict__, "image_keys": list(meta.image_keys)},
+                    "action": to_dict(job.action),
+                    "safety": to_dict(job.safety),
+                },
+            )
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-query")
     future: Future | None = None
     chunk: list[tuple[np.ndarray, float]] = []
     queries = server_errors = late_chunks = refused = 0
     aborted: str | None = None
+    record_failed = False  # writing the record failed: the abort is the disk's, not the server's
     latency: list[float] = []
     steps = 0
     state = robot.reset()
@@ -371,19 +390,26 @@ def run_episode(
                     if raw is None
                     else np.asarray(raw).reshape(-1)[: meta.action_dim]
                 )
-                writer.add(
-                    timestamp=state.timestamp,
-                    images=state.images,
-                    state=proprio,
-                    joint_positions=state.joint_positions,
-                    ee_pos=state.ee_pos,
-                    ee_rotvec=matrix_to_rotvec(state.ee_rot),
-                    gripper_width=state.gripper_width,
-                    policy_action=policy_action,
-                    action=executed,
-                    hold=cmd.hold,
-                    interventions=safety.last,
-                )
+                try:
+                    writer.add(
+                        timestamp=state.timestamp,
+                        images=state.images,
+                        state=proprio,
+                        joint_positions=state.joint_positions,
+                        ee_pos=state.ee_pos,
+                        ee_rotvec=matrix_to_rotvec(state.ee_rot),
+                        gripper_width=state.gripper_width,
+                        policy_action=policy_action,
+                        action=executed,
+                        hold=cmd.hold,
+                        interventions=safety.last,
+                    )
+                except OSError as e:  # a full disk, a folder removed: stop, say so
+                    record_failed = True
+                    aborted = f"recording to {writer.folder} failed ({type(e).__name__}: {e})"
+                    log.error("%s; stopping the robot", aborted)
+                    robot.stop()
+                    break
             if "estop" in cmd.interventions:
                 break  # the stop is recorded as this tick's hold
             if estop.triggered:
@@ -404,17 +430,26 @@ def run_episode(
         executor.shutdown(wait=False, cancel_futures=True)
         folder = None
         if writer is not None:
-            folder = writer.close(
-                interventions=safety.summary(),
-                estop=estop.reason,
-                queries=queries,
-                server_errors=server_errors,
-                late_chunks=late_chunks,
-                aborted=aborted,
-            )
+            try:
+                folder = writer.close(
+                    interventions=safety.summary(),
+                    estop=estop.reason,
+                    queries=queries,
+                    server_errors=server_errors,
+                    late_chunks=late_chunks,
+                    aborted=aborted,
+                )
+            except OSError as e:
+                record_failed = True
+                reason = f"writing the record to {writer.folder} failed ({type(e).__name__}: {e})"
+                log.error("%s", reason)
+                aborted = reason if aborted is None else f"{aborted}; then {reason}"
     if aborted is not None:
         where = f"; the episode so far is in {folder}" if folder is not None else ""
-        raise RunAborted(f"{aborted}; the robot was stopped{where}")
+        if record_failed and folder is None:
+            where = "; the episode's record is incomplete"
+        error = RecordingFailed if record_failed else RunAborted
+        raise error(f"{aborted}; the robot was stopped{where}")
     return EpisodeResult(
         steps, folder, safety.summary(), queries, server_errors, latency, estop.triggered
     )

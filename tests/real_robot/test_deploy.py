@@ -582,3 +582,49 @@ def test_an_episode_cut_by_the_connection_records_why(tiny_policy, tmp_path, cap
     (folder,) = tmp_path.iterdir()
     meta = _json.loads((folder / "meta.json").read_text())
     assert "ConnectionClosed" in meta["aborted"] and "1009" in meta["aborted"]
+
+
+@pytest.mark.sim
+def test_a_recording_that_fails_stops_the_robot_and_says_so(
+    served, sim_robot, tmp_path, monkeypatch, capsys
+):
+    """A disk that fills up during an episode: the robot is stopped and the run ends naming
+    the recording (exit 1), not the policy server, which answered every query."""
+    import errno
+
+    from rlinf_vla.real_robot.deploy import RecordingFailed
+    from rlinf_vla.real_robot.recording import EpisodeWriter
+
+    add = EpisodeWriter.add
+    calls = []
+
+    def add_until_full(self, **step):
+        calls.append(1)
+        if len(calls) > 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return add(self, **step)
+
+    monkeypatch.setattr(EpisodeWriter, "add", add_until_full)
+    _, url = served
+    job = validate(
+        deploy_cfg(
+            server=url, max_steps=30, realtime="false", **{"record.output_dir": str(tmp_path)}
+        )
+    )
+    estop = EStop()
+    robot = _Recorder(sim_robot, estop, trigger_after=10**9)
+    with PolicyClient(url) as client, pytest.raises(RecordingFailed) as info:
+        run_episode(robot, client, job, estop)
+    message = str(info.value)
+    assert "recording to" in message and "No space left on device" in message
+    assert "the robot was stopped" in message and robot.stops >= 1
+    assert robot.commands == 6  # the tick whose record failed was the last
+    (folder,) = tmp_path.iterdir()
+    assert json.loads((folder / "meta.json").read_text())["aborted"].startswith("recording to")
+    # the command: exit 1, the recording named, the server not blamed
+    calls.clear()
+    record = f"record.output_dir={tmp_path / 'cli'}"
+    rc = main(["deploy", f"server={url}", "max_steps=30", "realtime=false", record])
+    err = capsys.readouterr().err
+    assert rc == 1 and "No space left on device" in err, err
+    assert "no answer from the policy server" not in err and "Traceback" not in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -77,10 +78,8 @@ def test_a_killed_driver_leaves_no_ray_process(tmp_path):
         pids = [int(p) for p in line.split()[1:]]
         names = {}
         for pid in pids:
-            try:
+            with contextlib.suppress(OSError):
                 names[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()[:60]
-            except OSError:
-                pass
         # the raylet's agents, which outlived a killed driver before
         assert any(b"DashboardAgent" in n or b"RuntimeEnvAgent" in n for n in names.values())
         assert all(_alive(p) for p in pids if p in names)
