@@ -250,6 +250,14 @@ class MathGrpoJob:
     resolved: Placement | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
+    def settings(self) -> dict[str, Any]:
+        """Every setting, defaults included (:func:`~rlinf_vla.pipelines.checkpoints
+        .settings_of`): what a resume compares beside the command line's keys."""
+        from rlinf_vla.pipelines.checkpoints import settings_of
+
+        names = ("cluster", "model", "data", "algo", "placement", "runner")
+        return settings_of({name: getattr(self, name) for name in names})
+
 
 def validate(cfg: Any) -> MathGrpoJob:
     """Typed configs and cross-checks for a composed ``math_grpo`` config; starts nothing."""

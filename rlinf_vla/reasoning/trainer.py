@@ -442,6 +442,7 @@ class MathGrpoRunner:
             devices=[str(d) for d in self.cluster_devices],
             header=self.header(),
             last_checkpoint=None if self.checkpoint is None else self.checkpoint.path,
+            settings=self.job.settings(),
         )
 
         def before(logger: MetricsLogger, say: Say) -> str | None:
@@ -554,7 +555,11 @@ def run(job: MathGrpoJob) -> Path:
         raise ConfigError(f"data: {e}") from None
     # A resume's config and checkpoint are checked before anything starts.
     checkpoint = prepare_resume(
-        job.runner.resume, job.raw, "step", lambda line: print(line, file=sys.stderr)
+        job.runner.resume,
+        job.raw,
+        "step",
+        lambda line: print(line, file=sys.stderr),
+        settings=job.settings(),
     )
     with Cluster(job.cluster) as cluster:
         runner = MathGrpoRunner(job, cluster, train, held_out, checkpoint)
