@@ -98,6 +98,8 @@ BAD_CONFIGS = [
         ["sft", f"data.paths=[{_SO100}]", "runner.eval_interval=0", "sft.micro_batch_size=64"],
         ["sft.micro_batch_size", "sft.batch_size=32"],
     ),
+    (["math-grpo", "algo.betas=[0.9,1.5]"], ["algo.betas", "[0, 1)"]),
+    (["math-grpo", "algo.betas=[-0.1,0.99]"], ["algo.betas"]),
     (
         ["math-grpo", "data.tasks.basic_arithmetic.weight=-1"],
         ["data.tasks.basic_arithmetic.weight"],

@@ -142,8 +142,12 @@ class MathAlgoConfig(AlgorithmSection):
             raise ConfigError("algo: need kl_coef, max_grad_norm, minibatch_size >= 0")
         if self.value_coef < 0 or (self.value_clip is not None and self.value_clip <= 0):
             raise ConfigError("algo: need value_coef >= 0 and value_clip > 0 or null")
-        if len(self.betas) != 2:
-            raise ConfigError(f"algo.betas must be two numbers, got {self.betas}")
+        if len(self.betas) != 2 or not all(
+            isinstance(b, int | float) and 0.0 <= b < 1.0 for b in self.betas
+        ):
+            raise ConfigError(
+                f"algo.betas must be two numbers in [0, 1) (AdamW's decay rates), got {self.betas}"
+            )
 
     @property
     def batch_size(self) -> int:
