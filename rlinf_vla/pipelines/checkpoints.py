@@ -288,43 +288,33 @@ def settings_of(sections: dict[str, Any]) -> dict[str, Any]:
 
 def latest_settings(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The settings (:func:`settings_of`) the run's last start wrote, if it wrote them."""
-    import yaml
-
-    starts = sorted(
-        (int(p.stem.rsplit("_", 1)[1]), p)
-        for p in (Path(run_dir) / "configs").glob("settings_*.yaml")
-        if p.stem.rsplit("_", 1)[1].isdigit()
-    )
-    if not starts:
-        return None
-    path = starts[-1][1]
-    try:
-        saved = yaml.safe_load(path.read_text()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(
-            f"runner.resume: {path} is not readable ({first}); restore it from a copy or start "
-            "a new run"
-        ) from None
-    if not isinstance(saved, dict):
-        raise ConfigError(f"runner.resume: {path} holds a {type(saved).__name__}, not settings")
-    return path, saved
+    path = _newest(Path(run_dir), "settings")
+    return None if path is None else (path, _read_map(path))
 
 
 def latest_config(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The config the run's last start ran with: its newest ``configs/start_<k>.yaml``, else
     ``config.yaml`` (the first start's); ``None`` when neither exists."""
-    import yaml
-
     run_dir = Path(run_dir)
-    starts = sorted(
+    path = _newest(run_dir, "start") or run_dir / "config.yaml"
+    return (path, _read_map(path)) if path.is_file() else None
+
+
+def _newest(run_dir: Path, kind: str) -> Path | None:
+    """The run's newest ``configs/<kind>_<k>.yaml`` (largest ``k``), or ``None``."""
+    numbered = sorted(
         (int(p.stem.rsplit("_", 1)[1]), p)
-        for p in (run_dir / "configs").glob("start_*.yaml")
+        for p in (run_dir / "configs").glob(f"{kind}_*.yaml")
         if p.stem.rsplit("_", 1)[1].isdigit()
     )
-    path = starts[-1][1] if starts else run_dir / "config.yaml"
-    if not path.is_file():
-        return None
+    return numbered[-1][1] if numbered else None
+
+
+def _read_map(path: Path) -> dict[str, Any]:
+    """A saved config or settings file; ``ConfigError`` naming it when it is not a readable
+    map (a resume cannot compare with it)."""
+    import yaml
+
     try:
         saved = yaml.safe_load(path.read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -338,7 +328,7 @@ def latest_config(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
             f"runner.resume: {path} holds a {type(saved).__name__}, not a config; restore it "
             "or start a new run"
         )
-    return path, saved
+    return saved
 
 
 def _show(value: Any) -> str:
