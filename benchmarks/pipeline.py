@@ -14,8 +14,8 @@ For each workload, in one run on the same hardware:
 - **sync**: the loop of synchronous VLA-RL systems, in one process: all envs step, then the
   policy computes the next actions, one after the other, and what PPO needs with them (the
   log-probabilities and values, the values of episodes cut by the time limit, and after the
-  last step the bootstrap value), as a single-file PPO script does; on CPU with the cores the
-  modes are given (``--devices`` slots' threads, as ``placement=local`` computes). Timed as
+  last step the bootstrap value), as a single-file PPO script does; on one device (on CPU one
+  slot's threads, as ``placement=local`` and each Ray component compute). Timed as
   ``--iterations`` rollouts of ``T`` chunk steps, each starting with a reset of every env
   (``r``), as each rollout of ``rlinf-vla train`` does (the median rollout counts). Its
   per-chunk env time ``e`` and inference time ``i`` give the **overlap bound**
@@ -392,10 +392,10 @@ def main() -> int:
         if unknown:
             parser.error(f"unknown modes {unknown}; known: {', '.join(modes)}")
         modes = {m: modes[m] for m in chosen}
-    # The sync loop computes with the cores the modes are given: those of `--devices` CPU slots
-    # (every core here), as placement=local does and as a plain PyTorch script would.
+    # The sync loop computes on one device, as placement=local and each Ray component do: on CPU
+    # with one slot's threads of `--devices` slots.
     if DEVICE == "cpu":
-        torch.set_num_threads(node_devices(0, os.cpu_count() or 1, d)[2] * d)
+        torch.set_num_threads(node_devices(0, os.cpu_count() or 1, d)[2] or 1)
     results: list[Row] = []
     meta = {}
     skipped: dict[str, str] = {}

@@ -23,8 +23,7 @@ That gives these costs:
   observation there, the actions back, through a channel actor and the object store as a run
   sends them);
 - on a CPU cluster whose simulators run in subprocesses, the CPU seconds they use per chunk
-  step (``c``), and, for the single-process executor, inference timed again with every CPU
-  slot's threads (``i_L``, ``f_L``: it computes alone, with all of them).
+  step (``c``).
 
 The cost model of one iteration of ``T`` chunk steps on ``N`` devices, with the envs splitting
 evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor devices). The env
@@ -41,7 +40,7 @@ step (``i / R`` when ``f = 0``). ``a`` is a chunk step of the env batch on ``E``
   ``step = a + b + o``
 - local with ``S`` stages (every component in one process on device 0, no Ray workers and no
   channel hops; stage ``s`` simulates, in its subprocesses or while sleeping, as the process
-  computes stage ``s - 1``'s actions; inference as ``i_L``, ``f_L``): ``step = e + i_L`` with
+  computes stage ``s - 1``'s actions): ``step = e + i`` with
   ``S = 1`` (the plain loop), else ``step = max(e, b)`` and ``tail = min(e, b) / S`` with ``b``
   the busy time of one rollout worker serving ``S`` batches;
 - hybrid with ``S`` stages (disjoint ``E + R = N``; env stage ``s`` steps while the rollout
@@ -73,7 +72,6 @@ from typing import Any
 import torch
 
 from rlinf_vla.config import ConfigError
-from rlinf_vla.runtime.local import local_threads
 from rlinf_vla.runtime.threads import torch_threads
 from rlinf_vla.runtime.worker import Worker
 
@@ -106,35 +104,20 @@ class Costs:
     #: computes on a GPU, or not measured): together they bound a chunk step from below.
     env_cpu_s: float | None = None
     cores: int | None = None
-    #: Torch threads of the profiled device (CPU), and inference as the single-process
-    #: executor computes it (on CPU with every slot's threads, ``local_threads``); ``None``: as
-    #: on the device.
+    #: Torch threads of the profiled device (CPU): the cores one inference call keeps busy.
     threads: int = 1
-    local_threads: int | None = None
-    local_infer_chunk_s: float | None = None
-    local_infer_fixed_s: float | None = None
 
     def update_s(self, actors: int) -> float:
         """Seconds of one iteration's update on ``actors`` actor devices."""
         u = self.train_s if actors == 1 or self.train_sharded_s is None else self.train_sharded_s
         return u / actors
 
-    def rollout_busy_s(self, batches: int, workers: int, local: bool = False) -> float:
+    def rollout_busy_s(self, batches: int, workers: int) -> float:
         """Seconds a rollout worker computes per chunk step when the env batch is cut into
-        ``batches`` stage batches shared by ``workers`` rollout workers (module docstring);
-        ``local``: as the single-process executor computes."""
-        i, f = self.inference(local)
+        ``batches`` stage batches shared by ``workers`` rollout workers (module docstring)."""
+        f = min(self.infer_fixed_s, self.infer_chunk_s)
         calls = -(-batches // workers)
-        return calls * (f + (i - f) / batches)
-
-    def inference(self, local: bool = False) -> tuple[float, float]:
-        """``(i, f)``: inference for all ``B`` envs and its part per call, on the device or
-        (``local``) in the single-process executor."""
-        i, f = self.infer_chunk_s, self.infer_fixed_s
-        if local and self.local_infer_chunk_s is not None:
-            i = self.local_infer_chunk_s
-            f = self.infer_fixed_s if self.local_infer_fixed_s is None else self.local_infer_fixed_s
-        return i, min(f, i)
+        return calls * (f + (self.infer_chunk_s - f) / batches)
 
     def env_s(self, env_devices: int) -> tuple[float, float]:
         """``(e, r)``: a chunk step and a reset of all ``B`` envs spread over ``env_devices``
@@ -208,13 +191,11 @@ def candidate_plans(
             )
         )
     e, r = costs.env_s(1)
-    i, _ = costs.inference(local=True)
-    local_thr = costs.local_threads or thr
-    local_value = costs.value_s * i / costs.infer_chunk_s if costs.infer_chunk_s > 0 else 0.0
+    i = costs.infer_chunk_s
     stages = 1
     while stages <= max_stages:
         if num_groups % stages == 0:
-            b = costs.rollout_busy_s(stages, 1, local=True)
+            b = costs.rollout_busy_s(stages, 1)
             # one process: no channel hops; stage s simulates while stage s - 1 infers
             if stages == 1:
                 step, tail = e + i, 0.0
@@ -226,7 +207,7 @@ def candidate_plans(
                     "local",
                     components,
                     stages,
-                    rollout(r, step, tail, b * local_thr, local_value),
+                    rollout(r, step, tail, b * thr, costs.value_s),
                     costs.update_s(1),
                 )
             )
@@ -303,7 +284,6 @@ def profile(
     sharded: bool = False,
     threads: int | None = 1,
     device: torch.device | None = None,
-    local_threads: int | None = None,
     cores: int | None = None,
     round_trip: bool = False,
 ) -> Costs:
@@ -317,8 +297,6 @@ def profile(
     ``None`` keeps this process's setting.
     ``device``: where the policy and a ManiSkill ``sim_backend=auto`` go (default: the
     policy's own default); forward passes there run under ``algo.autocast``.
-    ``local_threads``: on CPU, the threads the single-process executor computes with (every
-    slot's); inference is timed with them too when they differ from ``threads``.
     ``cores``: the node's cores that CPU inference and the simulators' processes share (a CPU
     cluster); with simulators in subprocesses their CPU time is measured as well.
     ``round_trip``: time a channel round trip carrying the observation and the actions (this
@@ -393,11 +371,6 @@ def profile(
         with torch.no_grad(), precision():
             policy.value(obs)  # the bootstrap call that ends a rollout
         value_s = clock() - t0
-        local = None
-        if not cuda and local_threads is not None and local_threads != threads:
-            with torch_threads(local_threads):
-                times = [inference(o, half) for o in seen]
-            local = (sum(t for t, _ in times) / chunks, sum(h for _, h in times) / chunks)
         updates = [
             _update_cost(policy, last_obs, out.replay, path, shipped, precision, clock)
             for path in paths
@@ -426,9 +399,6 @@ def profile(
         env_cpu_s=env_cpu,
         cores=cores if not cuda else None,
         threads=(threads or torch.get_num_threads()) if not cuda else 1,
-        local_threads=local_threads if local is not None else None,
-        local_infer_chunk_s=None if local is None else local[0],
-        local_infer_fixed_s=None if local is None else _fixed(*local, share),
     )
 
 
@@ -469,21 +439,18 @@ class Profiler(Worker):
     """Runs :func:`profile` on its device, with that device's threads, as a rollout worker
     would; started for the measurement and shut down after it."""
 
-    def costs(
-        self, job: Any, chunks: int, sharded: bool, local_threads: int | None = None
-    ) -> Costs:
+    def costs(self, job: Any, chunks: int, sharded: bool, cores: int | None = None) -> Costs:
         import gc
 
         from rlinf_vla.runtime.offload import release_cuda_memory
 
-        cores = local_threads if self.device_info.kind == "cpu" else None
+        cores = cores if self.device_info.kind == "cpu" else None
         costs = profile(
             job,
             chunks,
             sharded=sharded,
             threads=None,
             device=self.device,
-            local_threads=local_threads,
             cores=cores,
             round_trip=True,
         )
@@ -545,6 +512,16 @@ def plan_table(plans: list[Plan], chosen: Plan, env_steps: int) -> str:
     return "\n".join(lines)
 
 
+def node_cores(cluster: Any) -> int | None:
+    """The cores of the first device's node that the cluster's CPU slots compute with (the
+    simulators' processes share them), ``None`` on GPUs."""
+    first = cluster.device(0)
+    if first.kind != "cpu":
+        return None
+    mine = [cluster.device(k) for k in range(cluster.num_devices)]
+    return sum(d.threads or 1 for d in mine if d.node_rank == first.node_rank)
+
+
 def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
     """Profile the workload on the first device of ``cluster`` (a
     :class:`~rlinf_vla.runtime.Cluster`; module docstring) and weigh every plan that fits it:
@@ -559,7 +536,7 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
         # on several, plans with one actor device keep the cache and the others do not.
         sharded = job.algo.fsdp and num_devices > 1
         costs = profiler.costs(
-            job, job.placement.profile_chunks, sharded, local_threads(cluster)
+            job, job.placement.profile_chunks, sharded, node_cores(cluster)
         ).wait()[0]
     finally:
         profiler.shutdown()
@@ -591,11 +568,6 @@ def describe_costs(costs: Costs, num_envs: int) -> str:
         line += (
             f"; the simulators' processes use {costs.env_cpu_s * 1e3:.0f} ms of CPU per chunk "
             f"step of the node's {costs.cores} cores"
-        )
-    if costs.local_infer_chunk_s is not None:
-        line += (
-            f"; inference with {costs.local_threads} threads (placement=local) "
-            f"{costs.local_infer_chunk_s * 1e3:.1f} ms"
         )
     return line
 

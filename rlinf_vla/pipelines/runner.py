@@ -49,7 +49,6 @@ from rlinf_vla.runtime.local import (
     LocalChannel,
     LocalCluster,
     LocalGroup,
-    local_threads,
     worker_environment,
 )
 from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
@@ -244,9 +243,6 @@ class EmbodiedRunner:
         )
         fsdp = " (FSDP)" if self.fsdp else ""
         offload = " (idle policies offloaded to host memory)" if self.offloads else ""
-        threads = local_threads(self.cluster) if mode == "local" else None
-        if threads is not None:  # one process computing with every slot's threads
-            offload += f", computing in this process with {threads} thread{'s' * (threads > 1)}"
         return [
             f"rlinf-vla train: {job.algo.name} on {_env_text(job)}, {job.env_config.num_envs} envs, "
             f"{r.rollout_chunks} chunks of {chunk} steps per iteration, "
@@ -495,9 +491,8 @@ def run(job: TrainJob) -> Path:
             job = resolve_auto(job, cluster)
             job.raw["placement"] = _placement_dict(job)
         if job.placement.mode == "local":
-            # the workers compute here: on CPU with every slot's threads (nothing else computes
-            # on the node's cores but the simulators), on a GPU as its device says
-            stack.enter_context(torch_threads(local_threads(cluster)))
+            # the workers compute here, with the device's threads
+            stack.enter_context(torch_threads(cluster.device(0).threads))
             stack.enter_context(worker_environment())  # simulators start as under Ray
         runner = EmbodiedRunner(job, cluster, checkpoint, settings)
         try:

@@ -113,17 +113,6 @@ class LocalCluster:
         return f"LocalCluster(devices={self.num_devices}, kind={self.devices[0].kind})"
 
 
-def local_threads(cluster: Any) -> int | None:
-    """The torch threads of the single-process executor on ``cluster``: on CPU slots those of
-    every slot of the first device's node (the process computes alone), on GPUs ``None`` (the
-    device's setting)."""
-    first = cluster.device(0)
-    if first.kind != "cpu":
-        return None
-    mine = [cluster.device(k) for k in range(cluster.num_devices)]
-    return sum(d.threads or 1 for d in mine if d.node_rank == first.node_rank)
-
-
 #: What Ray sets in a worker process, and so what the subprocesses a worker starts (the
 #: simulators) inherit: one OpenMP thread, sleeping when idle (docs/runtime.md, "CPU threads").
 WORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}

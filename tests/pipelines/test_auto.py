@@ -125,29 +125,6 @@ def test_simulators_and_cpu_inference_share_the_cores():
     assert free_plans[("local", "0", "0", 2)].rollout_s == pytest.approx(10 * 0.1 + 0.08 / 2)
 
 
-def test_local_plans_infer_with_every_cpu_slot():
-    # one slot's thread infers in 0.2 s; the single-process executor, with both slots'
-    # threads, in 0.12 s (of which 0.02 s per call): its plans are charged that
-    costs = Costs(
-        0.2,
-        0.2,
-        1.0,
-        overhead_s=0.0,
-        infer_fixed_s=0.05,
-        threads=1,
-        local_threads=2,
-        local_infer_chunk_s=0.12,
-        local_infer_fixed_s=0.02,
-    )
-    plans = _by_key(candidate_plans(costs, 2, 4, 10, max_stages=2))
-    assert plans[("local", "0", "0", 1)].rollout_s == pytest.approx(10 * (0.2 + 0.12))
-    # S=2: two calls of half the batch, 2 * (0.02 + 0.1 / 2) = 0.14 against the env's 0.2
-    assert plans[("local", "0", "0", 2)].rollout_s == pytest.approx(10 * 0.2 + 0.14 / 2)
-    # the Ray plans infer on one slot: collocated 0.1 + (0.05 + 0.15 / 2)
-    col = plans[("collocated", "all", "all", 1)]
-    assert col.rollout_s == pytest.approx(10 * (0.1 + 0.125))
-
-
 def test_only_plans_that_split_whole_groups_are_considered():
     # one GRPO group cannot be split over two collocated env workers or two stages
     plans = candidate_plans(Costs(1, 1, 1), num_devices=2, num_groups=1, chunks=1)
@@ -315,28 +292,13 @@ def _toy_job(*extra):
     )
 
 
-def test_the_profile_measures_resets_bootstrap_values_and_local_inference(monkeypatch):
-    """Besides ``e``, ``i`` and ``u``: the reset, the bootstrap values, the simulators' CPU
-    seconds per chunk step, and inference again with the single-process executor's threads."""
-    import torch
-
+def test_the_profile_measures_resets_bootstrap_values_and_the_simulators_cpu(monkeypatch):
+    """Besides ``e``, ``i`` and ``u``: the reset, the bootstrap values, and the simulators' CPU
+    seconds per chunk step read around the timed chunk steps only."""
     import rlinf_vla.envs
-    import rlinf_vla.policies
     from rlinf_vla.pipelines import auto
 
-    threads_seen: list[int] = []
-    make_policy, make_env = rlinf_vla.policies.make_policy, rlinf_vla.envs.make_env
-
-    def counting_policy(*args, **kwargs):
-        policy = make_policy(*args, **kwargs)
-        act = policy.act
-
-        def act_counting(obs, *args, **kw):
-            threads_seen.append(torch.get_num_threads())
-            return act(obs, *args, **kw)
-
-        policy.act = act_counting
-        return policy
+    make_env = rlinf_vla.envs.make_env
 
     class Pool:  # the simulators' CPU clock: 0.3 s more at every reading
         seconds = 1.0
@@ -352,18 +314,14 @@ def test_the_profile_measures_resets_bootstrap_values_and_local_inference(monkey
         monkeypatch.setattr(type(env), "workers", property(lambda self: pool), raising=False)
         return env
 
-    monkeypatch.setattr(rlinf_vla.policies, "make_policy", counting_policy)
     monkeypatch.setattr(rlinf_vla.envs, "make_env", env_with_pool)
-    costs = auto.profile(_toy_job(), 2, threads=1, local_threads=2, cores=2)
+    costs = auto.profile(_toy_job(), 2, threads=1, cores=2)
     assert costs.reset_s > 0 and costs.value_s > 0
     assert costs.subprocess_env and costs.cores == 2 and costs.threads == 1
     # read before and after the 2 timed chunk steps: 0.3 s of CPU over 2 chunk steps
     assert costs.env_cpu_s == pytest.approx(0.15)
-    assert costs.local_threads == 2 and costs.local_infer_chunk_s is not None
-    assert 0 < costs.local_infer_fixed_s <= costs.local_infer_chunk_s
-    # calls with one thread (warm-up, the timed steps, the device's inference) and with two
-    assert set(threads_seen) == {1, 2}
-    assert threads_seen.count(2) == 2 * 2  # 2 chunk steps, whole batch and half of it
+    # without the node's cores the CPU share is not measured
+    assert auto.profile(_toy_job(), 1, threads=1).env_cpu_s is None
 
 
 @pytest.mark.ray
@@ -376,3 +334,13 @@ def test_a_channel_round_trip_is_timed_with_the_workloads_payload():
     obs = make_obs(4)
     seconds = auto._round_trip_s(obs, torch.zeros(4, 2, 7))
     assert 0 < seconds < 2.0
+
+
+def test_the_cores_the_simulators_share_are_the_cpu_slots_threads(monkeypatch):
+    from rlinf_vla.pipelines.auto import node_cores
+    from rlinf_vla.runtime import ClusterConfig
+    from rlinf_vla.runtime.local import LocalCluster
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for slots in (1, 2, 4):
+        assert node_cores(LocalCluster(ClusterConfig(devices_per_node=slots, num_cpus=4))) == 4

@@ -82,19 +82,6 @@ def test_the_cluster_lists_this_machines_cpu_slots(monkeypatch):
         LocalCluster(ClusterConfig(address="auto"))
 
 
-def test_the_single_process_computes_with_every_cpu_slots_threads(monkeypatch):
-    """It is the only process computing: on CPU it takes the threads of all slots, not the
-    first slot's share (a laptop's local run would otherwise infer on one core)."""
-    from rlinf_vla.runtime.local import local_threads
-
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for slots in (1, 2, 4):
-        cluster = LocalCluster(ClusterConfig(devices_per_node=slots, num_cpus=4))
-        assert cluster.device(0).threads == 4 // slots and local_threads(cluster) == 4
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a cap of one thread per slot stays a cap
-    assert local_threads(LocalCluster(ClusterConfig(devices_per_node=2, num_cpus=4))) == 2
-
-
 def test_calls_run_in_this_process_one_thread_per_worker(cluster):
     group = LocalGroup(cluster, Echo, "echo", [0, 1], args=(10,))
     try:
