@@ -31,9 +31,11 @@ For each workload, in one run on the same hardware:
   Ray workers, no channel hops); with ``S >= 2`` one stage's simulators step while the process
   computes another stage's actions.
 
-``--repeats R`` measures the loop and then every mode, ``R`` times in turn: each mode's ratio
-is taken against the loop measured just before it, and the table gives the median ratio and
-the spread over the repeats (on a small machine a single run's rank within ~10 % is noise).
+Each mode's ratio is taken against the loop measured just before it (a machine whose speed
+drifts over an hour-long run would otherwise favour the modes measured first); ``--repeats R``
+measures every mode ``R`` times, every other repeat in the reverse order, and the table gives
+the median ratio and the spread (on a small shared machine a single run's rank within ~10 %
+is noise). The sync loop's row is the median of all its measurements.
 Before the runs, ``placement=auto``'s profile is taken once on a Ray cluster of ``--devices``
 devices, and its estimated rate of every mode it weighs is printed beside the measured one
 (``--no-estimates`` skips it), with the plan it picks.
@@ -443,12 +445,10 @@ def main() -> int:
         ratios: dict[str, list[float]] = {}
         parts_of: dict[str, list[dict[str, float]]] = {}
         for rep in range(args.repeats):
-            loop = sync_loop(w, policy_args, w.chunks, rollouts=args.iterations)
-            loops.append(loop)
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()  # the sync loop's policy is gone; the workers need it
-            print(f"{w.name}: [{rep + 1}/{args.repeats}] sync loop {loop[0]:.1f} env steps/s")
-            for mode, overrides in modes.items():
+            # every other repeat in the reverse order: a machine that slows down (or speeds up)
+            # over the run does not always favour the same modes
+            order = list(modes.items())
+            for mode, overrides in order if rep % 2 == 0 else order[::-1]:
                 devices = d + 1 if mode == "disaggregated" else d
                 if not mode.startswith(("collocated", "local")) and d < 2:
                     skipped[mode] = "needs env and rollout on different devices (--devices 2)"
@@ -456,6 +456,11 @@ def main() -> int:
                     skipped[mode] = f"needs {devices} GPUs, the machine has {gpus}"
                 if mode in skipped or f"{w.name}: {mode}" in skipped:
                     continue
+                # the loop just before the mode: the ratio compares two runs minutes apart at most
+                loop = sync_loop(w, policy_args, w.chunks, rollouts=args.iterations)
+                loops.append(loop)
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()  # the loop's policy is gone; the workers need it
                 with tempfile.TemporaryDirectory() as tmp:
                     try:
                         rate, parts = mode_rate(
@@ -469,10 +474,12 @@ def main() -> int:
                 ratios.setdefault(mode, []).append(rate / loop[0])
                 parts_of.setdefault(mode, []).append(parts)
                 print(
-                    f"{w.name}: [{rep + 1}/{args.repeats}] {mode} {rate:.1f} env steps/s "
-                    f"({rate / loop[0]:.2f}x the loop)",
+                    f"{w.name}: [{rep + 1}/{args.repeats}] {mode} {rate:.1f} env steps/s, "
+                    f"the loop before it {loop[0]:.1f} ({rate / loop[0]:.2f}x)",
                     flush=True,
                 )
+        if not loops:  # every mode skipped: the loop alone
+            loops.append(sync_loop(w, policy_args, w.chunks, rollouts=args.iterations))
         sync = statistics.median(x[0] for x in loops)
         e, i, reset = (statistics.median(x[k] for x in loops) for k in (1, 2, 3))
         # perfect overlap of env and inference after the rollout's reset
