@@ -5,7 +5,7 @@ shows; :class:`RunLoop` does the rest, the same way for every command:
 
 - writes ``config.yaml`` into the run folder on the first start (a resume keeps it), this
   start's config to ``configs/start_<k>.yaml`` (``k``: the start's line in ``run_info.jsonl``,
-  0 for the first), appends this start's software and machine to ``run_info.jsonl``
+  0 for the first) and, when given, every setting to ``configs/settings_<k>.yaml``, appends this start's software and machine to ``run_info.jsonl``
   (:mod:`rlinf_vla.provenance`; a resumed run prints what changed since the run started) and
   opens the :class:`MetricsLogger` (which, on a resumed run, truncates ``metrics.jsonl`` back
   to the checkpoint);
