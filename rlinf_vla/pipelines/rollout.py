@@ -15,8 +15,9 @@ other: each stage has its own processes and its own thread in the env worker.
 With ``S = 1`` they alternate. The loop is the same; only ``S`` and the placement change.
 
 A rollout of ``T`` chunk steps sends ``T + 1`` observations per stage: the last one only
-bootstraps the value of the state the rollout stopped in. Envs keep running across rollouts
-(auto-reset), so the next rollout starts where this one stopped.
+bootstraps the value of the state the rollout stopped in. Every rollout starts with a reset
+of its envs (fresh episodes from the envs' reset-id cursors); within it, envs whose episode
+ends reset on their own (auto-reset).
 """
 
 from __future__ import annotations
