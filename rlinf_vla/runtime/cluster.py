@@ -282,8 +282,9 @@ class Cluster:
                     "(`ray stop`)"
                 ) from None
             self._owns_ray = True
-            # a driver killed outright runs no exit code: this watcher stops Ray's processes
-            self._reaper = watch(node_pids())
+            if config.address is None:  # an instance of our own, not a cluster we joined
+                # a driver killed outright runs no exit code: this watcher stops its processes
+                self._reaper = watch(node_pids())
             if sigterm is not None:
                 _keep_sigterm_handler(sigterm)
         self._wait_for_nodes()
