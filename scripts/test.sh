@@ -108,7 +108,8 @@ wait_install() {
 
 # ---- tests ------------------------------------------------------------------------------------
 if [[ $full_run -eq 1 ]]; then
-    set -- -q
+    # The slowest tests, printed at the end: the suite's share of CI's time is watched from them.
+    set -- -q --durations=40 --durations-min=15
     if [[ "${RLINF_TEST_WORKERS:-2}" != 0 ]]; then
         set -- "$@" -n "${RLINF_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder
         # Each process gets its share of the cores as torch threads (and so do the CPU slots of

@@ -62,6 +62,9 @@ PI0_POLICY = {
     # Greedy from the noise mode: the bar "the initial policy does not succeed" then does not
     # depend on one seeded noise draw (from N(0, I), the untrained policy scored 0.125).
     "greedy_noise": "zero",
+    # A toy instruction is 26 tokens: a shorter padded prompt (the preset's is 128) computes the
+    # same (padding is masked out and does not advance the positions) in 0.6x the time.
+    "max_token_len": 32,
 }
 PPO = {
     "lr": 1e-3,
