@@ -72,6 +72,7 @@ BAD_CONFIGS = [
     (["math-grpo", "algo.lr=inf"], ["algo.lr"]),
     # what only the simulator found before
     (["train", "env=libero", "env.task_ids=[999]"], ["env.task_ids", "999"]),
+    (["train", "env=libero", "env.cameras=[top]"], ["env.cameras", "main", "wrist"]),
     (["eval", "env=libero", "env.task_ids=[999]"], ["env.task_ids", "999"]),
     # every command names an env key as the command line sets it
     (["collect", "env=toy", "env.num_envs=0"], ["env.num_envs"]),

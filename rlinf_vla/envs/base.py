@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -159,6 +159,12 @@ class EnvConfig:
     def cameras(self) -> tuple[str, ...]:
         """The ``images`` keys the env's observations will have (known before it starts)."""
         return ("main",)
+
+    def keep_cameras(self, cameras: Collection[str]) -> EnvConfig:
+        """This config rendering only those of its cameras in ``cameras`` (``train`` and
+        ``eval`` pass the ones the policy reads and the video's). An env whose cameras are
+        fixed returns itself."""
+        return self
 
     def describe(self) -> str:
         """What the env runs, after its name in a run's header (``PickCube-v1``,

@@ -16,7 +16,7 @@ from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, env_err
 from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, PERTURBATIONS
 from rlinf_vla.eval import protocol as protocols
 from rlinf_vla.eval.stats import condition
-from rlinf_vla.policies.resolve import fit_problems, policy_config_for
+from rlinf_vla.policies.resolve import fit_problems, for_policy, policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 
 
@@ -267,7 +267,7 @@ def validate(cfg: Any) -> EvalJob:
         policy_name=policy_name,
         policy=policy,
         eval=ev,
-        env_config=slots_cfg,
+        env_config=for_policy(slots_cfg, pol),  # a camera that nothing reads is not rendered
         policy_config=pol.replace(device=_policy_device(policy, ev)),
         output_dir=ev.output_dir or _default_output_dir(env_name, env_cfg),
         protocol=protocols.describe(env_name, protocol, env_cfg),

@@ -23,7 +23,12 @@ from rlinf_vla.config import (
 from rlinf_vla.pipelines.actor import AlgoConfig
 from rlinf_vla.pipelines.evaluation import check_eval_episodes
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
-from rlinf_vla.policies.resolve import fit_problems, policy_config_for, sized_for_env
+from rlinf_vla.policies.resolve import (
+    fit_problems,
+    for_policy,
+    policy_config_for,
+    sized_for_env,
+)
 from rlinf_vla.runtime.cluster import ClusterConfig
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, resolve_placement
 
@@ -270,8 +275,11 @@ def validate(cfg: Any) -> TrainJob:
     if pol_cfg.dtype == "auto":
         job.policy_config = pol_cfg = pol_cfg.replace(dtype="float32")
     # Checks across sections: every one that fails is named.
-    for message in fit_problems(env_name, env_cfg, pol_cfg):
+    misfit = fit_problems(env_name, env_cfg, pol_cfg)
+    for message in misfit:
         errors.add(message)
+    if not misfit:  # a camera that nothing reads is not rendered
+        job.env_config = env_cfg = for_policy(env_cfg, pol_cfg)
     for message in ineffective_keys(
         cfg["algo"], job.algo.preset, AlgoConfig.CONDITIONAL, job.algo.name
     ):

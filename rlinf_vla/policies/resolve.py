@@ -118,6 +118,13 @@ def fit_problems(env_name: str, env: EnvConfig, pol: Any) -> list[str]:
     return problems + state_problems(env_name, env, pol)
 
 
+def for_policy(env: EnvConfig, pol: Any) -> EnvConfig:
+    """``env`` rendering only the cameras that are read: the policy's (``image_keys``) and the
+    videos' (``video_camera``); :meth:`EnvConfig.keep_cameras` (an env whose cameras are fixed
+    is returned as it is). Call it after :func:`fit_problems` found nothing."""
+    return env.keep_cameras({*(getattr(pol, "image_keys", ()) or ()), env.video_camera})
+
+
 def state_problems(env_name: str, env: EnvConfig, pol: Any) -> list[str]:
     """The state-size part of :func:`fit_problems`: OpenVLA-OFT reads exactly ``proprio_dim``
     values (when ``use_proprio``); π0 / π0.5 zero-pad the state to ``max_state_dim``, so only a

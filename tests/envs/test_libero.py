@@ -113,6 +113,66 @@ def test_one_task_per_suite() -> None:
 
 
 @pytest.mark.sim
+def test_a_camera_left_out_is_not_rendered_and_the_others_are_unchanged() -> None:
+    """``cameras=[main]``: the scene is the same (its main image equal to the pixel to that of
+    an env with both cameras), and robosuite has no wrist camera observable to render."""
+    pytest.importorskip("libero.libero")
+    both = make_env("libero", suite="libero_goal", task_ids=[3], num_envs=1, **FAST)
+    main = make_env(
+        "libero", suite="libero_goal", task_ids=[3], num_envs=1, cameras=["main"], **FAST
+    )
+    try:
+        action = torch.zeros(1, 2, 7)
+        action[..., 0] = 0.5  # the arm moves: the renders of a step are compared too
+        seen = []
+        for env in (both, main):
+            first = env.reset(torch.tensor([5]))
+            after = env.chunk_step(action).obs
+            seen.append((first.images, after.images))
+        (first_both, after_both), (first_main, after_main) = seen
+        assert set(first_both) == {"main", "wrist"} and set(first_main) == {"main"}
+        assert set(after_main) == {"main"}
+        assert torch.equal(first_both["main"], first_main["main"])
+        assert torch.equal(after_both["main"], after_main["main"])
+        assert not torch.equal(first_main["main"], after_main["main"])
+    finally:
+        both.close()
+        main.close()
+    # robosuite is asked for the agentview camera alone (it makes an observable per name).
+    from rlinf_vla.envs.libero.config import LiberoEnvConfig
+    from rlinf_vla.envs.libero.env import LiberoCore, suite_tasks
+
+    asked = {}
+
+    class Asked(Exception):
+        pass
+
+    def make(**kwargs):
+        asked.update(kwargs)
+        raise Asked
+
+    core = LiberoCore(
+        LiberoEnvConfig(suite="libero_goal", cameras=("main",)), suite_tasks("libero_goal")
+    )
+    core._make = make
+    with pytest.raises(Asked):
+        core.reset(0)
+    assert asked["camera_names"] == ["agentview"]
+
+
+def test_cameras_setting_is_checked_and_narrowed() -> None:
+    from rlinf_vla.envs.libero.config import LiberoEnvConfig
+
+    assert LiberoEnvConfig().cameras == ("main", "wrist")
+    assert LiberoEnvConfig().keep_cameras({"main"}).cameras == ("main",)
+    assert LiberoEnvConfig().keep_cameras({"wrist", "main"}).cameras == ("main", "wrist")
+    assert LiberoEnvConfig().keep_cameras({"top"}).cameras == ("main", "wrist")  # none left
+    for bad in (["top"], [], ["main", "main"]):
+        with pytest.raises(ValueError, match="cameras"):
+            LiberoEnvConfig(cameras=bad)
+
+
+@pytest.mark.sim
 def test_time_limit_follows_the_suite() -> None:
     pytest.importorskip("libero.libero")
     from rlinf_vla.envs.libero.config import LiberoEnvConfig
@@ -153,7 +213,7 @@ def _core_without_cameras(cfg, tasks):
     """A :class:`LiberoCore` on LIBERO's env without an offscreen renderer (no render context,
     no camera observations: about a third of the cost of building a task's simulator); its
     observations carry 1-pixel black images. Every other step is the env's own."""
-    from rlinf_vla.envs.libero.env import CAMERAS, LiberoCore
+    from rlinf_vla.envs.libero.env import ROBOSUITE_CAMERAS, LiberoCore
 
     class CoreWithoutCameras(LiberoCore):
         def _wrap_cameras(self, env) -> None:
@@ -161,7 +221,9 @@ def _core_without_cameras(cfg, tasks):
 
         def _obs(self, raw: dict) -> dict:
             blank = np.zeros((1, 1, 3), np.uint8)
-            return super()._obs({**raw, **{f"{c}_image": blank for c in CAMERAS.values()}})
+            return super()._obs(
+                {**raw, **{f"{c}_image": blank for c in ROBOSUITE_CAMERAS.values()}}
+            )
 
     core = CoreWithoutCameras(cfg, tasks)  # imports LIBERO quietly, as the env does
     from libero.libero.envs.env_wrapper import ControlEnv

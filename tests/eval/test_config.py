@@ -90,6 +90,24 @@ def test_training_renders_fast_and_evaluation_renders_the_full_scene() -> None:
     assert eval_job("env=libero", "policy=openvla").env_config.fast_render is False
 
 
+def test_only_the_cameras_the_policy_or_the_videos_read_are_rendered() -> None:
+    """OpenVLA reads the agentview camera alone: train and eval leave the wrist camera out;
+    OpenVLA-OFT's LIBERO setting reads both; a video of the wrist camera keeps it."""
+    from rlinf_vla.cli import compose
+    from rlinf_vla.pipelines.config import validate
+
+    def cameras(command: str, *overrides: str) -> tuple[str, ...]:
+        if command == "eval":
+            return eval_job("env=libero", *overrides).env_config.cameras
+        return validate(compose("train", ["env=libero", *overrides])).env_config.cameras
+
+    for command in ("train", "eval"):
+        assert cameras(command, "policy=openvla") == ("main",)
+        assert cameras(command, "policy=openvla", "env.video_camera=wrist") == ("main", "wrist")
+        both = ("policy=openvla_oft", "policy.image_keys=[main,wrist]")
+        assert cameras(command, *both) == ("main", "wrist")
+
+
 def test_libero_defaults_to_the_official_protocol() -> None:
     """The official loops' settings: 256 px, full-quality renders, 10 settle steps, the
     per-suite time limits, scene seed 0 (OpenVLA-OFT) or 7 (openpi); recorded in the job."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,9 @@ OFFICIAL_SCENE_SEEDS: dict[int, str] = {
     7: "openpi examples/libero/main.py (env.seed(args.seed), seed 7)",
 }
 RENDER_BACKENDS = ("egl", "osmesa")
+#: The cameras a LIBERO scene can render, as ``images`` keys (robosuite's names:
+#: :data:`rlinf_vla.envs.libero.env.ROBOSUITE_CAMERAS`).
+CAMERAS = ("main", "wrist")
 #: ``perturbation`` values: LIBERO-PRO's kinds (:data:`rlinf_vla.envs.libero.perturb.KINDS`).
 PERTURBATIONS: tuple[str, ...] = tuple(PERTURBATION_KINDS)
 
@@ -62,6 +66,10 @@ class LiberoEnvConfig(EnvConfig):
         suite: ``libero_spatial``, ``libero_object``, ``libero_goal``, ``libero_10``,
             ``libero_90`` or ``libero_130`` (all five, concatenated in that order).
         task_ids: indices of the tasks to use within the suite; ``None`` = all of them.
+        cameras: the cameras rendered, as ``images`` keys: ``main`` (agentview) and ``wrist``
+            (eye-in-hand), both by default as in LIBERO. ``train`` and ``eval`` keep only the
+            ones the policy reads and the video's (:meth:`keep_cameras`): a camera nobody reads
+            is not rendered (each costs a render per env and step) nor sent to the policy.
         image_size: side of the agentview and wrist images; default 256, the renders of the
             official OpenVLA / OpenVLA-OFT / openpi evaluations (the policy resizes to its input).
             128 with ``fast_render`` for quick CPU runs.
@@ -102,6 +110,7 @@ class LiberoEnvConfig(EnvConfig):
     num_envs: int = 2
     suite: str = "libero_spatial"
     task_ids: tuple[int, ...] | None = None
+    cameras: tuple[str, ...] = CAMERAS
     image_size: int = 256
     settle_steps: int = 10
     max_steps: dict[str, int] = field(default_factory=dict, metadata={EXPECTS: _MAX_STEPS_EXPECTS})
@@ -118,9 +127,11 @@ class LiberoEnvConfig(EnvConfig):
         """7-D: end-effector delta position and rotation, and the gripper."""
         return 7
 
-    @property
-    def cameras(self) -> tuple[str, ...]:
-        return ("main", "wrist")
+    def keep_cameras(self, cameras: Collection[str]) -> LiberoEnvConfig:
+        """This config rendering only those of its cameras in ``cameras`` (itself when that
+        leaves none: the fit check names the missing ones)."""
+        kept = tuple(c for c in self.cameras if c in cameras)
+        return dataclasses.replace(self, cameras=kept) if kept else self
 
     def describe(self) -> str:
         """``libero_goal``, or ``libero_goal tasks [2, 5]``."""
@@ -212,6 +223,16 @@ class LiberoEnvConfig(EnvConfig):
                 f"{bad} out of range for suite {self.suite!r} with {size} tasks "
                 f"(valid: 0..{size - 1})",
             )
+        self.cameras = tuple(self.cameras)
+        unknown_cameras = [c for c in self.cameras if c not in CAMERAS]
+        check_field(
+            self,
+            "cameras",
+            bool(self.cameras)
+            and not unknown_cameras
+            and len(set(self.cameras)) == len(self.cameras),
+            f"must list some of {list(CAMERAS)}, each once",
+        )
         check_field(self, "image_size", 16 <= self.image_size <= 1024, "must lie in [16, 1024]")
         check_field(self, "settle_steps", self.settle_steps >= 0, "must be >= 0")
         check_field(

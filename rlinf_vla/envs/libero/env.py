@@ -22,8 +22,8 @@ from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, SUITES, LiberoEnv
 from rlinf_vla.envs.vector import SubprocBatch, SubprocEnvs
 from rlinf_vla.types import Observation
 
-#: Camera names of LIBERO (robosuite) -> image keys of the Observation.
-CAMERAS = {"main": "agentview", "wrist": "robot0_eye_in_hand"}
+#: Image keys of the Observation -> camera names of LIBERO (robosuite).
+ROBOSUITE_CAMERAS = {"main": "agentview", "wrist": "robot0_eye_in_hand"}
 #: The no-op action of the settle steps: no motion, gripper open.
 SETTLE_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)
 
@@ -232,6 +232,7 @@ class LiberoCore:
         with contextlib.redirect_stdout(io.StringIO()), fast:
             env = self._make(
                 bddl_file_name=self._bddl_file(pos),
+                camera_names=[ROBOSUITE_CAMERAS[k] for k in self.cfg.cameras],
                 camera_heights=s,
                 camera_widths=s,
                 hard_reset=False,
@@ -260,7 +261,7 @@ class LiberoCore:
 
     def _wrap_cameras(self, env: Any) -> None:
         observables = env.env._observables
-        for cam in CAMERAS.values():
+        for cam in (ROBOSUITE_CAMERAS[k] for k in self.cfg.cameras):
             name = f"{cam}_image"
             obs = observables[name]
             sensor = obs._sensor
@@ -275,7 +276,8 @@ class LiberoCore:
 
     def _obs(self, raw: dict) -> dict[str, Any]:
         images = {
-            k: np.ascontiguousarray(raw[f"{cam}_image"][::-1, ::-1]) for k, cam in CAMERAS.items()
+            k: np.ascontiguousarray(raw[f"{ROBOSUITE_CAMERAS[k]}_image"][::-1, ::-1])
+            for k in self.cfg.cameras
         }
         state = np.concatenate(
             (
@@ -495,7 +497,7 @@ class LiberoEnv(VectorEnv):
       goal 300, libero_10 520, libero_90 400 steps (``max_steps``; ``max_episode_steps``
       overrides all).
     - **Observation.** ``images["main"]`` (agentview) and ``images["wrist"]`` (eye-in-hand),
-      uint8 ``[B, S, S, 3]`` turned upright (LIBERO renders them rotated by 180 degrees, as
+      those of ``cameras`` (the others are not rendered), uint8 ``[B, S, S, 3]`` turned upright (LIBERO renders them rotated by 180 degrees, as
       OpenVLA flips them); ``state``: float32 ``[B, 8]`` = end-effector position (3),
       axis-angle orientation (3), gripper finger positions (2).
     - **Action.** float32 ``[7]`` for robosuite's OSC_POSE controller, each in ``[-1, 1]``:
