@@ -83,11 +83,11 @@ import yaml
 from rlinf_vla import cli
 from rlinf_vla.config import ConfigError
 from rlinf_vla.envs import make_env
-from rlinf_vla.pipelines.actor import autocast
 from rlinf_vla.pipelines.config import validate
 from rlinf_vla.policies import make_policy
 from rlinf_vla.runtime.cluster import node_devices
 from rlinf_vla.runtime.local import worker_environment
+from rlinf_vla.training.precision import autocast
 
 #: Where the sync loop runs the policy: where the Ray modes' devices are.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

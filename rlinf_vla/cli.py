@@ -101,7 +101,7 @@ COMMANDS: dict[str, Command] = {
                 "cluster": "rlinf_vla.runtime.cluster:ClusterConfig",
                 "placement": "rlinf_vla.pipelines.config:TrainPlacementConfig",
                 "runner": "rlinf_vla.pipelines.config:RunnerConfig",
-                "algo": "rlinf_vla.pipelines.actor:AlgoConfig",
+                "algo": "rlinf_vla.training.algo_config:AlgoConfig",
             },
         ),
         Command(
@@ -348,7 +348,7 @@ def _family_class(cfg: Any, section: str) -> type | None:
             from rlinf_vla.reasoning.config import MathAlgoConfig
 
             return MathAlgoConfig
-        from rlinf_vla.pipelines.actor import AlgoConfig
+        from rlinf_vla.training.algo_config import AlgoConfig
 
         return AlgoConfig
     name = cfg.get(section, {}).get("name") if section in ("policy", "env") else None

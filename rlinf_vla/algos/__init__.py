@@ -8,10 +8,11 @@ and the math-reasoning trainer (``reasoning``) alike:
     loss, metrics = policy_loss("ppo", logprob=..., old_logprob=..., advantages=..., mask=...,
                                 clip_low=0.2, clip_high=0.28)
 
-Registries: ``ADVANTAGES`` (gae, grpo, reinforce_pp, rloo), ``LOSSES`` (ppo, value, entropy,
-kl), ``AGGREGATIONS`` (token-mean, seq-mean-token-sum, seq-mean-token-mean), ``KL_ESTIMATORS``
-(k1, k2, k3) and ``ALGORITHMS`` (presets: ppo, grpo, dapo, reinforce_pp). An unknown name
-raises ``UnknownNameError`` (a ``KeyError`` and a ``ValueError``) listing the known ones.
+Registries: ``ADVANTAGES`` (gae, grpo, reinforce_pp, rloo; each with its declared kind),
+``LOSSES`` (ppo, value, entropy, kl; each with the term it is), ``AGGREGATIONS`` (token-mean,
+seq-mean-token-sum, seq-mean-token-mean), ``KL_ESTIMATORS`` (k1, k2, k3) and ``ALGORITHMS``
+(presets: ppo, grpo, dapo, reinforce_pp, rloo, dagger). An unknown name raises
+``UnknownNameError`` (a ``KeyError`` and a ``ValueError``) listing the known ones.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def compute_loss(name: str, **kwargs: Any) -> tuple[Tensor, Metrics]:
 
 
 def policy_loss(name: str = "ppo", **kwargs: Any) -> tuple[Tensor, Metrics]:
-    """The policy term, ``LOSSES[name](**kwargs)`` (``ppo``: clipped surrogate, see
-    ``ppo_policy_loss``)."""
-    return LOSSES[name](**kwargs)
+    """The policy term, ``LOSSES.policy(name)(**kwargs)`` (``ppo``: clipped surrogate, see
+    ``ppo_policy_loss``); a loss of another term is refused."""
+    return LOSSES.policy(name)(**kwargs)
 
 
 __all__ = [

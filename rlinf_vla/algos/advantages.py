@@ -11,9 +11,23 @@ Both are computed without gradient. Time-series estimators (``gae``, ``reinforce
 time-major, ``[T, B]``: step ``t`` of env (or sequence) ``b``; text callers pass ``x.T``.
 Group estimators (``grpo``, ``rloo``) take one score per episode or sequence, ``[N]``, where
 consecutive blocks of ``group_size`` share a prompt or a reset state.
+
+Each estimator declares at registration its *kind*, which fixes the keywords both trainers
+call it with (:data:`KIND_INPUTS`), and the preset settings it takes besides
+(:data:`SETTINGS`)::
+
+    @ADVANTAGES.register("grpo", kind="group", settings=("normalize_std",))
+    def grpo(*, scores, group_size, normalize_std=True): ...
+
+    ADVANTAGES["grpo"].kind        # "group"
+    ADVANTAGES["grpo"](scores=s, group_size=4)   # calls the function
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -21,7 +35,79 @@ from torch import Tensor
 from rlinf_vla.algos.masked import whiten
 from rlinf_vla.algos.registry import Registry
 
-ADVANTAGES: Registry = Registry("advantage estimator")
+EstimatorKind = Literal["critic", "group", "return"]
+
+#: The keywords a trainer passes to an estimator of each kind, every one of them each time
+#: (``None`` where it has none, e.g. ``final_values`` in ``math-grpo``):
+#:
+#: - ``critic``: per-step ``rewards``, ``terminated``, ``truncated`` ``[T, B]``, a critic's
+#:   ``values`` ``[T+1, B]``, ``final_values`` ``[T, B] | None`` of truncated episodes and the
+#:   discount ``gamma`` (as :func:`gae`);
+#: - ``group``: one score per episode or response, ``scores [N]``, and ``group_size``
+#:   (as :func:`grpo`);
+#: - ``return``: per-step ``rewards`` ``[T, B]``, the valid ``mask`` and episode ends ``dones``
+#:   ``[T, B] | None``, ``gamma``, and a per-step ``kl`` ``[T, B] | None`` to fold into the
+#:   reward with ``kl_coef`` (as :func:`reinforce_pp`).
+KIND_INPUTS: dict[str, frozenset[str]] = {
+    "critic": frozenset({"rewards", "values", "terminated", "truncated", "final_values", "gamma"}),
+    "group": frozenset({"scores", "group_size"}),
+    "return": frozenset({"rewards", "mask", "dones", "gamma", "kl", "kl_coef"}),
+}
+
+#: The preset settings (``AlgorithmPreset`` keys) an estimator may declare that it takes: the
+#: trainers pass it those it declares, and refuse the others in a config as having no effect.
+SETTINGS = ("lam", "normalize_std")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator: its function and what it declared.
+
+    Attributes:
+        fn: the function, ``fn(**inputs) -> (advantages, returns)``.
+        kind: ``critic``, ``group`` or ``return``: the keywords the trainers pass
+            (:data:`KIND_INPUTS`).
+        settings: the preset settings (:data:`SETTINGS`) it takes besides.
+    """
+
+    fn: Callable[..., tuple[Tensor, Tensor]]
+    kind: EstimatorKind
+    settings: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KIND_INPUTS:
+            raise ValueError(
+                f"estimator kind {self.kind!r} is not one of {', '.join(sorted(KIND_INPUTS))}"
+            )
+        unknown = sorted(set(self.settings) - set(SETTINGS))
+        if unknown:
+            raise ValueError(
+                f"unknown estimator setting(s) {unknown}; known: {', '.join(SETTINGS)}"
+            )
+
+    def __call__(self, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        return self.fn(**kwargs)
+
+
+class Estimators(Registry[Estimator]):
+    """The registry of advantage estimators, each registered with its declared kind."""
+
+    def register(
+        self, name: str, *, kind: EstimatorKind, settings: tuple[str, ...] = ()
+    ) -> Callable[[F], F]:
+        """Decorator: ``@ADVANTAGES.register("name", kind=..., settings=(...))`` registers the
+        function as an :class:`Estimator` and leaves it unchanged."""
+
+        def decorator(fn: F) -> F:
+            self.add(name, Estimator(fn, kind, frozenset(settings)))
+            return fn
+
+        return decorator
+
+
+ADVANTAGES = Estimators("advantage estimator")
 
 
 def _require_shape(name: str, x: Tensor, shape: tuple[int, ...] | torch.Size) -> None:
@@ -29,7 +115,7 @@ def _require_shape(name: str, x: Tensor, shape: tuple[int, ...] | torch.Size) ->
         raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("gae", kind="critic", settings=("lam",))
 @torch.no_grad()
 def gae(
     *,
@@ -104,7 +190,7 @@ def _groups(scores: Tensor, group_size: int) -> Tensor:
     return scores.view(-1, group_size)
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", kind="group", settings=("normalize_std",))
 @torch.no_grad()
 def grpo(
     *,
@@ -138,7 +224,7 @@ def grpo(
     return advantages.reshape(-1), scores.clone()
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("rloo", kind="group")
 @torch.no_grad()
 def rloo(*, scores: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     """REINFORCE leave-one-out (Kool et al., 2019; Ahmadian et al., 2024).
@@ -159,7 +245,7 @@ def rloo(*, scores: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     return (s - others_mean).reshape(-1), scores.clone()
 
 
-@ADVANTAGES.register("reinforce_pp")
+@ADVANTAGES.register("reinforce_pp", kind="return")
 @torch.no_grad()
 def reinforce_pp(
     *,

@@ -15,21 +15,93 @@ aggregation mode of the loss.
 A trainer composes them, e.g. PPO:
 
     loss = pg_loss + vf_coef * v_loss + ent_coef * ent_loss (+ kl_coef * kl_loss)
+
+Each loss declares at registration which of these terms it is (``policy``, ``value``,
+``entropy`` or ``kl``). A preset's ``policy_loss`` names a ``policy`` loss; both trainers call
+it with one keyword interface, that of :func:`ppo_policy_loss`: ``logprob``, ``old_logprob``,
+``advantages``, ``mask``, ``clip_low``, ``clip_high``, ``dual_clip``, ``agg``, ``denominator``
+and ``weight``, and read the metrics :data:`POLICY_METRICS` from what it returns::
+
+    @LOSSES.register("ppo", term="policy")
+    def ppo_policy_loss(*, logprob, old_logprob, advantages, mask, clip_low, ...): ...
+
+    LOSSES.policy("ppo")    # the entry; a loss of another term is refused
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
 
 from rlinf_vla.algos.masked import masked_mean, masked_var
-from rlinf_vla.algos.registry import Registry
+from rlinf_vla.algos.registry import Registry, UnknownNameError
 
 Metrics = dict[str, Tensor]
 
-LOSSES: Registry = Registry("loss")
+LossTerm = Literal["policy", "value", "entropy", "kl"]
+
+#: The metrics every policy loss returns besides its loss (the trainers report them, and
+#: ``approx_kl`` decides ``algo.target_kl``): see :func:`ppo_policy_loss`.
+POLICY_METRICS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A registered loss: its function and the term of the total loss it is.
+
+    Attributes:
+        fn: the function, ``fn(**tensors) -> (loss, metrics)``.
+        term: ``policy`` (what a preset's ``policy_loss`` may name), ``value``, ``entropy``
+            or ``kl``.
+    """
+
+    fn: Callable[..., tuple[Tensor, Metrics]]
+    term: LossTerm
+
+    def __post_init__(self) -> None:
+        terms = ("policy", "value", "entropy", "kl")
+        if self.term not in terms:
+            raise ValueError(f"loss term {self.term!r} is not one of {', '.join(terms)}")
+
+    def __call__(self, **kwargs: Any) -> tuple[Tensor, Metrics]:
+        return self.fn(**kwargs)
+
+
+class Losses(Registry[Loss]):
+    """The registry of losses, each registered with the term it is."""
+
+    def register(self, name: str, *, term: LossTerm) -> Callable[[F], F]:
+        """Decorator: ``@LOSSES.register("name", term=...)`` registers the function as a
+        :class:`Loss` and leaves it unchanged."""
+
+        def decorator(fn: F) -> F:
+            self.add(name, Loss(fn, term))
+            return fn
+
+        return decorator
+
+    def policy(self, name: str) -> Loss:
+        """The policy loss ``name``; a name that is no registered ``policy`` loss raises a
+        ``ValueError`` listing those that are."""
+        known = [n for n in self.names() if self._entries[n].term == "policy"]
+        if name in known:
+            return self._entries[name]
+        listed = f"(policy losses: {', '.join(known)})"
+        if name in self:
+            raise ValueError(
+                f"policy_loss {name!r} is the {self._entries[name].term} term, not a policy "
+                f"loss {listed}"
+            )
+        raise UnknownNameError(f"policy_loss {name!r} is not a registered loss {listed}")
+
+
+LOSSES = Losses("loss")
 AGGREGATIONS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("loss aggregation")
 KL_ESTIMATORS: Registry[Callable[[Tensor], Tensor]] = Registry("KL estimator")
 
@@ -129,7 +201,7 @@ def aggregation_count(mask: Tensor, mode: str = "token-mean") -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-@LOSSES.register("ppo")
+@LOSSES.register("ppo", term="policy")
 def ppo_policy_loss(
     *,
     logprob: Tensor,
@@ -235,7 +307,7 @@ def _squared(error: Tensor, delta: float | None) -> Tensor:
     return torch.where(abs_error <= delta, 0.5 * error**2, delta * (abs_error - 0.5 * delta))
 
 
-@LOSSES.register("value")
+@LOSSES.register("value", term="value")
 def value_loss(
     *,
     values: Tensor,
@@ -299,7 +371,7 @@ def value_loss(
 # ---------------------------------------------------------------------------------------------
 
 
-@LOSSES.register("entropy")
+@LOSSES.register("entropy", term="entropy")
 def entropy_loss(
     *,
     entropy: Tensor,
@@ -368,7 +440,7 @@ def kl_divergence(logprob: Tensor, ref_logprob: Tensor, estimator: str = "k3") -
     return KL_ESTIMATORS[estimator](logprob - ref_logprob)
 
 
-@LOSSES.register("kl")
+@LOSSES.register("kl", term="kl")
 def kl_loss(
     *,
     logprob: Tensor,

@@ -1,16 +1,15 @@
 """Named algorithms: a choice of registered advantage estimator and loss plus their settings.
 
 Each algorithm is one YAML file in ``rlinf_vla/configs/algo/`` (``ppo``, ``grpo``, ``dapo``,
-``reinforce_pp``, ``rloo``), which is also the ``algo`` config group of ``rlinf-vla train`` and
-``rlinf-vla math-grpo``: ``algo=rloo`` picks it in either. ``ALGORITHMS[name]`` gives its
-:class:`AlgorithmPreset`. Both trainers read the preset instead of branching on the name:
+``reinforce_pp``, ``rloo``, ``dagger``), which is also the ``algo`` config group of
+``rlinf-vla train`` and ``rlinf-vla math-grpo``: ``algo=rloo`` picks it in either.
+``ALGORITHMS[name]`` gives its :class:`AlgorithmPreset`. Both trainers read the preset instead
+of branching on the name: the estimator's declared kind says how they call it
+(:func:`estimate`), and ``training.objective`` calls ``LOSSES.policy(preset.policy_loss)``.
 
-    preset = ALGORITHMS["dapo"]
-    advantages, returns = compute_advantages(preset.advantage, ...)
-    loss, metrics = policy_loss(preset.policy_loss, ..., **preset.policy_loss_kwargs())
-
-Adding an algorithm: register its functions (an estimator in ``ADVANTAGES``, a loss in
-``LOSSES``) and write its YAML (docs/algorithms.md).
+Adding an algorithm: register its function with what it declares (an estimator in
+``ADVANTAGES`` with its kind, a loss in ``LOSSES`` with its term), write its YAML and its test
+(docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from rlinf_vla.algos.advantages import ADVANTAGES
+from rlinf_vla.algos.advantages import ADVANTAGES, KIND_INPUTS, SETTINGS
 from rlinf_vla.algos.losses import AGGREGATIONS, LOSSES
 from rlinf_vla.algos.registry import Registry
 
@@ -30,37 +29,15 @@ PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "algo"
 
 
 def estimator_kind(name: str | None) -> str:
-    """What the registered advantage estimator ``name`` takes, read from its signature, which
-    is how both trainers call it:
+    """The kind the advantage estimator ``name`` declared at registration, which says how both
+    trainers call it (:data:`~rlinf_vla.algos.advantages.KIND_INPUTS`):
 
     - ``group``: one score per episode or response and ``group_size`` (``grpo``, ``rloo``);
     - ``critic``: rewards and a critic's ``values`` (``gae``);
     - ``return``: per-step rewards alone (``reinforce_pp``);
     - ``none``: no estimator (``None``: an imitation algorithm, ``dagger``).
     """
-    if name is None:
-        return "none"
-    params = accepts(name)
-    if "scores" in params:
-        return "group"
-    if "values" in params:
-        return "critic"
-    if "rewards" in params:
-        return "return"
-    raise ValueError(
-        f"advantage estimator {name!r} takes none of scores, values, rewards: the trainers "
-        "cannot call it"
-    )
-
-
-def accepts(name: str | None) -> set[str]:
-    """The keyword arguments of the registered advantage estimator ``name`` (none for
-    ``None``)."""
-    import inspect
-
-    if name is None:
-        return set()
-    return set(inspect.signature(ADVANTAGES[name]).parameters)
+    return "none" if name is None else ADVANTAGES[name].kind
 
 
 @dataclass(frozen=True)
@@ -69,22 +46,23 @@ class AlgorithmPreset:
 
     Attributes:
         advantage: name in ``ADVANTAGES`` (``gae``, ``grpo``, ``rloo``, ``reinforce_pp``); its
-            signature says how the trainers call it (:func:`estimator_kind`). ``None`` for an
-            imitation algorithm.
-        policy_loss: name in ``LOSSES``.
+            declared kind says how the trainers call it (:func:`estimator_kind`). ``None`` for
+            an imitation algorithm.
+        policy_loss: name of a ``policy`` loss in ``LOSSES`` (``ppo``), called by both
+            trainers with the keyword interface of ``ppo_policy_loss``.
         clip_low: ε_low of the PPO clip.
         clip_high: ε_high; > ``clip_low`` is DAPO's clip-higher.
         dual_clip: c > 1 of the dual clip, or ``None``.
         agg: aggregation mode of the policy, entropy and KL terms, a name in ``AGGREGATIONS``.
         use_critic: train a value head and add ``value_loss`` (needed by ``gae``).
         normalize_std: ``grpo`` divides group advantages by the group std (``False``: Dr. GRPO);
-            for estimators that take it.
+            for estimators that declare it.
         dynamic_sampling: drop groups whose scores are all equal (``dapo.dynamic_sampling``).
         overlong_buffer: DAPO's soft overlong punishment for text, as the fraction of the
             maximum generation length that forms the buffer, or ``None``. Embodied episodes
             have no lengths to punish: ``train`` leaves it out.
         gamma: discount per step (embodied: per chunk; text: per token).
-        lam: GAE λ, for estimators that take it (``gae``).
+        lam: GAE λ, for estimators that declare it (``gae``).
         kl_in_reward: with a KL coefficient, fold the per-token KL to the reference into the
             reward (REINFORCE++) instead of adding a loss term.
         imitation: the policy learns the env's scripted expert's actions on the states it
@@ -116,7 +94,7 @@ class AlgorithmPreset:
                 f"advantage must name an estimator (one of {ADVANTAGES.names()}), got null"
             )
         ADVANTAGES[self.advantage]  # raises with the known names
-        LOSSES[self.policy_loss]
+        LOSSES.policy(self.policy_loss)  # raises with the policy losses
         AGGREGATIONS[self.agg]
         bad = [
             f"{key} {rule}, got {getattr(self, key)}"
@@ -171,24 +149,15 @@ class AlgorithmPreset:
 
     def effective_keys(self) -> set[str]:
         """The preset keys that change something for this algorithm (``lam`` and
-        ``normalize_std`` only for estimators that take them, ``dynamic_sampling`` only for
+        ``normalize_std`` only for estimators that declare them, ``dynamic_sampling`` only for
         groups; only ``imitation`` itself for an imitation algorithm)."""
         if self.imitation:
             return {"imitation"}
-        keys = set(PRESET_KEYS) - {"lam", "normalize_std", "dynamic_sampling"}
-        keys |= {"lam", "normalize_std"} & accepts(self.advantage)
+        keys = set(PRESET_KEYS) - {*SETTINGS, "dynamic_sampling"}
+        keys |= ADVANTAGES[self.advantage].settings
         if self.uses_groups:
             keys.add("dynamic_sampling")
         return keys
-
-    def policy_loss_kwargs(self) -> dict[str, Any]:
-        """The keyword settings of the policy loss: clip range, dual clip, aggregation."""
-        return {
-            "clip_low": self.clip_low,
-            "clip_high": self.clip_high,
-            "dual_clip": self.dual_clip,
-            "agg": self.agg,
-        }
 
 
 #: The keys of a preset, as they appear in its YAML and in the ``algo`` section.
@@ -330,9 +299,16 @@ def ineffective_keys(
     return messages
 
 
-def estimate(name: str, **available: Any) -> tuple[Any, Any]:
-    """``ADVANTAGES[name]`` called with those of ``available`` it takes (a trainer offers
-    everything its kind of estimator may use: ``normalize_std`` to a group estimator, ``kl``
-    to a return estimator, ...)."""
-    params = accepts(name)
-    return ADVANTAGES[name](**{k: v for k, v in available.items() if k in params})
+def estimate(algo: Any, **inputs: Any) -> tuple[Any, Any]:
+    """``ADVANTAGES[algo.advantage]`` called with ``inputs``, which must be the keywords of its
+    declared kind (:data:`~rlinf_vla.algos.advantages.KIND_INPUTS`, ``None`` for those the
+    trainer has none of), and the preset settings it declares, read from the ``algo`` section
+    (or preset) ``algo``. Returns its ``(advantages, returns)``."""
+    estimator = ADVANTAGES[algo.advantage]
+    expected = KIND_INPUTS[estimator.kind]
+    if set(inputs) != expected:
+        raise TypeError(
+            f"a {estimator.kind} estimator ({algo.advantage}) takes {sorted(expected)}, "
+            f"got {sorted(inputs)}"
+        )
+    return estimator(**inputs, **{key: getattr(algo, key) for key in sorted(estimator.settings)})

@@ -303,8 +303,8 @@ def profile(
     process must be connected to Ray); otherwise ``o`` keeps its default.
     """
     from rlinf_vla.envs import for_device, make_env
-    from rlinf_vla.pipelines.actor import autocast
     from rlinf_vla.policies import make_policy
+    from rlinf_vla.training.precision import autocast
 
     placed = {} if device is None else {"device": str(device)}
     policy = make_policy(job.policy_name, job.policy_config, seed=job.runner.seed, **placed)

@@ -20,7 +20,6 @@ from rlinf_vla.config import (
     env_error,
     from_section,
 )
-from rlinf_vla.pipelines.actor import AlgoConfig
 from rlinf_vla.pipelines.evaluation import check_eval_episodes
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
 from rlinf_vla.policies.resolve import (
@@ -31,6 +30,7 @@ from rlinf_vla.policies.resolve import (
 )
 from rlinf_vla.runtime.cluster import ClusterConfig
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, resolve_placement
+from rlinf_vla.training.algo_config import AlgoConfig
 
 if TYPE_CHECKING:
     from rlinf_vla.envs.base import EnvConfig

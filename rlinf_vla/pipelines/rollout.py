@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from rlinf_vla.pipelines.actor import autocast
 from rlinf_vla.runtime import Channel, Worker, offload_module, resident
 from rlinf_vla.runtime.rng import get_rng_state, set_rng_state
+from rlinf_vla.training.precision import autocast
 from rlinf_vla.types import Observation
 
 if TYPE_CHECKING:

@@ -260,12 +260,7 @@ class MathGrpoRunner:
         lengths = [len(s.response) for s in seqs]
         kind = estimator_kind(a.advantage)
         if kind == "group":  # one advantage per response, on each of its tokens
-            adv, _ = estimate(
-                a.advantage,
-                scores=scores,
-                group_size=a.group_size,
-                normalize_std=a.normalize_std,
-            )
+            adv, _ = estimate(a, scores=scores, group_size=a.group_size)
             for s, value, n in zip(seqs, adv.tolist(), lengths, strict=True):
                 s.advantages = [value] * n
             return seqs
@@ -283,25 +278,31 @@ class MathGrpoRunner:
                     self.actor.scatter("kl_to_reference", seqs, args=(self.pad_id,)), L, B
                 )
             adv, _ = estimate(
-                a.advantage, rewards=rewards, mask=mask, gamma=a.gamma, kl=kl, kl_coef=a.kl_coef
+                a,
+                rewards=rewards,
+                mask=mask,
+                dones=None,
+                gamma=a.gamma,
+                kl=kl,
+                kl_coef=a.kl_coef,
             )
             for b, s in enumerate(seqs):
                 s.advantages = adv[: lengths[b], b].tolist()
             return seqs
-        # a critic (gae, PPO): its values at rollout time; 0 after the last token.
+        # a critic (e.g. gae, PPO): its values at rollout time; 0 after the last token.
         values = torch.zeros(L + 1, B)
         values[:L] = _per_token(self.actor.scatter("token_values", seqs, args=(self.pad_id,)), L, B)
         terminated = torch.zeros(L, B, dtype=torch.bool)
         for b, n in enumerate(lengths):
             terminated[n - 1, b] = True
         adv, ret = estimate(
-            a.advantage,
+            a,
             rewards=rewards,
             values=values,
             terminated=terminated,
             truncated=torch.zeros_like(terminated),
+            final_values=None,
             gamma=a.gamma,
-            lam=a.lam,
         )
         if a.normalize_advantages and mask.sum() > 1:
             adv = whiten(adv, mask)

@@ -1,5 +1,6 @@
-"""The loss both trainers minimise: the clipped policy term, and as the algorithm says a value
-term, an entropy bonus and a KL penalty, each divided by its minibatch-wide count.
+"""The loss both trainers minimise: the policy term (the preset's ``policy_loss``, ``ppo``'s
+clipped surrogate unless it names another), and as the algorithm says a value term, an entropy
+bonus and a KL penalty, each divided by its minibatch-wide count.
 
     loss = policy + value_coef * value + entropy_coef * (-entropy) + kl_coef * kl
 
@@ -15,15 +16,12 @@ from typing import Any
 
 from torch import Tensor
 
-from rlinf_vla.algos.losses import entropy_loss, kl_loss, ppo_policy_loss, value_loss
+from rlinf_vla.algos.losses import LOSSES, POLICY_METRICS, entropy_loss, kl_loss, value_loss
 
 #: the metrics :func:`objective` reports
 OBJECTIVE_METRICS = (
     "policy_loss",
-    "clip_fraction",
-    "dual_clip_fraction",
-    "approx_kl",
-    "ratio_mean",
+    *POLICY_METRICS,
     "value_loss",
     "value_clip_fraction",
     "entropy",
@@ -35,10 +33,12 @@ OBJECTIVE_METRICS = (
 class LossSettings:
     """The loss's settings (from the algorithm's preset and the ``algo`` section).
 
-    ``agg`` aggregates the policy, entropy and KL terms; the value term is a mean over its
-    valid entries. A coefficient of 0 leaves its term out.
+    ``policy_loss`` names the policy term, a ``policy`` loss in ``LOSSES``. ``agg`` aggregates
+    the policy, entropy and KL terms; the value term is a mean over its valid entries. A
+    coefficient of 0 leaves its term out.
     """
 
+    policy_loss: str = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
@@ -51,14 +51,15 @@ class LossSettings:
 
     @classmethod
     def of(cls, algo: Any) -> LossSettings:
-        """The settings of an ``algo`` section (either trainer's): the preset's clip and
-        aggregation, the trainer's coefficients where it has them (a value term only with a
-        critic, a KL term only where the KL is not folded into the reward)."""
+        """The settings of an ``algo`` section (either trainer's): the preset's policy loss,
+        clip and aggregation, the trainer's coefficients where it has them (a value term only
+        with a critic, a KL term only where the KL is not folded into the reward)."""
 
         def setting(key: str, default: Any) -> Any:
             return getattr(algo, key, default)
 
         return cls(
+            policy_loss=algo.policy_loss,
             clip_low=algo.clip_low,
             clip_high=algo.clip_high,
             dual_clip=algo.dual_clip,
@@ -105,6 +106,10 @@ def objective(
     """The micro-batch's share of the minibatch loss, and its share of the metrics;
     ``weight`` (``logprob``'s shape, ``None``: 1) weighs the policy term's entries.
 
+    The policy term is ``LOSSES.policy(s.policy_loss)``, called with ``logprob``,
+    ``old_logprob``, ``advantages``, ``mask``, the clip settings, ``agg``, the minibatch's
+    ``denominator`` and ``weight``; it must return the metrics ``POLICY_METRICS``.
+
     Returns:
         ``loss`` 0-d (the micro-batches' losses add up to the minibatch's) and metrics whose
         sums over the micro-batches are the minibatch's values: the loss terms
@@ -116,7 +121,7 @@ def objective(
     # The metrics are masked means over tokens: each micro-batch weighs by its share of them.
     tokens = counts.policy if counts.tokens is None else counts.tokens
     share = aggregation_count(mask) / max(tokens, 1e-12)
-    loss, m = ppo_policy_loss(
+    loss, m = LOSSES.policy(s.policy_loss)(
         logprob=logprob,
         old_logprob=old_logprob,
         advantages=advantages,
@@ -128,8 +133,14 @@ def objective(
         denominator=counts.policy,
         weight=weight,
     )
+    missing = [key for key in POLICY_METRICS if key not in m]
+    if missing:
+        raise ValueError(
+            f"policy loss {s.policy_loss!r} returned no {missing} metric "
+            f"(a policy loss returns {', '.join(POLICY_METRICS)})"
+        )
     metrics = {"policy_loss": float(loss.detach())}
-    for key in ("clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean"):
+    for key in POLICY_METRICS:
         metrics[key] = float(m[key]) * share
     if s.value_coef and values is not None:
         vmask = mask if value_mask is None else value_mask

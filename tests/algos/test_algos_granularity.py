@@ -222,7 +222,9 @@ def test_docs_recipes_fit_together():
         old_logprob=lp.detach(),
         advantages=expand_like(adv, lp),
         mask=torch.ones(4, 5, dtype=torch.bool) & keep[:, None],
-        **ALGORITHMS["dapo"].policy_loss_kwargs(),
+        clip_low=ALGORITHMS["dapo"].clip_low,
+        clip_high=ALGORITHMS["dapo"].clip_high,
+        agg=ALGORITHMS["dapo"].agg,
     )
     loss.backward()
     assert lp.grad[2:].abs().sum() == 0  # the all-solved group is dropped

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from rlinf_vla.config import ConfigError
-from rlinf_vla.pipelines.actor import AlgoConfig, _advantages, build_batch
+from rlinf_vla.pipelines.actor import _advantages, build_batch
 from rlinf_vla.pipelines.rollout import Trajectory
+from rlinf_vla.training.algo_config import AlgoConfig
 from rlinf_vla.types import Observation
 
 
@@ -238,9 +239,11 @@ def test_the_actor_takes_the_frozen_features_the_rollout_sent():
 
 
 def test_a_new_group_estimator_needs_only_its_function_and_a_preset(monkeypatch, tmp_path):
-    """The recipe of docs/algorithms.md: register the function, write the YAML; the embodied
-    trainer calls it by its signature (here a "best of the others" baseline, by hand)."""
+    """The recipe of docs/algorithms.md: register the function with its kind, write the YAML;
+    the embodied trainer calls it as its kind says (here a "best of the others" baseline, by
+    hand)."""
     from rlinf_vla.algos import ADVANTAGES, ALGORITHMS
+    from rlinf_vla.algos.advantages import Estimator
     from rlinf_vla.algos.presets import load_preset
 
     def max_baseline(*, scores, group_size):
@@ -251,7 +254,7 @@ def test_a_new_group_estimator_needs_only_its_function_and_a_preset(monkeypatch,
         )
         return scores - others, scores.clone()
 
-    monkeypatch.setitem(ADVANTAGES._entries, "max_baseline", max_baseline)
+    monkeypatch.setitem(ADVANTAGES._entries, "max_baseline", Estimator(max_baseline, "group"))
     (tmp_path / "vs_best.yaml").write_text(
         "name: vs_best\nadvantage: max_baseline\nuse_critic: false\nagg: token-mean\n"
     )

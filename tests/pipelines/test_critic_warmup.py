@@ -5,7 +5,8 @@ import torch
 
 from rlinf_vla.config import ConfigError
 from rlinf_vla.pipelines import actor as actor_module
-from rlinf_vla.pipelines.actor import ActorWorker, AlgoConfig
+from rlinf_vla.pipelines.actor import ActorWorker
+from rlinf_vla.training.algo_config import AlgoConfig
 from tests.pipelines.actors import local_actor
 from tests.pipelines.test_accumulation import _batch
 

@@ -7,7 +7,8 @@ import torch
 
 from rlinf_vla.algos.granularity import episode_weights
 from rlinf_vla.pipelines import actor as actor_module
-from rlinf_vla.pipelines.actor import AlgoConfig, build_batch
+from rlinf_vla.pipelines.actor import build_batch
+from rlinf_vla.training.algo_config import AlgoConfig
 from tests.pipelines.actors import one_step_grpo_actor, own_actions_batch
 from tests.pipelines.test_advantages import _episodes
 from tests.policies.conftest import make_obs

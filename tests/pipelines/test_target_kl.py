@@ -6,7 +6,8 @@ import torch
 
 from rlinf_vla.config import ConfigError
 from rlinf_vla.pipelines import actor as actor_module
-from rlinf_vla.pipelines.actor import ActorWorker, AlgoConfig
+from rlinf_vla.pipelines.actor import ActorWorker
+from rlinf_vla.training.algo_config import AlgoConfig
 from tests.pipelines.actors import one_step_grpo_actor, own_actions_batch
 from tests.policies.conftest import make_obs
 

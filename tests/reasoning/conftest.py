@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,6 +50,19 @@ def build_tiny_model(
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+def math_actor(folder: Path, **algo: Any) -> Any:
+    """A ``math-grpo`` actor worker on the model in ``folder`` as rank 0 of 1 on the CPU, built
+    in this process (no Ray), with ``algo.group_size=2`` and the other ``algo`` keys given."""
+    from rlinf_vla.reasoning.workers import ActorWorker
+    from rlinf_vla.runtime.cluster import Device
+    from rlinf_vla.runtime.worker import WorkerContext
+
+    actor = ActorWorker.__new__(ActorWorker)
+    actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
+    actor.__init__({"path": str(folder)}, {"group_size": 2, **algo}, seed=0)
+    return actor
 
 
 def small_run_args(model_dir: Path, tmp_path: Path) -> list[str]:

@@ -12,11 +12,9 @@ import torch
 from rlinf_vla.reasoning.config import MathAlgoConfig
 from rlinf_vla.reasoning.model import make_token_batch, response_logprobs
 from rlinf_vla.reasoning.trainer import MathGrpoRunner
-from rlinf_vla.reasoning.workers import ActorWorker, Sequence
-from rlinf_vla.runtime.cluster import Device
-from rlinf_vla.runtime.worker import WorkerContext
+from rlinf_vla.reasoning.workers import Sequence
 from rlinf_vla.training.objective import Counts
-from tests.reasoning.conftest import small_run_args
+from tests.reasoning.conftest import math_actor, small_run_args
 
 
 def test_ppo_gae_over_tokens_by_hand() -> None:
@@ -46,17 +44,10 @@ def test_ppo_gae_over_tokens_by_hand() -> None:
     assert seqs[1].returns == pytest.approx([0.0])
 
 
-def _actor(folder: Path, **algo) -> ActorWorker:
-    actor = ActorWorker.__new__(ActorWorker)
-    actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
-    actor.__init__({"path": str(folder)}, {"group_size": 2, **algo}, seed=0)
-    return actor
-
-
 def test_ppo_trains_its_value_head_and_keeps_it_in_checkpoints(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    actor = _actor(tiny_model_dir, name="ppo", lr=1e-3, value_lr=1e-2)
+    actor = math_actor(tiny_model_dir, name="ppo", lr=1e-3, value_lr=1e-2)
     head = actor.value_head
     assert head is not None
     assert {id(p) for p in actor.optimizer.param_groups[1]["params"]} == {
@@ -79,7 +70,7 @@ def test_ppo_trains_its_value_head_and_keeps_it_in_checkpoints(
     assert value_error() < before  # the values moved towards the returns
     trained = [v.clone() for v in head.state_dict().values()]
     actor.save(str(tmp_path))
-    fresh = _actor(tiny_model_dir, name="ppo", lr=1e-3, value_lr=1e-2)
+    fresh = math_actor(tiny_model_dir, name="ppo", lr=1e-3, value_lr=1e-2)
     fresh.load(str(tmp_path))
     for a, b in zip(trained, fresh.value_head.state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -94,7 +85,7 @@ def test_ppo_trains_its_value_head_and_keeps_it_in_checkpoints(
 
 def test_a_run_without_a_critic_has_no_value_head(tiny_model_dir: Path) -> None:
     for name in ("grpo", "rloo", "reinforce_pp", "dapo"):
-        actor = _actor(tiny_model_dir, name=name)
+        actor = math_actor(tiny_model_dir, name=name)
         assert actor.value_head is None and len(actor.optimizer.param_groups) == 1, name
 
 
