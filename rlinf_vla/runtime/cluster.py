@@ -261,7 +261,9 @@ class Cluster:
                 "log_to_driver": True,
             }
             if config.address is None:
-                kwargs.update(num_cpus=config.num_cpus, num_gpus=config.num_gpus)
+                # "local": an instance of its own, even where other Ray instances run on the
+                # machine (another run's: ray.init() would join the newest of them)
+                kwargs.update(address="local", num_cpus=config.num_cpus, num_gpus=config.num_gpus)
             else:
                 check_address(config.address)
                 kwargs["address"] = config.address

@@ -46,7 +46,9 @@ def _assert_breakdown_adds_up(row):
     parts = sum(env)
     assert 0 < parts <= row["time/rollout/env_wall_s"] <= parts + 0.05
     path = row["time/rollout/env_wall_s"] + row["time/rollout/finish_s"]
-    assert path <= row["time/rollout_s"] <= path + 0.25
+    # the dispatch: a quarter second, more on a loaded machine (seen: 0.25 s over a 1.8 s path
+    # beside another test's training)
+    assert path <= row["time/rollout_s"] <= 1.1 * path + 0.25
     # both sides clocked their part: the policy's compute and the env's waits
     assert row["time/rollout/policy_s"] > 0 and row["time/rollout/env_wait_s"] > 0
 

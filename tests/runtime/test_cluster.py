@@ -18,14 +18,42 @@ with Cluster(num_cpus=1) as cluster:
 """
 
 
+#: Another Ray instance on the same machine, started as ``ray start`` starts one (it records
+#: its address for drivers to find), up until its stdin closes.
+BYSTANDER = """
+import sys
+from ray.cluster_utils import Cluster
+head = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+print("up", flush=True)
+sys.stdin.read()
+head.shutdown()
+"""
+
+
 def test_a_new_local_instance_uses_token_auth_without_the_warning():
+    """... and is the run's own although another Ray instance runs on the machine (``ray.init()``
+    without an address would join the one ``ray start`` recorded, and refuse the CPU count)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
-    out = subprocess.run(
-        [sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=180
+    other = subprocess.Popen(
+        [sys.executable, "-c", BYSTANDER],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
+    try:
+        assert other.stdout.readline().strip() == "up"
+        out = subprocess.run(
+            [sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=180
+        )
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "driver token worker token" in out.stdout
     assert "Token authentication is" not in out.stderr
+    assert "Connecting to existing Ray cluster" not in out.stderr
 
 
 def test_ray_failing_to_start_is_one_line_with_what_to_try(monkeypatch, capsys, tmp_path):
