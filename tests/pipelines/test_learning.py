@@ -43,6 +43,9 @@ from rlinf_vla.pipelines.toy_pretraining import (
 )
 from rlinf_vla.policies import make_policy
 
+#: A learning test trains for minutes: alone on 2 cores 3-6, beside other tests up to 10.
+LEARNING_TIMEOUT_S = 1200
+
 # pi0 reads the agent state; "privileged" state adds the offset to the target, so its test
 # exercises Flow-SDE PPO without depending on the tiny vision tower.
 PI0_ENV = {
@@ -138,6 +141,7 @@ def _check_learns(*args) -> None:
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.timeout(LEARNING_TIMEOUT_S)
 def test_pi0_flow_sde_ppo_learns(tmp_path: Path) -> None:
     runner = {
         "seed": 0,
@@ -196,6 +200,7 @@ READOUT_LORA = {"lora_rank": 8, "lora_target_modules": ".*lm_head"}
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.timeout(LEARNING_TIMEOUT_S)
 def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(
     tmp_path: Path, openvla_warm_start: Path
 ) -> None:
@@ -233,6 +238,7 @@ def test_openvla_ppo_learns_to_act_from_a_vlm_warm_start(
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.timeout(LEARNING_TIMEOUT_S)
 def test_openvla_grpo_learns_to_act_from_a_vlm_warm_start(
     tmp_path: Path, openvla_warm_start: Path
 ) -> None:
