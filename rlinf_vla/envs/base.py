@@ -234,6 +234,61 @@ class EnvConfig:
         return True
 
     @classmethod
+    def eval_protocols(cls) -> tuple[str, ...]:
+        """The values ``eval.protocol`` may take for this env, its default first
+        (:mod:`rlinf_vla.eval.protocol`). By default ``package`` only: the env settings as
+        given, there being no official evaluation loop to reproduce."""
+        return ("package",)
+
+    def check_protocol(self, protocol: str) -> None:
+        """Check, before an evaluation starts, that this config follows ``protocol`` (one of
+        :meth:`eval_protocols`). By default any config follows it.
+
+        Raises:
+            ValueError: naming every env key that departs from the protocol, its value and
+                the protocol's.
+        """
+
+    def protocol_record(self, protocol: str) -> dict[str, Any]:
+        """What an evaluation's ``results.json`` records under ``protocol``: by default its
+        name, ``{"name": protocol}``; an env adds the settings that decide its trials."""
+        return {"name": protocol}
+
+    @classmethod
+    def eval_perturbations(cls) -> tuple[str, ...]:
+        """The out-of-distribution kinds ``eval.perturbation`` may name for this env, besides
+        ``none`` (the tasks as they are). By default none."""
+        return ()
+
+    def plan_perturbations(
+        self, env_name: str, kinds: list[str], seed: int, trials: list[dict[str, Any]]
+    ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+        """The trials of an evaluation under each perturbation of ``kinds`` (some of
+        :meth:`eval_perturbations`), drawn with ``seed``, from the unperturbed ``trials``
+        (:meth:`eval_trials`' dicts, with ``env_key`` and ``perturbation``).
+
+        Returns:
+            What the run records about the kinds (``results.json``'s ``perturbation``, besides
+            the kinds and the seed) and, per kind, its trials: each with ``perturbation`` set
+            to the kind and its ``reset_id`` and ``env_key`` in the perturbed env.
+
+        Raises:
+            ValueError: the env has no perturbations (the default), or a kind it cannot plan,
+                naming the ``eval`` key.
+        """
+        raise ValueError(f"eval.perturbation: env {env_name!r} has no perturbations")
+
+    def camera_hint(self) -> str:
+        """How to give this env a camera that a policy asks for and it lacks, added to the fit
+        check's message (``""``, the default: no hint)."""
+        return ""
+
+    def robot_type(self, env_name: str) -> str:
+        """The robot of the env's episodes, as a dataset's ``robot_type``
+        (``rlinf-vla collect``). By default the env's name."""
+        return env_name
+
+    @classmethod
     def from_kwargs(cls, env_name: str = "", **kwargs: Any) -> EnvConfig:
         """Build the config from keyword arguments; unknown keys fail, naming them."""
         _check_keys(cls, kwargs, f"env {env_name or cls.__name__!r}")

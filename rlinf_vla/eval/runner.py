@@ -169,11 +169,12 @@ def build_policy(job: EvalJob) -> Any:
 def header(job: EvalJob) -> dict[str, Any]:
     """The settings part of ``results.json``."""
     env = job.env_config
+    suite = getattr(env, "suite", None)  # an env with suites (LIBERO) records the suite
     return {
         "env_name": job.env_name,
         "protocol": job.protocol,
-        "suite": getattr(env, "suite", None),
-        "tasks": sorted({t.task for t in job.trials}) if job.env_name != "libero" else None,
+        "suite": suite,
+        "tasks": sorted({t.task for t in job.trials}) if suite is None else None,
         "policy_name": job.policy_name,
         "checkpoint": job.policy.get("checkpoint"),
         "trials_per_task": job.eval.trials_per_task,

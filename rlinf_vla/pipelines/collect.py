@@ -113,23 +113,17 @@ def validate(cfg: Any) -> CollectJob:
             cfg = env_config(env_name, **{**env, "auto_reset": False})
         except (KeyError, TypeError, ValueError) as e:
             raise env_error(e) from None
-        from rlinf_vla.envs import ENVS, VectorEnv
+        from rlinf_vla.envs import ENVS
 
-        if ENVS[env_name].expert_actions is VectorEnv.expert_actions:
-            with_expert = sorted(
-                n for n, c in ENVS.items() if c.expert_actions is not VectorEnv.expert_actions
-            )
+        if not ENVS[env_name].has_expert():
+            with_expert = sorted(n for n, c in ENVS.items() if c.has_expert())
             raise ConfigError(
                 f"env {env_name!r} has no scripted expert to collect from (envs with one: "
                 f"{with_expert})"
             )
-        if env_name == "maniskill":
-            from rlinf_vla.envs.maniskill.experts import check_expert
-
-            try:
-                check_expert(cfg.task, cfg.control_mode)
-            except ValueError as e:
-                raise ConfigError(f"env: {e}") from None
+        problem = cfg.expert_problem(env_name)  # e.g. a task or control mode without one
+        if problem:
+            raise ConfigError(f"env: {problem}")
         return cfg
 
     built = errors.build(check_env)
@@ -147,12 +141,9 @@ class _Episode:
 
 
 def _robot_type(job: CollectJob) -> str:
-    if job.collect.robot_type:
-        return job.collect.robot_type
-    robot = getattr(job.env_config, "robot", None)
-    if robot:
-        return str(robot).removesuffix("_wristcam")
-    return {"maniskill": "panda", "libero": "panda"}.get(job.env_name, job.env_name)
+    """``collect.robot_type``, else the env's robot
+    (:meth:`~rlinf_vla.envs.base.EnvConfig.robot_type`)."""
+    return job.collect.robot_type or job.env_config.robot_type(job.env_name)
 
 
 def collect(job: CollectJob, progress: Any = None) -> dict[str, Any]:

@@ -99,11 +99,8 @@ def fit_problems(env_name: str, env: EnvConfig, pol: Any) -> list[str]:
     keys = tuple(getattr(pol, "image_keys", ()) or ())
     missing = [k for k in keys if k not in spec.cameras]
     if missing:
-        hint = (
-            " (ManiSkill: env.wrist=true env.robot=panda_wristcam adds a hand camera)"
-            if env_name == "maniskill"
-            else ""
-        )
+        hint = env.camera_hint()  # how the env adds a camera, when it can
+        hint = f" ({hint})" if hint else ""
         problems.append(
             f"policy.image_keys={list(keys)}{origin} asks for camera(s) {missing} that env "
             f"{env_name!r} does not provide (its cameras: {list(spec.cameras)}){hint}"

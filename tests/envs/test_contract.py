@@ -209,3 +209,28 @@ def test_import_needs_no_simulator() -> None:
         env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert "toy" in out.stdout
+
+
+def test_every_env_declares_its_evaluation_and_dataset_hooks() -> None:
+    """``EnvConfig``'s hooks, read before anything starts: every env's protocols are values
+    ``rlinf-vla eval`` knows, ``package`` (the settings as given) among them, and its record of
+    its default protocol names it; ``none`` is the harness's, never an env's perturbation kind.
+    The defaults (toy): ``package`` only, no perturbations, the env's name as the robot."""
+    from rlinf_vla.envs import env_config
+    from rlinf_vla.eval.protocol import PROTOCOLS
+
+    robots = {}
+    for name, cls in ENVS.items():
+        protocols = cls.config_cls.eval_protocols()
+        assert set(protocols) <= set(PROTOCOLS) and "package" in protocols, name
+        assert "none" not in cls.config_cls.eval_perturbations(), name
+        cfg = env_config(name)
+        assert cfg.protocol_record(protocols[0])["name"] == protocols[0], name
+        robots[name] = cfg.robot_type(name)
+    assert robots == {"toy": "toy", "maniskill": "panda", "libero": "panda", "metaworld": "sawyer"}
+    assert env_config("maniskill", robot="panda_wristcam").robot_type("maniskill") == "panda"
+    toy = env_config("toy")
+    assert (toy.eval_protocols(), toy.eval_perturbations()) == (("package",), ())
+    assert toy.protocol_record("package") == {"name": "package"} and toy.camera_hint() == ""
+    with pytest.raises(ValueError, match="env 'toy' has no perturbations"):
+        toy.plan_perturbations("toy", ["ood_object"], 0, [])

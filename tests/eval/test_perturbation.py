@@ -39,7 +39,10 @@ def _task():
     [
         (["env=libero", "eval.perturbation=ood_colour"], "known: none, ood_object"),
         (["env=libero", "eval.perturbation=[none,ood_task,ood_task]"], "more than once"),
-        (["env=toy", "eval.perturbation=ood_object"], "env 'toy' has no perturbations"),
+        (
+            ["env=toy", "eval.perturbation=ood_object"],
+            "env 'toy' has no perturbations (envs with some: libero)",
+        ),
         (["env=libero", "+env.perturbation=ood_object"], "use eval.perturbation instead"),
         (["env=libero", "env.suite=libero_90", "eval.perturbation=ood_object"], "no variant"),
     ],

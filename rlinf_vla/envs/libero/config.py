@@ -45,11 +45,6 @@ DEFAULT_MAX_STEPS: dict[str, int] = {
 }
 #: Official init states per task; reset ids map onto (task, init state) with it.
 INIT_STATES_PER_TASK = 50
-#: ``scene_seed`` of the official LIBERO evaluation loops: their ``env.seed(...)`` call.
-OFFICIAL_SCENE_SEEDS: dict[int, str] = {
-    0: "OpenVLA / OpenVLA-OFT experiments/robot/libero/run_libero_eval.py (env.seed(0))",
-    7: "openpi examples/libero/main.py (env.seed(args.seed), seed 7)",
-}
 RENDER_BACKENDS = ("egl", "osmesa")
 #: The cameras a LIBERO scene can render, as ``images`` keys (robosuite's names:
 #: :data:`rlinf_vla.envs.libero.env.ROBOSUITE_CAMERAS`).
@@ -133,6 +128,10 @@ class LiberoEnvConfig(EnvConfig):
         kept = tuple(c for c in self.cameras if c in cameras)
         return dataclasses.replace(self, cameras=kept) if kept else self
 
+    def robot_type(self, env_name: str) -> str:
+        """``panda``, the arm of every LIBERO task."""
+        return "panda"
+
     def describe(self) -> str:
         """``libero_goal``, or ``libero_goal tasks [2, 5]``."""
         tasks = f" tasks {list(self.task_ids)}" if self.task_ids is not None else ""
@@ -178,6 +177,42 @@ class LiberoEnvConfig(EnvConfig):
     def eval_uses_seed(self) -> bool:
         """The official init states are the scenes of the trials, whatever ``eval.seed``."""
         return False
+
+    @classmethod
+    def eval_protocols(cls) -> tuple[str, ...]:
+        """``official`` (the default: the official LIBERO evaluation loops' episodes, the env
+        settings checked; :mod:`rlinf_vla.envs.libero.evaluation`) and ``package``."""
+        return ("official", "package")
+
+    def check_protocol(self, protocol: str) -> None:
+        """Under ``official``, every setting the official loops fix: image size, rendering,
+        settle steps, time limits and scene seed
+        (:func:`rlinf_vla.envs.libero.evaluation.check_protocol`)."""
+        from rlinf_vla.envs.libero.evaluation import check_protocol
+
+        check_protocol(self, protocol)
+
+    def protocol_record(self, protocol: str) -> dict[str, Any]:
+        """The name, the scene seed and the official loop it reproduces, and the settings that
+        decide a trial's scene and length
+        (:func:`rlinf_vla.envs.libero.evaluation.protocol_record`)."""
+        from rlinf_vla.envs.libero.evaluation import protocol_record
+
+        return protocol_record(self, protocol)
+
+    @classmethod
+    def eval_perturbations(cls) -> tuple[str, ...]:
+        """LIBERO-PRO's kinds (:data:`PERTURBATIONS`)."""
+        return PERTURBATIONS
+
+    def plan_perturbations(
+        self, env_name: str, kinds: list[str], seed: int, trials: list[dict[str, Any]]
+    ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+        """Each kind on the tasks LIBERO-PRO has a variant of, the others skipped with the
+        reason (:func:`rlinf_vla.envs.libero.evaluation.plan_perturbations`)."""
+        from rlinf_vla.envs.libero.evaluation import plan_perturbations
+
+        return plan_perturbations(self, kinds, seed, trials)
 
     def eval_trials(
         self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int

@@ -181,6 +181,15 @@ class ManiSkillEnvConfig(EnvConfig):
             return str(e)
         return super().expert_problem(env_name)
 
+    def camera_hint(self) -> str:
+        """A Panda with a hand camera adds ``wrist``."""
+        return "ManiSkill: env.wrist=true env.robot=panda_wristcam adds a hand camera"
+
+    def robot_type(self, env_name: str) -> str:
+        """``robot`` without its camera suffix (``panda_wristcam`` -> ``panda``); ``panda``,
+        the robot of the tabletop tasks, when it is not set."""
+        return str(self.robot).removesuffix("_wristcam") if self.robot else "panda"
+
     def episode_steps(self) -> int | None:
         """``max_episode_steps``, else the task's registered time limit (as the env uses it;
         ``None`` without ManiSkill installed)."""

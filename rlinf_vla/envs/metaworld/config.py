@@ -150,9 +150,8 @@ class MetaWorldEnvConfig(EnvConfig):
         """4-D: hand xyz delta and the gripper."""
         return 4
 
-    @property
-    def robot(self) -> str:
-        """The arm of every MetaWorld task (a dataset's ``robot_type``)."""
+    def robot_type(self, env_name: str) -> str:
+        """``sawyer``, the arm of every MetaWorld task."""
         return "sawyer"
 
     @property
