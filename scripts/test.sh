@@ -5,7 +5,7 @@
 #   RLINF_SKIP_LINT=1 bash scripts/test.sh   # skip `ruff check` / `ruff format --check`
 #   RLINF_TEST_VLLM=0 bash scripts/test.sh   # skip the vLLM stage (see below)
 #   RLINF_TEST_OPENPI=0 bash scripts/test.sh # skip the openpi-client stage (see below)
-#   RLINF_TEST_WORKERS=0 bash scripts/test.sh # the main suite in one process (see below)
+#   RLINF_TEST_WORKERS=2 bash scripts/test.sh # the main suite in 2 pytest-xdist processes (see below)
 #
 # Without PYTEST_ARGS (the full run, as CI does) two more stages follow: the interop tests with
 # PyPI's openpi-client (tests/interop/, run from the main env against `rlinf-vla serve`; the
@@ -17,11 +17,12 @@
 # Order of a full run: lint (seconds), then the main test suite; the two extra envs install in the
 # background meanwhile (about 1 and 7 minutes on a 2-core machine, half of it waiting on
 # downloads; their output is printed when their stage starts), and their stages run after it.
-# The main suite runs in RLINF_TEST_WORKERS (default 2) pytest-xdist processes (`-n 2 --dist
-# loadfile`: the tests of a file stay in one process, with its module fixtures; the longest files
-# first, see tests/conftest.py): while one process waits (worker and simulator start-up, deadlines,
-# sleeps), the other computes. RLINF_TEST_WORKERS=0 runs it in one process. With PYTEST_ARGS,
-# pytest runs as given.
+# The main suite runs in one process (RLINF_TEST_WORKERS=0, the default). Most of its time is
+# compute-bound training runs, each with several worker processes of its own: on a 2-core machine
+# two pytest-xdist processes (RLINF_TEST_WORKERS=2: `-n 2 --dist loadfile`, the longest files
+# first, see tests/conftest.py) took as long in all (59 min against 51 min in one process, on the
+# same machine) and made each run three times slower, so that timed assertions and the learning
+# tests' deadlines failed. With PYTEST_ARGS, pytest runs as given.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -110,13 +111,13 @@ wait_install() {
 if [[ $full_run -eq 1 ]]; then
     # The slowest tests, printed at the end: the suite's share of CI's time is watched from them.
     set -- -q --durations=40 --durations-min=15
-    if [[ "${RLINF_TEST_WORKERS:-2}" != 0 ]]; then
-        set -- "$@" -n "${RLINF_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder
+    if [[ "${RLINF_TEST_WORKERS:-0}" != 0 ]]; then
+        set -- "$@" -n "${RLINF_TEST_WORKERS}" --dist loadfile --no-loadscope-reorder
         # Each process gets its share of the cores as torch threads (and so do the CPU slots of
         # the runs it starts, which OMP_NUM_THREADS caps): two processes that each compute with
         # every core fight over them and finish later than with one thread each.
         if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
-            OMP_NUM_THREADS=$(($(nproc) / ${RLINF_TEST_WORKERS:-2}))
+            OMP_NUM_THREADS=$(($(nproc) / RLINF_TEST_WORKERS))
             export OMP_NUM_THREADS=$((OMP_NUM_THREADS > 0 ? OMP_NUM_THREADS : 1))
             echo "[test] OMP_NUM_THREADS=$OMP_NUM_THREADS (the cores shared among the test processes)"
             threads_set_here=1

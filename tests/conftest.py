@@ -18,8 +18,8 @@ def _cuda_available() -> bool:
 
 
 # The files that take longest (measured on the 2-core CI machine, longest first). With
-# pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`, as scripts/test.sh runs the suite)
-# each process takes the next file when it is done with one: these start first, so that the run
+# pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`, as `RLINF_TEST_WORKERS=2 bash
+# scripts/test.sh` runs the suite) each process takes the next file when it is done with one: these start first, so that the run
 # does not end with one process alone on a long file while the other has nothing left.
 _LONG_FILES_FIRST = (
     "tests/envs/test_libero.py",
