@@ -66,7 +66,8 @@ PI0_POLICY = {
     # depend on one seeded noise draw (from N(0, I), the untrained policy scored 0.125).
     "greedy_noise": "zero",
     # A toy instruction is 26 tokens: a shorter padded prompt (the preset's is 128) computes the
-    # same (padding is masked out and does not advance the positions) in 0.6x the time.
+    # same up to float rounding (padding is masked out and does not advance the positions) in 0.6x
+    # the time.
     "max_token_len": 32,
 }
 PPO = {
