@@ -230,7 +230,9 @@ class EnvConfig:
     def eval_uses_seed(self) -> bool:
         """Whether ``eval.seed`` decides an evaluation's trials (the seeds are their reset
         ids), and so belongs to its identity: a results folder resumes only with the same
-        seed. ``False`` where the trials are fixed scenes (LIBERO's official init states)."""
+        seed. ``False`` where the trials are fixed scenes (LIBERO's official init states,
+        MetaWorld's task configurations); a sampled evaluation keeps the seed in its identity
+        whatever this says (it draws the actions)."""
         return True
 
     @classmethod

@@ -34,7 +34,8 @@ class EvalConfig:
             ``seed .. seed + n - 1``.
         tasks: ManiSkill task ids to evaluate (``None``: ``env.task``). LIBERO selects tasks
             with ``env.suite`` and ``env.task_ids``.
-        seed: first seed of the non-LIBERO trials; also seeds torch for sampled actions.
+        seed: first seed of the trials of envs whose trials are seeds (ManiSkill, toy; LIBERO
+            and MetaWorld run fixed scenes); also seeds torch for sampled actions.
         greedy: deterministic actions (the mode / argmax); ``false`` samples.
         output_dir: the results folder (``None``: ``runs/eval-<env>-<timestamp>``). Re-running
             into the same folder skips the trials already finished there.
@@ -321,7 +322,8 @@ def identity(job: EvalJob) -> dict[str, Any]:
         "policy_name": job.policy_name,
         "policy": policy,
         "greedy": job.eval.greedy,
-        "seed": job.eval.seed if job.env_config.eval_uses_seed else None,
+        # the seed draws the trials of some envs, and the actions of a sampled evaluation
+        "seed": job.eval.seed if job.env_config.eval_uses_seed or not job.eval.greedy else None,
         "protocol": job.protocol,
         **(
             {"perturbation_seed": job.eval.perturbation_seed}

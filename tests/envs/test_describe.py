@@ -59,6 +59,9 @@ def test_single_task_envs_refuse_eval_tasks():
         metaworld.eval_configs("metaworld", ["reach-v3"], 1)
     with pytest.raises(ValueError, match=r"eval\.trials_per_task=51: .* 50 configurations"):
         metaworld.eval_configs("metaworld", None, 51)
+    assert not metaworld.eval_uses_seed  # its trials are the tasks' configurations
+    trials = metaworld.eval_trials("metaworld", None, 3, seed=0)
+    assert trials == metaworld.eval_trials("metaworld", None, 3, seed=9)
 
 
 def test_maniskill_checks_every_task_of_an_evaluation():

@@ -108,6 +108,17 @@ def test_only_the_cameras_the_policy_or_the_videos_read_are_rendered() -> None:
         assert cameras(command, *both) == ("main", "wrist")
 
 
+def test_the_seed_is_in_an_evaluations_identity_where_it_decides_something() -> None:
+    """A results folder resumes only with the same ``eval.seed`` where the seed draws the trials
+    (toy, ManiSkill) or the actions (a sampled evaluation); fixed scenes evaluated greedily
+    (LIBERO, MetaWorld) resume with any seed."""
+    assert eval_job("env=toy", "policy=openvla", "eval.seed=3").identity["seed"] == 3
+    for env in (["env=libero"], ["env=metaworld", "policy.action_dim=4"]):
+        assert eval_job(*env, "policy=openvla", "eval.seed=3").identity["seed"] is None
+        sampled = eval_job(*env, "policy=openvla", "eval.seed=3", "eval.greedy=false")
+        assert sampled.identity["seed"] == 3
+
+
 def test_libero_defaults_to_the_official_protocol() -> None:
     """The official loops' settings: 256 px, full-quality renders, 10 settle steps, the
     per-suite time limits, scene seed 0 (OpenVLA-OFT) or 7 (openpi); recorded in the job."""

@@ -194,6 +194,11 @@ class MetaWorldEnvConfig(EnvConfig):
             )
         return [(None, self)]
 
+    @property
+    def eval_uses_seed(self) -> bool:
+        """The tasks' configurations are the scenes of the trials, whatever ``eval.seed``."""
+        return False
+
     def eval_trials(
         self, env_name: str, tasks: list[str] | None, trials_per_task: int, seed: int
     ) -> list[dict[str, Any]]:
