@@ -497,8 +497,8 @@ class LiberoEnv(VectorEnv):
       goal 300, libero_10 520, libero_90 400 steps (``max_steps``; ``max_episode_steps``
       overrides all).
     - **Observation.** ``images["main"]`` (agentview) and ``images["wrist"]`` (eye-in-hand),
-      those of ``cameras`` (the others are not rendered), uint8 ``[B, S, S, 3]`` turned upright (LIBERO renders them rotated by 180 degrees, as
-      OpenVLA flips them); ``state``: float32 ``[B, 8]`` = end-effector position (3),
+      those of ``cameras`` (the others are not rendered), uint8 ``[B, S, S, 3]`` turned
+      upright (LIBERO renders them rotated by 180 degrees, as OpenVLA flips them); ``state``: float32 ``[B, 8]`` = end-effector position (3),
       axis-angle orientation (3), gripper finger positions (2).
     - **Action.** float32 ``[7]`` for robosuite's OSC_POSE controller, each in ``[-1, 1]``:
       xyz delta (x0.05 m), axis-angle rotation delta (x0.5 rad), gripper (+1 close, -1 open).
