@@ -498,8 +498,9 @@ class LiberoEnv(VectorEnv):
       overrides all).
     - **Observation.** ``images["main"]`` (agentview) and ``images["wrist"]`` (eye-in-hand),
       those of ``cameras`` (the others are not rendered), uint8 ``[B, S, S, 3]`` turned
-      upright (LIBERO renders them rotated by 180 degrees, as OpenVLA flips them); ``state``: float32 ``[B, 8]`` = end-effector position (3),
-      axis-angle orientation (3), gripper finger positions (2).
+      upright (LIBERO renders them rotated by 180 degrees, as OpenVLA flips them);
+      ``state``: float32 ``[B, 8]`` = end-effector position (3), axis-angle orientation (3),
+      gripper finger positions (2).
     - **Action.** float32 ``[7]`` for robosuite's OSC_POSE controller, each in ``[-1, 1]``:
       xyz delta (x0.05 m), axis-angle rotation delta (x0.5 rad), gripper (+1 close, -1 open).
     - **Processes.** One subprocess per env (about 2 GB each). A task switch rebuilds that
