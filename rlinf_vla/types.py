@@ -43,6 +43,15 @@ class Observation:
         )
 
 
+def cat_obs(parts: list[Observation]) -> Observation:
+    """Concatenate observations along the batch dimension."""
+    return Observation(
+        images={k: torch.cat([p.images[k] for p in parts]) for k in parts[0].images},
+        state=None if parts[0].state is None else torch.cat([p.state for p in parts]),
+        instruction=[s for p in parts for s in p.instruction],
+    )
+
+
 @dataclass
 class ChunkResult:
     """What ``env.chunk_step(actions [B, K, A])`` returns.

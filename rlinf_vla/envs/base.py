@@ -353,15 +353,6 @@ def hash_ints(*parts: torch.Tensor | int) -> torch.Tensor:
     return h
 
 
-def cat_obs(parts: list[Observation]) -> Observation:
-    """Concatenate observations along the batch dimension."""
-    return Observation(
-        images={k: torch.cat([p.images[k] for p in parts]) for k in parts[0].images},
-        state=None if parts[0].state is None else torch.cat([p.state for p in parts]),
-        instruction=[s for p in parts for s in p.instruction],
-    )
-
-
 def put_rows(dst: Observation, rows: torch.Tensor, src: Observation) -> Observation:
     """A copy of ``dst`` whose rows ``rows`` are replaced by ``src`` (``len(src) == len(rows)``)."""
     images = {}

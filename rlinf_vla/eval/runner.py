@@ -381,7 +381,7 @@ class _EvalLoop:
         """Action chunks ``float32 [N, K, A]`` for the busy slots, from one policy call."""
         import torch
 
-        from rlinf_vla.envs.base import cat_obs
+        from rlinf_vla.types import cat_obs
 
         with torch.inference_mode():
             out = self.policy.act(cat_obs([s.obs for s in busy]), greedy=self.greedy)

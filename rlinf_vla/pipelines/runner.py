@@ -145,7 +145,7 @@ class EmbodiedRunner:
                 ActorWorker,
                 "actor",
                 placement.of("actor"),
-                args=(job.policy_name, policy, _algo_dict(job), seed),
+                args=(job.policy_name, policy, job.algo, seed),
                 kwargs={"offload": offload and not sharded},
                 wait=False,
             )
@@ -464,12 +464,6 @@ def _placement_dict(job: TrainJob) -> dict[str, Any]:
     from rlinf_vla.config import to_dict
 
     return to_dict(job.placement)
-
-
-def _algo_dict(job: TrainJob) -> dict[str, Any]:
-    from rlinf_vla.config import to_dict
-
-    return to_dict(job.algo)
 
 
 def _say(line: str) -> None:

@@ -37,6 +37,7 @@ from rlinf_vla.pipelines.demos import FeatureMap, combine_stats, map_features, v
 from rlinf_vla.pipelines.evaluation import check_eval_episodes
 from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume, run_folder
 from rlinf_vla.runtime.cluster import ClusterConfig
+from rlinf_vla.training.algo_config import AlgoConfig
 
 WEIGHTS = "sft-weights"
 DATA_PARALLEL = "sft-dp"
@@ -205,21 +206,22 @@ class SFTJob:
             sections["env"] = {"name": self.env_name, **_fields(self.env_config)}
         return settings_of(sections)
 
-    def algo(self, ranks: int) -> dict[str, Any]:
-        """The actor workers' optimisation settings (``algo`` section of ``train``)."""
+    def algo(self, ranks: int) -> AlgoConfig:
+        """The actor workers' optimisation settings: ``sft``'s, as the ``algo`` section of
+        ``train`` names them (the preset keys play no part in a supervised step)."""
         s = self.sft
-        return {
-            "minibatch_size": s.batch_size // ranks,
-            "micro_batch_size": min(s.micro_batch_size, s.batch_size // ranks),
-            "lr": s.lr,
-            "weight_decay": s.weight_decay,
-            "lr_schedule": s.lr_schedule,
-            "warmup_iterations": s.warmup_steps,
-            "max_grad_norm": s.max_grad_norm,
-            "autocast": s.autocast,
-            "fsdp": s.fsdp,
-            "cache_frozen_features": False,
-        }
+        return AlgoConfig(
+            minibatch_size=s.batch_size // ranks,
+            micro_batch_size=min(s.micro_batch_size, s.batch_size // ranks),
+            lr=s.lr,
+            weight_decay=s.weight_decay,
+            lr_schedule=s.lr_schedule,
+            warmup_iterations=s.warmup_steps,
+            max_grad_norm=s.max_grad_norm,
+            autocast=s.autocast,
+            fsdp=s.fsdp,
+            cache_frozen_features=False,
+        )
 
 
 def _stat_lists(stats: dict[str, np.ndarray]) -> dict[str, list[float]]:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlinf_vla import cli
-from rlinf_vla.pipelines.dagger import Aggregate, expert_samples
 from rlinf_vla.pipelines.rollout import Trajectory
+from rlinf_vla.training.dagger import Aggregate, expert_samples
 from rlinf_vla.types import Observation
 from tests.pipelines.test_sft import TOY as TOY_TASK
 

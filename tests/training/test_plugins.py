@@ -22,15 +22,16 @@ from rlinf_vla.algos.presets import (
     load_preset,
 )
 from rlinf_vla.config import ConfigError
-from rlinf_vla.pipelines.actor import _advantages
 from rlinf_vla.reasoning.config import MathAlgoConfig
 from rlinf_vla.reasoning.trainer import MathGrpoRunner
 from rlinf_vla.training.algo_config import AlgoConfig
+from rlinf_vla.training.batch import build_batch
+from rlinf_vla.training.batch import trajectory_advantages as _advantages
 from rlinf_vla.training.objective import Counts, LossSettings, objective
-from tests.pipelines.actors import local_actor
-from tests.pipelines.test_advantages import _episodes
 from tests.policies.conftest import make_obs
 from tests.reasoning.conftest import build_tiny_model, math_actor
+from tests.training.actors import local_actor
+from tests.training.test_advantages import _episodes
 
 #: what the test loss reports as its clip fraction (PPO's at ratio 1 is 0)
 MARK = 0.25
@@ -147,7 +148,7 @@ def test_the_embodied_actor_updates_with_the_registered_estimator_and_loss(calls
         replay={k: torch.stack([a.replay[k] for a in acts]) for k in acts[0].replay},
         logprob=torch.stack([a.logprob for a in acts]),
     )
-    metrics = actor._train([traj], iteration=0, total_iterations=1)
+    metrics = actor.updater.update(build_batch([traj], actor.algo), 0, total_iterations=1)
 
     assert calls["test_vs_worst"] == [
         {"scores": [1.0, 0.0, 1.0, 1.0], "group_size": 2, "normalize_std": False}

@@ -16,12 +16,16 @@ that first iteration.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from rlinf_vla.types import Observation
+from rlinf_vla.types import Observation, cat_obs
+
+if TYPE_CHECKING:
+    from rlinf_vla.training.supervised import SupervisedUpdater
 
 
 def expert_samples(trajectories: list[Any]) -> tuple[Observation, Tensor, dict[str, float]]:
@@ -34,7 +38,6 @@ def expert_samples(trajectories: list[Any]) -> tuple[Observation, Tensor, dict[s
         difference, per action entry, between the chunks the policy sent and the expert's
         labels (env units) over the kept samples.
     """
-    from rlinf_vla.envs.base import cat_obs
 
     obs, targets, sent = [], [], []
     for traj in trajectories:
@@ -76,8 +79,6 @@ class Aggregate:
     def add(self, obs: Observation, actions: Tensor) -> None:
         """Append samples (``obs`` and ``actions [n, K, A]``), dropping the oldest beyond
         ``capacity``."""
-        from rlinf_vla.envs.base import cat_obs
-
         if obs.batch_size != len(actions):
             raise ValueError(f"{obs.batch_size} observations for {len(actions)} target chunks")
         self.seen += len(actions)
@@ -120,3 +121,59 @@ class Aggregate:
         if self.actions is not None:
             self.obs = Observation(state["images"], state["state"], list(state["instruction"]))
         self._trim()  # a resume may bound it more tightly
+
+
+class DaggerUpdater:
+    """DAgger's update: each rollout's expert-labelled samples join the :class:`Aggregate`,
+    then ``update_epochs x ceil(new samples / minibatch_size)`` supervised steps on minibatches
+    drawn from all of it. Every rank takes as many steps (from the ranks' mean count), since
+    their gradients are averaged step by step."""
+
+    def __init__(self, supervised: SupervisedUpdater, capacity: int | None) -> None:
+        self.supervised = supervised
+        self.aggregate = Aggregate(capacity)
+
+    def update(
+        self, trajectories: list[Any], iteration: int, total_iterations: int
+    ) -> dict[str, float]:
+        sup = self.supervised
+        a, learner = sup.algo, sup.learner
+        lr = learner.set_lr(iteration, total_iterations)
+        obs, targets, errors = expert_samples(trajectories)
+        self.aggregate.add(obs, targets)
+        new = learner.global_sum(float(len(targets))) / learner.global_sum(1.0)
+        steps = a.update_epochs * math.ceil(new / a.minibatch_size)
+        sums: dict[str, float] = {}
+        skipped = 0
+        for _ in range(steps):
+            metrics = sup.step(*self.aggregate.sample(a.minibatch_size, sup.generator))
+            skipped += int(metrics["train/skipped_updates"])
+            for k in ("train/loss", "train/grad_norm"):
+                sums[k] = sums.get(k, 0.0) + metrics[k]
+        return {
+            **{k: v / max(steps, 1) for k, v in sums.items()},
+            "train/skipped_updates": float(skipped),
+            "train/update_steps": float(steps),
+            "train/nan_streak": float(learner.nan_streak),
+            "train/lr": lr,
+            "train/samples": float(len(targets)),
+            "dagger/aggregate_samples": float(len(self.aggregate)),
+            "dagger/action_error": errors["action_error"],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The actor checkpoint's entries of DAgger (the aggregate)."""
+        return {"dagger_aggregate": self.aggregate.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], path: str) -> None:
+        """Restore :meth:`state_dict`'s entries from the actor checkpoint ``state`` of
+        ``path``."""
+        if "dagger_aggregate" not in state:
+            from rlinf_vla.policies import CheckpointMismatchError
+
+            raise CheckpointMismatchError(
+                f"{path} is not a dagger run's checkpoint (it holds no aggregate of "
+                f"expert-labelled states): resume it with its own algo, or start dagger "
+                f"from its weights with policy.checkpoint={path}/policy"
+            )
+        self.aggregate.load_state_dict(state["dagger_aggregate"])

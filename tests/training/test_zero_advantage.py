@@ -5,10 +5,9 @@ policy in it."""
 import pytest
 import torch
 
-from rlinf_vla.pipelines import actor as actor_module
 from rlinf_vla.pipelines.actor import ActorWorker
-from tests.pipelines.actors import local_actor, own_actions_batch
 from tests.policies.conftest import make_obs
+from tests.training.actors import local_actor, own_actions_batch
 
 N = 4
 
@@ -26,23 +25,22 @@ def _actor(**algo) -> ActorWorker:
     return local_actor("openvla", algo, preset="tiny", seed=0)
 
 
-def _update(monkeypatch, actor: ActorWorker, advantages: torch.Tensor) -> tuple[dict, float]:
+def _update(actor: ActorWorker, advantages: torch.Tensor) -> tuple[dict, float]:
     """One ``_train`` on a batch of the policy's own actions; returns its metrics and the
     largest change of any weight."""
     batch = own_actions_batch(
         actor.policy, make_obs(N, seed=1), advantages, torch.ones(N, dtype=torch.bool)
     )
     before = {n: p.detach().clone() for n, p in actor.policy.named_parameters()}
-    monkeypatch.setattr(actor_module, "build_batch", lambda trajectories, algo: batch)
-    metrics = actor._train([], iteration=0, total_iterations=1)
+    metrics = actor.updater.update(batch, iteration=0, total_iterations=1)
     moved = max(
         float((p.detach() - before[n]).abs().max()) for n, p in actor.policy.named_parameters()
     )
     return metrics, moved
 
 
-def test_a_minibatch_without_signal_makes_no_step(monkeypatch) -> None:
-    metrics, moved = _update(monkeypatch, _actor(), torch.zeros(N))
+def test_a_minibatch_without_signal_makes_no_step() -> None:
+    metrics, moved = _update(_actor(), torch.zeros(N))
     assert moved == 0.0
     assert metrics["train/skipped_zero_advantage"] == 1.0
 
@@ -56,7 +54,7 @@ def test_a_minibatch_without_signal_makes_no_step(monkeypatch) -> None:
     ],
     ids=["off", "entropy-term", "signal"],
 )
-def test_otherwise_the_step_is_taken(monkeypatch, algo, advantages) -> None:
-    metrics, moved = _update(monkeypatch, _actor(**algo), advantages)
+def test_otherwise_the_step_is_taken(algo, advantages) -> None:
+    metrics, moved = _update(_actor(**algo), advantages)
     assert moved > 0.0
     assert metrics["train/skipped_zero_advantage"] == 0.0

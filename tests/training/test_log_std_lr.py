@@ -6,7 +6,7 @@ import torch
 from rlinf_vla.config import ConfigError
 from rlinf_vla.pipelines.actor import ActorWorker
 from rlinf_vla.training.algo_config import AlgoConfig
-from tests.pipelines.actors import local_actor
+from tests.training.actors import local_actor
 
 LR = 1e-4
 

@@ -11,9 +11,13 @@ from rlinf_vla.runtime.worker import WorkerContext
 def local_actor(policy_name: str, algo: dict[str, Any], **policy: Any) -> ActorWorker:
     """``ActorWorker(policy_name, policy_config(policy_name, **policy), algo)`` as rank 0 of 1
     on the CPU, built in this process."""
+    from rlinf_vla.config import from_section
+    from rlinf_vla.training.algo_config import AlgoConfig
+
     actor = ActorWorker.__new__(ActorWorker)
     actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
-    actor.__init__(policy_name, policy_config(policy_name, **policy), algo, seed=0)
+    typed = from_section(AlgoConfig, algo, "algo")
+    actor.__init__(policy_name, policy_config(policy_name, **policy), typed, seed=0)
     return actor
 
 
@@ -23,7 +27,7 @@ def own_actions_batch(policy: Any, obs: Any, advantages: Any, mask: Any, **field
     values and returns unless ``fields`` (any other ``Batch`` field) say otherwise."""
     import torch
 
-    from rlinf_vla.pipelines.actor import Batch
+    from rlinf_vla.training.batch import Batch
 
     with torch.no_grad():
         out = policy.act(obs)

@@ -6,10 +6,10 @@ valid sample at all."""
 import pytest
 import torch
 
-from rlinf_vla.pipelines import actor as actor_module
-from rlinf_vla.pipelines.actor import ActorWorker, Batch
-from tests.pipelines.actors import local_actor
+from rlinf_vla.pipelines.actor import ActorWorker
+from rlinf_vla.training.batch import Batch
 from tests.policies.conftest import make_obs
+from tests.training.actors import local_actor
 
 N = 8  # samples, all in one minibatch
 # 5 of 8 samples invalid: however the shuffle splits them into pairs, one pair (and, at
@@ -57,10 +57,9 @@ def _batch(policy, mask: torch.Tensor) -> Batch:
     )
 
 
-def _update(monkeypatch, actor: ActorWorker, batch: Batch) -> tuple[dict, dict]:
+def _update(actor: ActorWorker, batch: Batch) -> tuple[dict, dict]:
     """One ``_train`` on ``batch``: the gradients of its one minibatch and its metrics."""
-    monkeypatch.setattr(actor_module, "build_batch", lambda trajectories, algo: batch)
-    metrics = actor._train([], iteration=0, total_iterations=1)
+    metrics = actor.updater.update(batch, iteration=0, total_iterations=1)
     grads = {
         n: p.grad.clone()
         for n, p in actor.policy.named_parameters()
@@ -99,7 +98,7 @@ def _masked_mean_loss(policy, batch: Batch, with_value: bool) -> tuple[torch.Ten
     [("ppo", False), ("grpo", False), ("ppo", True)],
     ids=["ppo", "grpo", "ppo-cached-readout"],
 )
-def test_micro_batch_size_leaves_the_gradient_unchanged(monkeypatch, algo_name, readout):
+def test_micro_batch_size_leaves_the_gradient_unchanged(algo_name, readout):
     reference = _actor(algo_name, N, readout)
     batch = _batch(reference.policy, VALID)
     # The gradient of the whole minibatch's masked-mean loss, by autograd, no accumulation.
@@ -111,7 +110,7 @@ def test_micro_batch_size_leaves_the_gradient_unchanged(monkeypatch, algo_name, 
 
     for micro_batch_size in (1, 2, N):
         actor = _actor(algo_name, micro_batch_size, readout)
-        got, metrics = _update(monkeypatch, actor, batch)
+        got, metrics = _update(actor, batch)
         assert got.keys() == expected.keys(), micro_batch_size
         for name, grad in expected.items():
             where = f"micro-batch {micro_batch_size}, {name}"
@@ -125,11 +124,11 @@ def test_micro_batch_size_leaves_the_gradient_unchanged(monkeypatch, algo_name, 
             )
 
 
-def test_a_batch_without_valid_samples_changes_nothing(monkeypatch):
+def test_a_batch_without_valid_samples_changes_nothing():
     actor = _actor("ppo", 2, readout=False)
     before = {n: p.detach().clone() for n, p in actor.policy.named_parameters()}
     batch = _batch(actor.policy, torch.zeros(N, dtype=torch.bool))
-    grads, metrics = _update(monkeypatch, actor, batch)
+    grads, metrics = _update(actor, batch)
     assert grads == {}
     for name, p in actor.policy.named_parameters():
         assert torch.equal(p, before[name]), name

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from rlinf_vla.config import ConfigError
-from rlinf_vla.pipelines.actor import _advantages, build_batch
 from rlinf_vla.pipelines.rollout import Trajectory
 from rlinf_vla.training.algo_config import AlgoConfig
+from rlinf_vla.training.batch import build_batch
+from rlinf_vla.training.batch import trajectory_advantages as _advantages
 from rlinf_vla.types import Observation
 
 
@@ -200,18 +201,17 @@ def test_build_batch_keeps_the_rollouts_features_in_sample_order():
 
 
 def test_the_actor_takes_the_frozen_features_the_rollout_sent():
-    from rlinf_vla.pipelines.actor import ActorWorker, Batch
-    from rlinf_vla.runtime import Device
-    from rlinf_vla.runtime.worker import WorkerContext
+    from rlinf_vla.training.batch import Batch
+    from tests.training.actors import local_actor
 
-    actor = ActorWorker.__new__(ActorWorker)
-    actor._ctx = WorkerContext("actor", 0, 1, Device(0, 0, "local", "127.0.0.1", 0, "cpu"))
-    from rlinf_vla.policies import policy_config
-
-    policy = policy_config(
-        "openvla", preset="tiny", lora_rank=4, lora_target_modules=".*lm_head", seed=0
+    actor = local_actor(
+        "openvla",
+        {"name": "ppo"},
+        preset="tiny",
+        lora_rank=4,
+        lora_target_modules=".*lm_head",
+        seed=0,
     )
-    actor.__init__("openvla", policy, {"name": "ppo"}, seed=0)
     obs = Observation(
         images={"main": torch.randint(0, 256, (3, 32, 32, 3), dtype=torch.uint8)},
         state=None,
@@ -227,7 +227,9 @@ def test_the_actor_takes_the_frozen_features_the_rollout_sent():
         returns=torch.zeros(3),
         mask=torch.ones(3, dtype=torch.bool),
     )
-    computed = actor._frozen_features(batch)  # none sent: the actor's own (teacher-forced) pass
+    computed = actor.updater.frozen_features(
+        batch
+    )  # none sent: the actor's own (teacher-forced) pass
     torch.testing.assert_close(computed, sent, rtol=1e-5, atol=1e-5)
 
     def frozen_pass(*args):
@@ -235,7 +237,9 @@ def test_the_actor_takes_the_frozen_features_the_rollout_sent():
 
     actor.policy.frozen_features = frozen_pass
     marked = sent + 1.0
-    assert torch.equal(actor._frozen_features(dataclasses.replace(batch, features=marked)), marked)
+    assert torch.equal(
+        actor.updater.frozen_features(dataclasses.replace(batch, features=marked)), marked
+    )
 
 
 def test_a_new_group_estimator_needs_only_its_function_and_a_preset(monkeypatch, tmp_path):

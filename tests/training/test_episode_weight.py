@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from rlinf_vla.algos.granularity import episode_weights
-from rlinf_vla.pipelines import actor as actor_module
-from rlinf_vla.pipelines.actor import build_batch
 from rlinf_vla.training.algo_config import AlgoConfig
-from tests.pipelines.actors import one_step_grpo_actor, own_actions_batch
-from tests.pipelines.test_advantages import _episodes
+from rlinf_vla.training.batch import build_batch
 from tests.policies.conftest import make_obs
+from tests.training.actors import one_step_grpo_actor, own_actions_batch
+from tests.training.test_advantages import _episodes
 
 
 def test_episode_weights_by_hand():
@@ -47,12 +46,11 @@ ADV = torch.tensor([0.7071, -0.7071, -0.7071, -0.7071, 0.0, 0.0])  # success, fa
 
 
 @pytest.mark.parametrize("mode", ["equal", "step"])
-def test_policy_loss_of_the_first_step_by_hand(monkeypatch, mode):
+def test_policy_loss_of_the_first_step_by_hand(mode):
     actor = one_step_grpo_actor(N, episode_weight=mode)
     weight = torch.tensor([2.0, 2 / 3, 2 / 3, 2 / 3, 0.0, 0.0]) if mode == "equal" else None
     batch = own_actions_batch(actor.policy, make_obs(N, seed=2), ADV, VALID, weight=weight)
-    monkeypatch.setattr(actor_module, "build_batch", lambda trajectories, algo: batch)
-    metrics = actor._train([], iteration=0, total_iterations=1)
+    metrics = actor.updater.update(batch, iteration=0, total_iterations=1)
     # at the first step every ratio is 1, so each valid sample's loss is -A
     # equal: each episode weighs the same, -(A_success + A_failure) / 2 = 0;
     # step: each chunk step weighs the same, -(1 x 0.7071 - 3 x 0.7071) / 4

@@ -4,11 +4,10 @@ import pytest
 import torch
 
 from rlinf_vla.config import ConfigError
-from rlinf_vla.pipelines import actor as actor_module
 from rlinf_vla.pipelines.actor import ActorWorker
 from rlinf_vla.training.algo_config import AlgoConfig
-from tests.pipelines.actors import local_actor
-from tests.pipelines.test_accumulation import _batch
+from tests.training.test_accumulation import _batch
+from tests.training.actors import local_actor
 
 VALID = torch.ones(8, dtype=torch.bool)
 
@@ -27,13 +26,12 @@ def _actor(critic_warmup: int) -> ActorWorker:
     return local_actor("openvla", algo, preset="tiny", chunk_size=2, seed=0)
 
 
-def _changed(monkeypatch, actor: ActorWorker, iteration: int) -> tuple[set[str], set[str]]:
+def _changed(actor: ActorWorker, iteration: int) -> tuple[set[str], set[str]]:
     """One update at ``iteration``: the names of the policy's and the value head's parameters
     that changed."""
     batch = _batch(actor.policy, VALID)
-    monkeypatch.setattr(actor_module, "build_batch", lambda trajectories, algo: batch)
     before = {n: p.detach().clone() for n, p in actor.policy.named_parameters() if p.requires_grad}
-    metrics = actor._train([], iteration=iteration, total_iterations=10)
+    metrics = actor.updater.update(batch, iteration=iteration, total_iterations=10)
     changed = {n for n, p in actor.policy.named_parameters() if n in before}
     changed = {
         n for n in changed if not torch.equal(before[n], dict(actor.policy.named_parameters())[n])
@@ -43,17 +41,17 @@ def _changed(monkeypatch, actor: ActorWorker, iteration: int) -> tuple[set[str],
     return changed - value, value
 
 
-def test_only_the_value_head_learns_during_the_critic_warmup(monkeypatch) -> None:
+def test_only_the_value_head_learns_during_the_critic_warmup() -> None:
     actor = _actor(critic_warmup=2)
-    policy, value = _changed(monkeypatch, actor, iteration=1)
+    policy, value = _changed(actor, iteration=1)
     assert value, "the value head must learn during the warm-up"
     assert not policy, f"policy weights moved during the critic warm-up: {sorted(policy)[:3]}"
-    policy, value = _changed(monkeypatch, actor, iteration=2)
+    policy, value = _changed(actor, iteration=2)
     assert policy and value, "after the warm-up both learn"
 
 
-def test_without_warmup_the_policy_learns_from_the_first_iteration(monkeypatch) -> None:
-    policy, value = _changed(monkeypatch, _actor(critic_warmup=0), iteration=0)
+def test_without_warmup_the_policy_learns_from_the_first_iteration() -> None:
+    policy, value = _changed(_actor(critic_warmup=0), iteration=0)
     assert policy and value
 
 
