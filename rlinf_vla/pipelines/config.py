@@ -212,15 +212,28 @@ def local_device_count(cluster: ClusterConfig) -> int | None:
 
 
 def validate(cfg: Any) -> TrainJob:
-    """Typed configs and cross-checks for a composed ``train`` config; starts nothing."""
-    from omegaconf import OmegaConf
-
-    from rlinf_vla.envs import env_config, replace_config
-
+    """Typed configs and cross-checks for a composed ``train`` config; starts nothing. Every
+    section is checked before any error is raised, then every check across sections, so that
+    one run names all the problems of each stage."""
     known = {"cluster", "env", "policy", "algo", "placement", "runner"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    job = _typed_job(cfg)
+    errors = SectionErrors()
+    for message in _cross_problems(job, cfg["algo"]):
+        errors.add(message)
+    errors.build(lambda: _check_placement(job))
+    errors.raise_any()
+    return job
+
+
+def _typed_job(cfg: Any) -> TrainJob:
+    """The job of ``cfg`` with every section typed (every bad section named at once)."""
+    from omegaconf import OmegaConf
+
+    from rlinf_vla.envs import env_config, replace_config
+
     env_name, env = _named(cfg["env"], "env")
     policy_name, policy = _named(cfg["policy"], "policy")
 
@@ -236,7 +249,6 @@ def validate(cfg: Any) -> TrainJob:
         settings = policy if env_cfg is None else sized_for_env(policy_name, policy, env_cfg)
         return settings, policy_config_for(policy_name, settings)
 
-    # Every section is checked before any error is raised, so that one run names them all.
     errors = SectionErrors()
     algo = errors.build(lambda: from_section(AlgoConfig, cfg["algo"], "algo"))
     if algo is not None and "group_size" not in (cfg["algo"] or {}):
@@ -259,7 +271,11 @@ def validate(cfg: Any) -> TrainJob:
     errors.raise_any()
     if "seed" not in env:  # the envs follow runner.seed unless env.seed is set
         env_cfg = replace_config(env_cfg, seed=built["runner"].seed)
-    job = TrainJob(
+    # Training keeps float32 weights, so AdamW's state and the checkpoints are float32 too, and
+    # algo.autocast sets the compute precision; policy.dtype=bfloat16 still holds bf16 weights.
+    if pol_cfg.dtype == "auto":
+        pol_cfg = pol_cfg.replace(dtype="float32")
+    return TrainJob(
         env_name=env_name,
         env=env,
         policy_name=policy_name,
@@ -270,37 +286,34 @@ def validate(cfg: Any) -> TrainJob:
         policy_config=pol_cfg,
         raw=OmegaConf.to_container(cfg, resolve=True),
     )
-    # Training keeps float32 weights, so AdamW's state and the checkpoints are float32 too, and
-    # algo.autocast sets the compute precision; policy.dtype=bfloat16 still holds bf16 weights.
-    if pol_cfg.dtype == "auto":
-        job.policy_config = pol_cfg = pol_cfg.replace(dtype="float32")
-    # Checks across sections: every one that fails is named.
-    misfit = fit_problems(env_name, env_cfg, pol_cfg)
-    for message in misfit:
-        errors.add(message)
-    if not misfit:  # a camera that nothing reads is not rendered
+
+
+def _cross_problems(job: TrainJob, algo_section: Any) -> list[str]:
+    """What does not fit across the sections of ``job`` (``algo_section``: the ``algo``
+    section as given, for the keys that do nothing). Where the env and the policy fit, the
+    env keeps only the cameras the policy reads (one that nothing reads is not rendered)."""
+    env_name, env_cfg, pol_cfg, algo = job.env_name, job.env_config, job.policy_config, job.algo
+    problems = fit_problems(env_name, env_cfg, pol_cfg)
+    if not problems:
         job.env_config = env_cfg = for_policy(env_cfg, pol_cfg)
-    for message in ineffective_keys(
-        cfg["algo"], job.algo.preset, AlgoConfig.CONDITIONAL, job.algo.name
-    ):
-        errors.add(message)
-    if job.algo.preset.imitation:
+    problems += ineffective_keys(algo_section, algo.preset, AlgoConfig.CONDITIONAL, algo.name)
+    if algo.preset.imitation:
         problem = env_cfg.expert_problem(env_name)
         if problem:
-            errors.add(
-                f"algo={job.algo.name} labels states with the env's scripted expert: {problem}"
+            problems.append(
+                f"algo={algo.name} labels states with the env's scripted expert: {problem}"
             )
-    if job.algo.preset.uses_groups:
-        if job.algo.group_size != env_cfg.group_size:
-            errors.add(
-                f"algo.group_size={job.algo.group_size} must equal env.group_size={env_cfg.group_size}: "
-                f"{job.algo.name} compares the episodes of envs that share a reset id"
+    if algo.preset.uses_groups:
+        if algo.group_size != env_cfg.group_size:
+            problems.append(
+                f"algo.group_size={algo.group_size} must equal env.group_size={env_cfg.group_size}: "
+                f"{algo.name} compares the episodes of envs that share a reset id"
             )
         steps = job.runner.rollout_chunks * pol_cfg.chunk_size
         limit = env_cfg.episode_steps()
         if limit is not None and steps < limit:
-            errors.add(
-                f"{job.algo.name} scores whole episodes: runner.rollout_chunks x policy.chunk_size = {steps} env steps "
+            problems.append(
+                f"{algo.name} scores whole episodes: runner.rollout_chunks x policy.chunk_size = {steps} env steps "
                 f"is shorter than the env's time limit of {limit} steps (env.max_episode_steps)"
             )
     if job.runner.eval_interval > 0 and job.runner.eval_videos:
@@ -309,30 +322,29 @@ def validate(cfg: Any) -> TrainJob:
         try:
             require_ffmpeg("set runner.eval_videos=false")
         except RuntimeError as e:
-            errors.add(f"runner.eval_videos=true: {e}")
+            problems.append(f"runner.eval_videos=true: {e}")
+    return problems
+
+
+def _check_placement(job: TrainJob) -> None:
+    """The placement fits the local cluster's devices (counted without starting it; a remote
+    cluster is checked when it starts); ``job.resolved`` is the resolved placement."""
     devices = local_device_count(job.cluster)
+    env_cfg = job.env_config
+    if devices is not None and job.placement.mode == "auto":
+        from rlinf_vla.pipelines.auto import Costs, candidate_plans, choose
 
-    def check_placement() -> None:
-        if devices is not None and job.placement.mode == "auto":
-            from rlinf_vla.pipelines.auto import Costs, candidate_plans, choose
-
-            groups = env_cfg.num_envs // env_cfg.group_size
-            plans = candidate_plans(
-                Costs(1.0, 1.0, 1.0), devices, groups, 1, job.placement.max_stages
-            )
-            choose(plans)
-        elif job.placement.mode == "local" and job.cluster.address is not None:
-            raise ConfigError(
-                f"placement=local runs in this process on this machine; cluster.address="
-                f"{job.cluster.address!r} names a Ray cluster (use another placement there)"
-            )
-        elif devices is not None:
-            job.resolved = resolve_placement(job.placement, devices)
-            check_env_split(job, len(job.resolved.of("env")), len(job.resolved.of("actor")))
-
-    errors.build(check_placement)
-    errors.raise_any()
-    return job
+        groups = env_cfg.num_envs // env_cfg.group_size
+        plans = candidate_plans(Costs(1.0, 1.0, 1.0), devices, groups, 1, job.placement.max_stages)
+        choose(plans)
+    elif job.placement.mode == "local" and job.cluster.address is not None:
+        raise ConfigError(
+            f"placement=local runs in this process on this machine; cluster.address="
+            f"{job.cluster.address!r} names a Ray cluster (use another placement there)"
+        )
+    elif devices is not None:
+        job.resolved = resolve_placement(job.placement, devices)
+        check_env_split(job, len(job.resolved.of("env")), len(job.resolved.of("actor")))
 
 
 def check_env_split(job: TrainJob, env_workers: int, actor_workers: int = 1) -> None:

@@ -180,9 +180,61 @@ class RunLoop:
             ``iteration`` or ``save`` raise is re-raised; either way the console names the
             last checkpoint to resume from.
         """
-        import yaml
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        changes = self._record_start(start)
+        logger = MetricsLogger(
+            self.output_dir,
+            self.logging,
+            run_name=self.output_dir.name,
+            resume_iteration=start,
+            full_config=self.config,
+        )
+        console = Console(stderr=True)
+        for line in self.header or []:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        console.print(f"run folder: {self.output_dir}", markup=False, highlight=False)
+        word = _WORDS.get(self.unit, self.unit)
+        if start:
+            console.print(f"resuming after {word} {start} of {self.total}", highlight=False)
+        if changes:
+            provenance.warn(console, changes, "the run started")
+        i = start
+        try:
+            with _Bar(self, console, start, status) as bar:
+                line = before(logger, bar.say) if before is not None else None
+                if line:
+                    bar.console.print(line)
+                for i in range(start, self.total):
+                    bar.doing = i + 1
+                    metrics = iteration(i, logger, bar.say)
+                    with self._disk_full_aborts("metrics.jsonl"):
+                        logger.log(metrics)
+                    bar.done(i + 1, metrics)
+                    self._check_finite(metrics, bar.console, i + 1)
+                    bar.warn_if_no_update(i + 1, metrics)
+                    if (i + 1) % self.save_interval == 0 or i + 1 == self.total:
+                        t0 = time.perf_counter()
+                        with self._disk_full_aborts(f"the checkpoint of {word} {i + 1}"):
+                            self.last_checkpoint = save(i + 1)
+                        bar.console.print(
+                            _saved_line(self.last_checkpoint, time.perf_counter() - t0),
+                            highlight=False,
+                            markup=False,
+                            soft_wrap=True,
+                        )
+        except BaseException as e:
+            console.print(f"[bold red]training stopped in {word} {i + 1}:[/] {stop_reason(e)}")
+            console.print(self.resume_hint(), soft_wrap=True, markup=False, highlight=False)
+            raise
+        finally:
+            logger.close()
+        return self.output_dir
+
+    def _record_start(self, start: int) -> list[str]:
+        """Write the run folder's configs and this start's line of ``run_info.jsonl``; returns
+        what changed since the run started (:func:`rlinf_vla.provenance.record`)."""
+        import yaml
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         text = yaml.safe_dump(self.config, sort_keys=False)
@@ -201,87 +253,7 @@ class RunLoop:
             (starts / f"settings_{number}.yaml").write_text(
                 yaml.safe_dump(self.settings, sort_keys=False)
             )
-        logger = MetricsLogger(
-            self.output_dir,
-            self.logging,
-            run_name=self.output_dir.name,
-            resume_iteration=start,
-            full_config=self.config,
-        )
-        console = Console(stderr=True)
-        for line in self.header or []:
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-        console.print(f"run folder: {self.output_dir}", markup=False, highlight=False)
-        if start:
-            word = _WORDS.get(self.unit, self.unit)
-            console.print(f"resuming after {word} {start} of {self.total}", highlight=False)
-        if changes:
-            provenance.warn(console, changes, "the run started")
-        columns = [
-            TextColumn(f"[bold]{self.unit} {{task.completed}}/{{task.total}}"),
-            BarColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(),
-        ]
-        i = start
-        word = _WORDS.get(self.unit, self.unit)
-        plain = not console.is_terminal  # a log file: lines instead of a redrawn bar
-        told: set[str] = set()  # the reasons for iterations without an update, given once
-        started = time.perf_counter()
-        try:
-            with Progress(*columns, console=console, disable=plain) as progress:
-                task = progress.add_task(self.command, total=self.total, completed=start, status="")
-
-                doing = start  # the iteration under way (``start`` before the first)
-
-                def say(text: str) -> None:
-                    progress.update(task, status=text)
-                    if plain:
-                        console.print(f"{self.unit} {doing}/{self.total}: {text}", markup=False)
-
-                line = before(logger, say) if before is not None else None
-                if line:
-                    progress.console.print(line)
-                for i in range(start, self.total):
-                    doing = i + 1
-                    metrics = iteration(i, logger, say)
-                    with self._disk_full_aborts("metrics.jsonl"):
-                        logger.log(metrics)
-                    progress.update(task, completed=i + 1, status=status(metrics))
-                    if plain:
-                        console.print(
-                            _plain_line(self.unit, i + 1 - start, i + 1, self.total, started)
-                            + f"  {status(metrics)}",
-                            markup=False,
-                            highlight=False,
-                        )
-                    self._check_finite(metrics, progress.console, i + 1)
-                    reason = no_update_reason(metrics)
-                    if reason:  # in full the first time, then its first clause
-                        short = reason.split(":")[0].split(" (")[0]
-                        progress.console.print(
-                            f"[yellow]warning:[/] {word} {i + 1} did not update the policy: "
-                            + (short if reason in told else reason),
-                            soft_wrap=True,
-                        )
-                        told.add(reason)
-                    if (i + 1) % self.save_interval == 0 or i + 1 == self.total:
-                        t0 = time.perf_counter()
-                        with self._disk_full_aborts(f"the checkpoint of {word} {i + 1}"):
-                            self.last_checkpoint = save(i + 1)
-                        progress.console.print(
-                            _saved_line(self.last_checkpoint, time.perf_counter() - t0),
-                            highlight=False,
-                            markup=False,
-                            soft_wrap=True,
-                        )
-        except BaseException as e:
-            console.print(f"[bold red]training stopped in {word} {i + 1}:[/] {stop_reason(e)}")
-            console.print(self.resume_hint(), soft_wrap=True, markup=False, highlight=False)
-            raise
-        finally:
-            logger.close()
-        return self.output_dir
+        return changes
 
     @contextlib.contextmanager
     def _disk_full_aborts(self, what: str) -> Iterator[None]:
@@ -320,6 +292,73 @@ class RunLoop:
                 f"(runner.max_nan_updates={self.max_nan_updates}); lower algo.lr, check the "
                 "rewards, or resume from an earlier checkpoint"
             )
+
+
+class _Bar:
+    """A run's progress bar: redrawn on a terminal; in a log file (stderr not a terminal) one
+    plain line per iteration and one per status shown between them."""
+
+    def __init__(
+        self, loop: RunLoop, console: Any, start: int, status: Callable[[dict[str, Any]], str]
+    ) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.loop, self.start, self.status = loop, start, status
+        self.word = _WORDS.get(loop.unit, loop.unit)
+        self.plain = not console.is_terminal
+        self.doing = start  # the iteration under way (``start`` before the first)
+        self.told: set[str] = set()  # the reasons for iterations without an update, given once
+        self.started = time.perf_counter()
+        columns = [
+            TextColumn(f"[bold]{loop.unit} {{task.completed}}/{{task.total}}"),
+            BarColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+        ]
+        self.progress = Progress(*columns, console=console, disable=self.plain)
+        self.console = self.progress.console
+
+    def __enter__(self) -> _Bar:
+        self.progress.__enter__()
+        self.task = self.progress.add_task(
+            self.loop.command, total=self.loop.total, completed=self.start, status=""
+        )
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
+
+    def say(self, text: str) -> None:
+        """Show ``text`` as the status of the iteration under way."""
+        self.progress.update(self.task, status=text)
+        if self.plain:
+            self.console.print(
+                f"{self.loop.unit} {self.doing}/{self.loop.total}: {text}", markup=False
+            )
+
+    def done(self, n: int, metrics: dict[str, Any]) -> None:
+        """Iteration ``n`` (1-based) finished with ``metrics``."""
+        self.progress.update(self.task, completed=n, status=self.status(metrics))
+        if self.plain:
+            self.console.print(
+                _plain_line(self.loop.unit, n - self.start, n, self.loop.total, self.started)
+                + f"  {self.status(metrics)}",
+                markup=False,
+                highlight=False,
+            )
+
+    def warn_if_no_update(self, n: int, metrics: dict[str, Any]) -> None:
+        """Say why iteration ``n`` changed nothing, if it did not: in full the first time,
+        then its first clause."""
+        reason = no_update_reason(metrics)
+        if reason:
+            short = reason.split(":")[0].split(" (")[0]
+            self.console.print(
+                f"[yellow]warning:[/] {self.word} {n} did not update the policy: "
+                + (short if reason in self.told else reason),
+                soft_wrap=True,
+            )
+            self.told.add(reason)
 
 
 def no_update_reason(metrics: dict[str, Any]) -> str | None:

@@ -98,78 +98,15 @@ class EmbodiedRunner:
         offload = placement.mode in ("collocated", "local") and job.placement.offload
         self.offloads = offload and any(d.kind == "cuda" for d in cluster.devices)
         self.output_dir = self._output_dir()
-        seed = job.runner.seed
-        policy = job.policy_config.replace(seed=seed)
         # placement=local: the same workers in threads of this process, no Ray (runtime.local)
         local = placement.mode == "local"
-        imitation = job.algo.preset.imitation
-        Group = LocalGroup if local else WorkerGroup
         self.channel = (LocalChannel if local else Channel).create(f"embodied-{id(self)}")
         self._synced: int | None = None  # the weights version the rollout workers hold
         self._sync_bytes = 0  # bytes the syncs of the current iteration sent
         self._memory: dict[str, list[dict[str, float]]] = {}  # the last memory readings
-        counts = {c: len(placement.of(c)) for c in ("env", "rollout", "actor")}
-        _say(
-            f"starting {counts['env']} env worker(s) ({job.env_config.num_envs} envs of "
-            f"{_env_text(job)} in all), {counts['rollout']} rollout and {counts['actor']} actor "
-            f"worker(s), {placement.mode} ..."
-        )
-        started = time.perf_counter()
         try:
-            self.env = Group(
-                cluster,
-                EnvWorker,
-                "env",
-                placement.of("env"),
-                args=(job.env_name, job.env_config, job.placement.stages),
-                # DAgger: the env's scripted expert labels every state the policy visits
-                kwargs={"expert": imitation},
-                wait=False,
-            )
-            self.rollout = Group(
-                cluster,
-                RolloutWorker,
-                "rollout",
-                placement.of("rollout"),
-                args=(job.policy_name, policy, seed, job.algo.autocast),
-                # An actor that caches frozen features takes them from the rollout (FSDP never
-                # caches: it runs the whole pass).
-                kwargs={
-                    "features": job.algo.cache_frozen_features and not sharded and not imitation,
-                    "offload": offload,
-                },
-                wait=False,
-            )
-            self.actor = Group(
-                cluster,
-                ActorWorker,
-                "actor",
-                placement.of("actor"),
-                args=(job.policy_name, policy, job.algo, seed),
-                kwargs={"offload": offload and not sharded},
-                wait=False,
-            )
-            # The groups start at once: a worker's start is mostly imports and model building.
-            wait_started([self.env, self.rollout, self.actor])
-            _say(f"workers started in {time.perf_counter() - started:.0f} s")
-            create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
-            # Actor ranks: FSDP2 shards over a default process group, or replicas all-reduce grads.
-            self.fsdp = sharded
-            if self.fsdp:
-                create_collective(DATA_PARALLEL, [(self.actor, None)], as_default=True)
-                self.actor.shard().wait()
-            elif self.actor.world_size > 1:
-                create_collective(DATA_PARALLEL, [(self.actor, None)])
-                self.actor.join_data_parallel(DATA_PARALLEL).wait()
-            # With FSDP every actor rank takes part in gathering the full weights.
-            self._gather_ranks = None if self.fsdp else [0]
-            # Env stage (rank, s) -> rollout worker and actor rank, fixed for the whole run.
-            self.routing = Routing.round_robin(
-                self.env.world_size,
-                job.placement.stages,
-                self.rollout.world_size,
-                self.actor.world_size,
-            )
+            self._start_workers(LocalGroup if local else WorkerGroup, offload, sharded)
+            self._connect(sharded)
             self.start_iteration = 0
             if self.checkpoint is not None:
                 self.start_iteration = self._restore(self.checkpoint.path)
@@ -177,6 +114,78 @@ class EmbodiedRunner:
             # Nothing outlives a failed start (on a long-lived Ray cluster).
             self.shutdown(graceful=False)
             raise
+
+    def _start_workers(self, Group: Any, offload: bool, sharded: bool) -> None:
+        """Start the env, rollout and actor groups at once (a worker's start is mostly imports
+        and model building) and wait until every worker has started."""
+        job, placement, cluster = self.job, self.placement, self.cluster
+        seed = job.runner.seed
+        policy = job.policy_config.replace(seed=seed)
+        imitation = job.algo.preset.imitation
+        counts = {c: len(placement.of(c)) for c in ("env", "rollout", "actor")}
+        _say(
+            f"starting {counts['env']} env worker(s) ({job.env_config.num_envs} envs of "
+            f"{_env_text(job)} in all), {counts['rollout']} rollout and {counts['actor']} actor "
+            f"worker(s), {placement.mode} ..."
+        )
+        started = time.perf_counter()
+        self.env = Group(
+            cluster,
+            EnvWorker,
+            "env",
+            placement.of("env"),
+            args=(job.env_name, job.env_config, job.placement.stages),
+            # DAgger: the env's scripted expert labels every state the policy visits
+            kwargs={"expert": imitation},
+            wait=False,
+        )
+        self.rollout = Group(
+            cluster,
+            RolloutWorker,
+            "rollout",
+            placement.of("rollout"),
+            args=(job.policy_name, policy, seed, job.algo.autocast),
+            # An actor that caches frozen features takes them from the rollout (FSDP never
+            # caches: it runs the whole pass).
+            kwargs={
+                "features": job.algo.cache_frozen_features and not sharded and not imitation,
+                "offload": offload,
+            },
+            wait=False,
+        )
+        self.actor = Group(
+            cluster,
+            ActorWorker,
+            "actor",
+            placement.of("actor"),
+            args=(job.policy_name, policy, job.algo, seed),
+            kwargs={"offload": offload and not sharded},
+            wait=False,
+        )
+        wait_started([self.env, self.rollout, self.actor])
+        _say(f"workers started in {time.perf_counter() - started:.0f} s")
+
+    def _connect(self, sharded: bool) -> None:
+        """The weight collective (actor rank 0 -> rollout workers), the actor ranks' data
+        parallelism (FSDP2 shards over a default process group, or replicas all-reduce their
+        gradients) and the routing of env stages to rollout workers and actor ranks."""
+        create_collective(WEIGHTS, [(self.actor, [0]), (self.rollout, None)])
+        self.fsdp = sharded
+        if self.fsdp:
+            create_collective(DATA_PARALLEL, [(self.actor, None)], as_default=True)
+            self.actor.shard().wait()
+        elif self.actor.world_size > 1:
+            create_collective(DATA_PARALLEL, [(self.actor, None)])
+            self.actor.join_data_parallel(DATA_PARALLEL).wait()
+        # With FSDP every actor rank takes part in gathering the full weights.
+        self._gather_ranks = None if self.fsdp else [0]
+        # Env stage (rank, s) -> rollout worker and actor rank, fixed for the whole run.
+        self.routing = Routing.round_robin(
+            self.env.world_size,
+            self.job.placement.stages,
+            self.rollout.world_size,
+            self.actor.world_size,
+        )
 
     def _output_dir(self) -> Path:
         r = self.job.runner

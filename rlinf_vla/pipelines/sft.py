@@ -274,13 +274,10 @@ def _open(paths: list[str]) -> list[Any]:
 
 def validate(cfg: Any) -> SFTJob:
     """Typed sections, the datasets' features matched to the policy and the env; starts
-    nothing and reads only the datasets' metadata."""
+    nothing and reads only the datasets' metadata. Each stage names every problem it finds."""
     from omegaconf import OmegaConf
 
-    from rlinf_vla.envs import env_config
     from rlinf_vla.pipelines.config import _named
-    from rlinf_vla.policies import POLICIES
-    from rlinf_vla.policies.resolve import policy_config_for, state_problems
 
     known = {"cluster", "env", "policy", "data", "sft", "runner"}
     unknown = sorted(set(cfg) - known)
@@ -288,6 +285,50 @@ def validate(cfg: Any) -> SFTJob:
         raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: {sorted(known)})")
     env_name, env = _named(cfg["env"], "env")
     policy_name, policy = _named(cfg["policy"], "policy")
+    built, env_cfg, datasets = _sections(cfg, env_name, env)
+    data: DataConfig = built["data"]
+    _check_datasets(data, datasets)
+    settings, pol_cfg = _policy_from_data(policy_name, policy, data, datasets)
+    reads_state = bool(getattr(pol_cfg, "use_proprio", True)) and data.state is not None
+    errors = SectionErrors()
+    features = _map_datasets(data, datasets, pol_cfg, reads_state, errors)
+    if env_cfg is not None:  # the evaluation's env must take what the policy and the data give
+        _check_eval_env(env_name, env_cfg, pol_cfg, reads_state, errors)
+    errors.raise_any()
+    policy, pol_cfg, counts = _with_statistics(policy_name, settings, data, datasets, reads_state)
+    sft: SFTConfig = built["sft"]
+    _check_devices(sft, built["cluster"])
+    if built["runner"].eval_interval and built["runner"].eval_videos:
+        from rlinf_vla.envs.video import require_ffmpeg
+
+        try:
+            require_ffmpeg("set runner.eval_videos=false")
+        except RuntimeError as e:
+            raise ConfigError(f"runner.eval_videos=true: {e}") from None
+    return SFTJob(
+        cluster=built["cluster"],
+        env_name=env_name,
+        env=env,
+        policy_name=policy_name,
+        policy=policy,
+        data=data,
+        sft=sft,
+        runner=built["runner"],
+        features=features,
+        counts=counts,
+        env_config=env_cfg,
+        policy_config=pol_cfg,
+        raw=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+def _sections(
+    cfg: Any, env_name: str, env: dict[str, Any]
+) -> tuple[dict[str, Any], Any, list[Any]]:
+    """The typed sections, the evaluation's env config (``None`` without an evaluation) and
+    the opened datasets."""
+    from rlinf_vla.envs import env_config
+
     errors = SectionErrors()
     built = {
         k: errors.build(lambda k=k, c=c: from_section(c, cfg[k], k))
@@ -312,17 +353,21 @@ def validate(cfg: Any) -> SFTJob:
     env_cfg = errors.build(make_env_config) if evaluates else None
     datasets = errors.build(lambda: _open(built["data"].paths)) if built["data"] else None
     errors.raise_any()
-    data: DataConfig = built["data"]
+    return built, env_cfg, datasets
 
-    # The policy: the dataset decides its action (and proprio) size unless a checkpoint or the
-    # command line does; statistics come from the datasets.
-    settings = dict(policy)  # what the command line set
+
+def _check_datasets(data: DataConfig, datasets: list[Any]) -> None:
+    """Every dataset has the features ``data`` names, usable statistics, finite values and
+    videos that deliver their frames."""
+    from rlinf_vla.data import DatasetError
+
     first = datasets[0]
     if data.action not in first.features:
         raise ConfigError(
             f"data.action={data.action!r} is not a feature of {data.paths[0]} "
             f"(its features: {sorted(first.features)})"
         )
+    errors = SectionErrors()
     for path, ds in zip(data.paths, datasets, strict=True):
         if data.state is not None and data.state not in ds.features:
             tabular = sorted(k for k, f in ds.features.items() if f.get("dtype") == "float32")
@@ -337,8 +382,6 @@ def validate(cfg: Any) -> SFTJob:
             if problem:
                 errors.add(f"data.paths: {path}: {problem}")
         # every value, before anything starts (the tabular columns only: no video decoded)
-        from rlinf_vla.data import DatasetError
-
         try:
             problem = value_problem(path, ds.load_tabular(), read)
         except DatasetError as e:
@@ -348,6 +391,18 @@ def validate(cfg: Any) -> SFTJob:
         for problem in ds.video_problems():  # each video delivers its last needed frame
             errors.add(f"data.paths: {path}: {problem}")
     errors.raise_any()
+
+
+def _policy_from_data(
+    policy_name: str, policy: dict[str, Any], data: DataConfig, datasets: list[Any]
+) -> tuple[dict[str, Any], Any]:
+    """The policy's settings and config: the first dataset decides its action (and proprio)
+    size and cameras unless a checkpoint or the command line (``policy``) does."""
+    from rlinf_vla.policies import POLICIES
+    from rlinf_vla.policies.resolve import policy_config_for
+
+    settings = dict(policy)  # what the command line set
+    first = datasets[0]
     action_dim = int(first.features[data.action]["shape"][0])
     state_dim = (
         int(first.features[data.state]["shape"][0])
@@ -357,15 +412,15 @@ def validate(cfg: Any) -> SFTJob:
     cls = POLICIES[policy_name].cls if policy_name in POLICIES else None
     if not policy.get("checkpoint"):
         # keys the command line did not set follow the data
-        explicit = policy
-        from_data = {"action_dim": action_dim}
+        from_data: dict[str, Any] = {"action_dim": action_dim}
         if cls is not None and "proprio_dim" in cls.config_cls.__dataclass_fields__:
             from_data |= {"proprio_dim": state_dim or 1, "use_proprio": state_dim is not None}
-        if "image_keys" not in explicit and cls is not None:
+        if "image_keys" not in policy and cls is not None:
             from_data["image_keys"] = _cameras_from_data(
                 first.cameras, data.cameras, policy.get("image_keys")
             )
-        settings.update({k: v for k, v in from_data.items() if k not in explicit})
+        settings.update({k: v for k, v in from_data.items() if k not in policy})
+    errors = SectionErrors()
     pol_cfg = errors.build(lambda: policy_config_for(policy_name, settings))
     errors.raise_any()
     padded = getattr(pol_cfg, "max_state_dim", None)
@@ -380,8 +435,15 @@ def validate(cfg: Any) -> SFTJob:
         settings["max_state_dim"] = state_dim
         pol_cfg = errors.build(lambda: policy_config_for(policy_name, settings))
         errors.raise_any()
+    return settings, pol_cfg
+
+
+def _map_datasets(
+    data: DataConfig, datasets: list[Any], pol_cfg: Any, reads_state: bool, errors: SectionErrors
+) -> list[FeatureMap]:
+    """Each dataset's features mapped to what the policy reads, and its sizes checked against
+    the policy's (problems go to ``errors``)."""
     cameras = tuple(pol_cfg.image_keys)
-    reads_state = bool(getattr(pol_cfg, "use_proprio", True)) and data.state is not None
     features = []
     for path, ds in zip(data.paths, datasets, strict=True):
         fmap = errors.build(
@@ -416,24 +478,44 @@ def validate(cfg: Any) -> SFTJob:
                     f"data.paths: {path}: its state has {dim} dims, more than the policy's "
                     f"policy.max_state_dim={padded}"
                 )
-    if evaluates:  # the evaluation's env must take what the policy and the data give
-        no_eval = "; or runner.eval_interval=0 to train without evaluating"
-        env_dim = getattr(env_cfg, "action_dim", None)
-        if env_dim is not None and env_dim != pol_cfg.action_dim:
-            errors.add(
-                f"env {env_name!r} takes {env_dim}-dim actions, the policy and data "
-                f"{pol_cfg.action_dim}: evaluate in the env the demonstrations come from" + no_eval
-            )
-        if reads_state:
-            for message in state_problems(env_name, env_cfg, pol_cfg):
-                errors.add(message + no_eval)
-        missing = [c for c in cameras if c not in env_cfg.cameras]
-        if missing:
-            errors.add(
-                f"the policy reads camera(s) {missing} that env {env_name!r} does not provide "
-                f"for the evaluation (its cameras: {list(env_cfg.cameras)})" + no_eval
-            )
-    errors.raise_any()
+    return features
+
+
+def _check_eval_env(
+    env_name: str, env_cfg: Any, pol_cfg: Any, reads_state: bool, errors: SectionErrors
+) -> None:
+    """The evaluation's env takes the policy's actions and gives its cameras and state."""
+    from rlinf_vla.policies.resolve import state_problems
+
+    no_eval = "; or runner.eval_interval=0 to train without evaluating"
+    env_dim = getattr(env_cfg, "action_dim", None)
+    if env_dim is not None and env_dim != pol_cfg.action_dim:
+        errors.add(
+            f"env {env_name!r} takes {env_dim}-dim actions, the policy and data "
+            f"{pol_cfg.action_dim}: evaluate in the env the demonstrations come from" + no_eval
+        )
+    if reads_state:
+        for message in state_problems(env_name, env_cfg, pol_cfg):
+            errors.add(message + no_eval)
+    missing = [c for c in pol_cfg.image_keys if c not in env_cfg.cameras]
+    if missing:
+        errors.add(
+            f"the policy reads camera(s) {missing} that env {env_name!r} does not provide "
+            f"for the evaluation (its cameras: {list(env_cfg.cameras)})" + no_eval
+        )
+
+
+def _with_statistics(
+    policy_name: str,
+    settings: dict[str, Any],
+    data: DataConfig,
+    datasets: list[Any],
+    reads_state: bool,
+) -> tuple[dict[str, Any], Any, dict[str, int]]:
+    """The policy's settings and config with the datasets' combined statistics (what trains),
+    and the datasets' ``frames`` and ``episodes``."""
+    from rlinf_vla.policies import POLICIES
+    from rlinf_vla.policies.resolve import policy_config_for
 
     frames = [ds.num_frames for ds in datasets]
     counts = {"frames": sum(frames), "episodes": sum(len(ds.episodes) for ds in datasets)}
@@ -447,7 +529,7 @@ def validate(cfg: Any) -> SFTJob:
     policy = dict(settings)
     try:
         policy.update(
-            cls.statistics_config(
+            POLICIES[policy_name].cls.statistics_config(
                 _dataset_name(data.paths), stats_of(data.action), state_stats, counts
             )
         )
@@ -455,31 +537,7 @@ def validate(cfg: Any) -> SFTJob:
         raise ConfigError(f"policy {policy_name!r}: {e}") from None
     if policy.get("dtype", "auto") == "auto":
         policy["dtype"] = "float32"  # float32 weights and AdamW state; sft.autocast computes
-    pol_cfg = policy_config_for(policy_name, policy)  # with the statistics: what trains
-    sft: SFTConfig = built["sft"]
-    _check_devices(sft, built["cluster"])
-    if built["runner"].eval_interval and built["runner"].eval_videos:
-        from rlinf_vla.envs.video import require_ffmpeg
-
-        try:
-            require_ffmpeg("set runner.eval_videos=false")
-        except RuntimeError as e:
-            raise ConfigError(f"runner.eval_videos=true: {e}") from None
-    return SFTJob(
-        cluster=built["cluster"],
-        env_name=env_name,
-        env=env,
-        policy_name=policy_name,
-        policy=policy,
-        data=data,
-        sft=sft,
-        runner=built["runner"],
-        features=features,
-        counts=counts,
-        env_config=env_cfg,
-        policy_config=pol_cfg,
-        raw=OmegaConf.to_container(cfg, resolve=True),
-    )
+    return policy, policy_config_for(policy_name, policy), counts
 
 
 def _check_devices(sft: SFTConfig, cluster: ClusterConfig) -> None:
