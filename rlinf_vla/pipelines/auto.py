@@ -167,17 +167,8 @@ def candidate_plans(
 ) -> list[Plan]:
     """Every placement that fits ``num_devices`` and splits ``num_groups`` env groups evenly,
     with its estimated rollout and train time for ``chunks`` chunk steps."""
-    o, n, t = costs.overhead_s, num_devices, chunks
-    thr = costs.threads
-
-    def rollout(
-        reset: float, step: float, tail: float, inference_cpu: float, value: float
-    ) -> float:
-        """A rollout: its reset, ``t`` chunk steps (no shorter than the CPU bound), the
-        pipeline's tail and the bootstrap values."""
-        return reset + t * max(step, costs.cpu_bound_s(inference_cpu)) + tail + value
-
     plans: list[Plan] = []
+    n = num_devices
     if num_groups % n == 0:
         e, r = costs.env_s(n)
         b = costs.rollout_busy_s(n, n)
@@ -186,80 +177,115 @@ def candidate_plans(
                 "collocated",
                 {"actor": "all", "env": "all", "rollout": "all"},
                 1,
-                rollout(r, e + b + o, 0.0, n * b * thr, costs.value_s / n),
+                _rollout_s(
+                    costs, chunks, r, e + b + costs.overhead_s, 0.0, n * b, costs.value_s / n
+                ),
                 costs.update_s(n),
             )
         )
+    plans += _local_plans(costs, num_groups, chunks, max_stages)
+    for env_devices in range(1, n):
+        plans += _split_plans(costs, n, env_devices, num_groups, chunks, max_stages)
+    return plans
+
+
+def _rollout_s(
+    costs: Costs,
+    chunks: int,
+    reset: float,
+    step: float,
+    tail: float,
+    inference_cpu: float,
+    value: float,
+) -> float:
+    """A rollout: its reset, ``chunks`` chunk steps (no shorter than the CPU bound of
+    ``inference_cpu`` seconds of inference per chunk step, one thread each), the pipeline's
+    tail and the bootstrap values."""
+    cpu = costs.cpu_bound_s(inference_cpu * costs.threads)
+    return reset + chunks * max(step, cpu) + tail + value
+
+
+def _local_plans(costs: Costs, num_groups: int, chunks: int, max_stages: int) -> list[Plan]:
+    """``placement=local`` with 1, 2, 4, ... stages: one process, no channel hops; stage ``s``
+    simulates while stage ``s - 1`` infers."""
     e, r = costs.env_s(1)
-    i = costs.infer_chunk_s
+    plans = []
     stages = 1
     while stages <= max_stages:
         if num_groups % stages == 0:
             b = costs.rollout_busy_s(stages, 1)
-            # one process: no channel hops; stage s simulates while stage s - 1 infers
             if stages == 1:
-                step, tail = e + i, 0.0
+                step, tail = e + costs.infer_chunk_s, 0.0
             else:
                 step, tail = max(e, b), min(e, b) / stages
-            components = {"actor": "0", "env": "0", "rollout": "0"}
             plans.append(
                 Plan(
                     "local",
-                    components,
+                    {"actor": "0", "env": "0", "rollout": "0"},
                     stages,
-                    rollout(r, step, tail, b * thr, costs.value_s),
+                    _rollout_s(costs, chunks, r, step, tail, b, costs.value_s),
                     costs.update_s(1),
                 )
             )
         stages *= 2
-    for env_devices in range(1, n):
-        rollout_devices = n - env_devices
-        a, r = costs.env_s(env_devices)
-        value = costs.value_s / rollout_devices
-        stages = 1
-        while stages <= max_stages:
-            parts = env_devices * stages  # trajectories per iteration
-            b = costs.rollout_busy_s(parts, rollout_devices)
-            if num_groups % parts == 0:
-                # the actor takes as many devices as share the trajectories evenly
-                actors = max(d for d in range(1, n + 1) if parts % d == 0)
-                if stages == 1:
-                    step, tail = a + b + o, 0.0
-                else:
-                    step, tail = max(a, b) + stages * o, min(a, b) / stages
-                components = {
-                    "actor": "all" if actors == n else _span(0, actors),
-                    "env": _span(0, env_devices),
-                    "rollout": _span(env_devices, rollout_devices),
-                }
-                plans.append(
-                    Plan(
-                        "hybrid",
-                        components,
-                        stages,
-                        rollout(r, step, tail, rollout_devices * b * thr, value),
-                        costs.update_s(actors),
-                    )
-                )
-            stages *= 2
-        for actor_devices in range(1, rollout_devices):
-            rd = rollout_devices - actor_devices
-            if num_groups % env_devices or env_devices % actor_devices:
-                continue
-            b = costs.rollout_busy_s(env_devices, rd)
+    return plans
+
+
+def _split_plans(
+    costs: Costs, n: int, env_devices: int, num_groups: int, chunks: int, max_stages: int
+) -> list[Plan]:
+    """The plans with the envs on the first ``env_devices`` of ``n`` devices: hybrid (the
+    actor shares the rollout's devices) with 1, 2, 4, ... stages, and disaggregated (the
+    actor on devices of its own)."""
+    o = costs.overhead_s
+    rollout_devices = n - env_devices
+    a, r = costs.env_s(env_devices)
+    value = costs.value_s / rollout_devices
+    plans = []
+    stages = 1
+    while stages <= max_stages:
+        parts = env_devices * stages  # trajectories per iteration
+        b = costs.rollout_busy_s(parts, rollout_devices)
+        if num_groups % parts == 0:
+            # the actor takes as many devices as share the trajectories evenly
+            actors = max(d for d in range(1, n + 1) if parts % d == 0)
+            if stages == 1:
+                step, tail = a + b + o, 0.0
+            else:
+                step, tail = max(a, b) + stages * o, min(a, b) / stages
+            components = {
+                "actor": "all" if actors == n else _span(0, actors),
+                "env": _span(0, env_devices),
+                "rollout": _span(env_devices, rollout_devices),
+            }
             plans.append(
                 Plan(
-                    "disaggregated",
-                    {
-                        "actor": _span(env_devices + rd, actor_devices),
-                        "env": _span(0, env_devices),
-                        "rollout": _span(env_devices, rd),
-                    },
-                    1,
-                    rollout(r, a + b + o, 0.0, rd * b * thr, costs.value_s / rd),
-                    costs.update_s(actor_devices),
+                    "hybrid",
+                    components,
+                    stages,
+                    _rollout_s(costs, chunks, r, step, tail, rollout_devices * b, value),
+                    costs.update_s(actors),
                 )
             )
+        stages *= 2
+    for actor_devices in range(1, rollout_devices):
+        rd = rollout_devices - actor_devices
+        if num_groups % env_devices or env_devices % actor_devices:
+            continue
+        b = costs.rollout_busy_s(env_devices, rd)
+        plans.append(
+            Plan(
+                "disaggregated",
+                {
+                    "actor": _span(env_devices + rd, actor_devices),
+                    "env": _span(0, env_devices),
+                    "rollout": _span(env_devices, rd),
+                },
+                1,
+                _rollout_s(costs, chunks, r, a + b + o, 0.0, rd * b, costs.value_s / rd),
+                costs.update_s(actor_devices),
+            )
+        )
     return plans
 
 
@@ -322,14 +348,7 @@ def profile(
 
     with torch_threads(None if cuda else threads), closing(env):
         cache = job.algo.cache_frozen_features
-
-        def act(obs: Any) -> tuple[Any, torch.Tensor | None]:
-            # what a rollout worker runs (it sends the features an actor caches)
-            with torch.no_grad(), precision():
-                if cache:
-                    return policy.act_with_features(obs)
-                return policy.act(obs), None
-
+        act = _rollout_call(policy, cache, precision)
         obs = env.reset()
         for _ in range(2):  # the first calls pay one-off kernel and allocator set-up
             out, shipped = act(obs)
@@ -338,61 +357,111 @@ def profile(
         paths = (cache, False) if sharded and cache else (cache,)
         for path in paths:
             _update_cost(policy, obs, out.replay, path, shipped, precision, clock)
-        t0 = clock()
-        obs = env.reset()  # every rollout starts with one
-        reset_s = clock() - t0
-        pool = env.workers
-        cpu0 = pool.cpu_seconds() if pool is not None and cores is not None else None
-        half = torch.arange(max(1, env.num_envs // 2))
-        env_s = infer_s = half_s = 0.0
-        seen = []
-        for _ in range(chunks):
-            t0 = clock()
-            out, shipped = act(obs)
-            t1 = clock()
-            next_obs = env.chunk_step(out.actions).obs
-            t2 = clock()
-            infer_s += t1 - t0
-            env_s += t2 - t1
-            seen.append(obs)
-            last_obs, obs = obs, next_obs
-        cpu1 = pool.cpu_seconds() if cpu0 is not None else None  # type: ignore[union-attr]
-        for o in seen:  # after the steps: the simulators' CPU time is theirs alone
-            t0 = clock()
-            act(o.select(half))
-            half_s += clock() - t0
+        timing = _time_rollout(env, act, clock, chunks, cpu=cores is not None)
+        subprocess_env = env.workers is not None
         t0 = clock()
         with torch.no_grad(), precision():
-            policy.value(obs)  # the bootstrap call that ends a rollout
+            policy.value(timing.obs)  # the bootstrap call that ends a rollout
         value_s = clock() - t0
         updates = [
-            _update_cost(policy, last_obs, out.replay, path, shipped, precision, clock)
+            _update_cost(
+                policy, timing.last_obs, timing.out.replay, path, timing.shipped, precision, clock
+            )
             for path in paths
         ]
-        overhead = _round_trip_s(obs, out.actions) if round_trip else CHANNEL_ROUND_TRIP_S
+        overhead = (
+            _round_trip_s(timing.obs, timing.out.actions) if round_trip else CHANNEL_ROUND_TRIP_S
+        )
     # the update was timed on one chunk step of all B envs; an iteration has T of them
     update_s = [
         (once_s + pass_s * job.algo.update_epochs) * job.runner.rollout_chunks
         for once_s, pass_s in updates
     ]
-    share = len(half) / env.num_envs
-    i, fixed = infer_s / chunks, _fixed(infer_s / chunks, half_s / chunks, share)
-    env_cpu = None
-    if cpu0 is not None and cpu1 is not None:
-        env_cpu = (cpu1 - cpu0) / chunks
+    i = timing.infer_s / chunks
     return Costs(
-        env_s / chunks,
+        timing.env_s / chunks,
         i,
         update_s[0],
         overhead_s=overhead,
-        infer_fixed_s=fixed,
+        infer_fixed_s=_fixed(i, timing.half_s / chunks, timing.share),
         train_sharded_s=update_s[1] if len(update_s) > 1 else None,
-        reset_s=reset_s,
+        reset_s=timing.reset_s,
         value_s=value_s,
-        subprocess_env=pool is not None,
-        env_cpu_s=env_cpu,
+        subprocess_env=subprocess_env,
+        env_cpu_s=None if timing.env_cpu_s is None else timing.env_cpu_s / chunks,
         cores=cores if not cuda else None,
         threads=(threads or torch.get_num_threads()) if not cuda else 1,
+    )
+
+
+def _rollout_call(policy: Any, cache: bool, precision: Callable[[], Any]) -> Callable[[Any], Any]:
+    """What a rollout worker runs on an observation: the actions, and the frozen features an
+    actor caches when ``cache`` (else ``None``)."""
+
+    def act(obs: Any) -> tuple[Any, torch.Tensor | None]:
+        with torch.no_grad(), precision():
+            if cache:
+                return policy.act_with_features(obs)
+            return policy.act(obs), None
+
+    return act
+
+
+@dataclass
+class _Timing:
+    """What :func:`_time_rollout` measured (seconds over all its chunk steps)."""
+
+    reset_s: float
+    env_s: float
+    infer_s: float
+    half_s: float  # the same inference calls on the first half of the batch
+    share: float  # that half's share of the batch
+    env_cpu_s: float | None  # the simulator processes' CPU time
+    obs: Any  # the last observation
+    last_obs: Any  # the one before it, which the last actions were chosen from
+    out: Any  # the last call's ActOutput
+    shipped: torch.Tensor | None  # and its frozen features
+
+
+def _time_rollout(env: Any, act: Any, clock: Any, chunks: int, cpu: bool) -> _Timing:
+    """Time a rollout's reset and ``chunks`` chunk steps of ``env`` and ``act`` one after the
+    other, then the same inference calls on half the batch (the fixed cost of a call);
+    ``cpu``: also the CPU time of the simulators' processes."""
+    t0 = clock()
+    obs = env.reset()  # every rollout starts with one
+    reset_s = clock() - t0
+    pool = env.workers
+    cpu0 = pool.cpu_seconds() if pool is not None and cpu else None
+    half = torch.arange(max(1, env.num_envs // 2))
+    env_s = infer_s = half_s = 0.0
+    seen = []
+    last_obs = obs
+    for _ in range(chunks):
+        t0 = clock()
+        out, shipped = act(obs)
+        t1 = clock()
+        next_obs = env.chunk_step(out.actions).obs
+        t2 = clock()
+        infer_s += t1 - t0
+        env_s += t2 - t1
+        seen.append(obs)
+        last_obs, obs = obs, next_obs
+    env_cpu = pool.cpu_seconds() - cpu0 if cpu0 is not None else None
+    for o in seen:  # after the steps: the simulators' CPU time is theirs alone
+        t0 = clock()
+        act(o.select(half))
+        half_s += clock() - t0
+    return _Timing(
+        reset_s,
+        env_s,
+        infer_s,
+        half_s,
+        len(half) / env.num_envs,
+        env_cpu,
+        obs,
+        last_obs,
+        out,
+        shipped,
     )
 
 

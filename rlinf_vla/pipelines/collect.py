@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from rlinf_vla.config import (
     ConfigError,
@@ -156,25 +157,8 @@ def collect(job: CollectJob, progress: Any = None) -> dict[str, Any]:
         while kept < c.episodes and attempts < c.max_attempts:
             batch = min(n, c.max_attempts - attempts)
             ids = torch.arange(attempts, attempts + n) + c.first_reset_id
-            obs = env.reset(ids)
-            episodes = [_Episode(int(i)) for i in ids[:batch]]
-            running = torch.zeros(n, dtype=torch.bool)
-            running[:batch] = True
-            success = torch.zeros(n, dtype=torch.bool)
-            while running.any():
-                actions = env.expert_actions().float()
-                for i in torch.nonzero(running).flatten().tolist():
-                    ep = episodes[i]
-                    for cam, img in obs.images.items():
-                        ep.images.setdefault(cam, []).append(img[i].cpu().numpy())
-                    if obs.state is not None:
-                        ep.state.append(obs.state[i].cpu().numpy().astype(np.float32))
-                    ep.action.append(actions[i].cpu().numpy().astype(np.float32))
-                result = env.chunk_step(actions[:, None])
-                steps += int(running.sum())
-                success |= result.success & running
-                running &= ~result.info["done"]
-                obs = result.obs
+            episodes, success, instructions, played = _play(env, ids, batch)
+            steps += played
             for i, ep in enumerate(episodes):
                 if kept >= c.episodes:
                     break  # the episodes after the last one needed are not counted
@@ -187,7 +171,7 @@ def collect(job: CollectJob, progress: Any = None) -> dict[str, Any]:
                     images={k: np.stack(v) for k, v in ep.images.items()},
                     state=np.stack(ep.state) if ep.state else None,
                     action=np.stack(ep.action),
-                    task=obs.instruction[i],
+                    task=instructions[i],
                 )
                 kept += 1
                 lengths.append(len(ep.action))
@@ -221,6 +205,33 @@ def collect(job: CollectJob, progress: Any = None) -> dict[str, Any]:
     }
     (path / "meta" / "collect.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _play(env: Any, ids: Tensor, batch: int) -> tuple[list[_Episode], Tensor, list[str], int]:
+    """The expert's episodes from resets ``ids`` on the first ``batch`` envs (the others idle):
+    each one's frames, whether it succeeded, the last instructions and the env steps taken."""
+    n = env.num_envs
+    obs = env.reset(ids)
+    episodes = [_Episode(int(i)) for i in ids[:batch]]
+    running = torch.zeros(n, dtype=torch.bool)
+    running[:batch] = True
+    success = torch.zeros(n, dtype=torch.bool)
+    steps = 0
+    while running.any():
+        actions = env.expert_actions().float()
+        for i in torch.nonzero(running).flatten().tolist():
+            ep = episodes[i]
+            for cam, img in obs.images.items():
+                ep.images.setdefault(cam, []).append(img[i].cpu().numpy())
+            if obs.state is not None:
+                ep.state.append(obs.state[i].cpu().numpy().astype(np.float32))
+            ep.action.append(actions[i].cpu().numpy().astype(np.float32))
+        result = env.chunk_step(actions[:, None])
+        steps += int(running.sum())
+        success |= result.success & running
+        running &= ~result.info["done"]
+        obs = result.obs
+    return episodes, success, obs.instruction, steps
 
 
 def _writer(job: CollectJob, env: Any, ep: _Episode) -> Any:

@@ -121,27 +121,16 @@ def objective(
     # The metrics are masked means over tokens: each micro-batch weighs by its share of them.
     tokens = counts.policy if counts.tokens is None else counts.tokens
     share = aggregation_count(mask) / max(tokens, 1e-12)
-    loss, m = LOSSES.policy(s.policy_loss)(
+    loss, metrics = _policy_term(
+        s,
+        counts,
+        share,
         logprob=logprob,
         old_logprob=old_logprob,
         advantages=advantages,
         mask=mask,
-        clip_low=s.clip_low,
-        clip_high=s.clip_high,
-        dual_clip=s.dual_clip,
-        agg=s.agg,
-        denominator=counts.policy,
         weight=weight,
     )
-    missing = [key for key in POLICY_METRICS if key not in m]
-    if missing:
-        raise ValueError(
-            f"policy loss {s.policy_loss!r} returned no {missing} metric "
-            f"(a policy loss returns {', '.join(POLICY_METRICS)})"
-        )
-    metrics = {"policy_loss": float(loss.detach())}
-    for key in POLICY_METRICS:
-        metrics[key] = float(m[key]) * share
     if s.value_coef and values is not None:
         vmask = mask if value_mask is None else value_mask
         vl, vm = value_loss(
@@ -179,6 +168,31 @@ def objective(
         loss = loss + s.kl_coef * kl
         metrics["kl"] = float(km["kl"]) * share
     return loss, metrics
+
+
+def _policy_term(
+    s: LossSettings, counts: Counts, share: float, **inputs: Tensor | None
+) -> tuple[Tensor, dict[str, float]]:
+    """The preset's policy loss on ``inputs`` (``logprob``, ``old_logprob``, ``advantages``,
+    ``mask``, ``weight``) and its metrics, each weighed by the micro-batch's ``share`` of the
+    minibatch's tokens."""
+    loss, m = LOSSES.policy(s.policy_loss)(
+        **inputs,
+        clip_low=s.clip_low,
+        clip_high=s.clip_high,
+        dual_clip=s.dual_clip,
+        agg=s.agg,
+        denominator=counts.policy,
+    )
+    missing = [key for key in POLICY_METRICS if key not in m]
+    if missing:
+        raise ValueError(
+            f"policy loss {s.policy_loss!r} returned no {missing} metric "
+            f"(a policy loss returns {', '.join(POLICY_METRICS)})"
+        )
+    return loss, {"policy_loss": float(loss.detach())} | {
+        key: float(m[key]) * share for key in POLICY_METRICS
+    }
 
 
 def merge_ranks(
