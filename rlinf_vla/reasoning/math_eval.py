@@ -371,11 +371,12 @@ def problem_seed(seed: int, index: int) -> int:
 class HfBackend:
     """This package's KV-cached sampler on the Hugging Face model (``rollout_backend=hf``)."""
 
-    def __init__(self, job: MathEvalJob, tokenizer: Any, eos: set[int], device: torch.device):
-        from rlinf_vla.reasoning.model import load_model
+    def __init__(self, job: MathEvalJob, tokenizer: Any, device: torch.device):
+        from rlinf_vla.reasoning.model import eos_token_ids, load_model
 
         self.model = load_model(job.model).to(device).eval().requires_grad_(False)
-        self.tokenizer, self.eos, self.device, self.s = tokenizer, eos, device, job.sampling
+        self.eos = eos_token_ids(tokenizer, self.model.config)
+        self.tokenizer, self.device, self.s = tokenizer, device, job.sampling
 
     def sample(self, prompts: list[list[int]], seeds: list[int]) -> list[list[Response]]:
         from rlinf_vla.reasoning.generation import sample_responses
@@ -404,20 +405,21 @@ class VllmBackend:
     """A vLLM engine in this process (``rollout_backend=vllm``), each problem's request
     seeded with its own seed."""
 
-    def __init__(self, job: MathEvalJob, tokenizer: Any, eos: set[int], device: torch.device):
-        from rlinf_vla.reasoning.model import load_hf_config, load_model
+    def __init__(self, job: MathEvalJob, tokenizer: Any, device: torch.device):
+        from rlinf_vla.reasoning.model import eos_token_ids, load_hf_config, load_model
         from rlinf_vla.reasoning.vllm_backend import VllmSampler, merged_weights
 
         m = job.model
+        config = load_hf_config(m)
         self.sampler = VllmSampler(
-            load_hf_config(m),
+            config,
             tokenizer,
             device,
             m.dtype,
             m.vllm_kv_cache_gib,
             m.vllm_gpu_memory_fraction,
             job.data.max_prompt_tokens + job.sampling.max_new_tokens,
-            eos,
+            eos_token_ids(tokenizer, config),
         )
         # the weights as transformers loads them (GGUF files de-quantised)
         self.sampler.load_weights(merged_weights(load_model(m)))
@@ -584,15 +586,14 @@ def run(job: MathEvalJob) -> dict[str, Any]:
 
 def _sample_and_score(job: MathEvalJob, todo: list[int], log: ProblemLog) -> None:
     from rlinf_vla.reasoning.generation import encode_prompts
-    from rlinf_vla.reasoning.model import eos_token_ids, load_tokenizer
+    from rlinf_vla.reasoning.model import load_tokenizer
 
     ev, d = job.eval, job.data
     device = torch.device(
         ev.device if ev.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     tokenizer = load_tokenizer(job.model)
-    eos = eos_token_ids(job.model, tokenizer)
-    backend = BACKENDS[job.model.rollout_backend](job, tokenizer, eos, device)
+    backend = BACKENDS[job.model.rollout_backend](job, tokenizer, device)
     progress = _Progress(ev.progress, len(job.problems), job.sampling.k)
     truncated = 0
     try:

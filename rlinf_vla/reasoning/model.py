@@ -130,13 +130,13 @@ def cached_hub_snapshot(repo_id: str) -> str | None:
         return None
 
 
-def eos_token_ids(cfg: ModelConfig, tokenizer: Any) -> set[int]:
-    """The tokens that end a response: the tokenizer's end token and those of the model's
-    generation config."""
+def eos_token_ids(tokenizer: Any, config: Any) -> set[int]:
+    """The tokens that end a response: the tokenizer's end token and those a model built
+    from ``config`` (its Hugging Face config) generates with."""
     from transformers import GenerationConfig
 
     ids = {tokenizer.eos_token_id}
-    extra = GenerationConfig.from_model_config(load_hf_config(cfg)).eos_token_id
+    extra = GenerationConfig.from_model_config(config).eos_token_id
     ids.update([extra] if isinstance(extra, int) else (extra or []))
     ids.discard(None)
     return ids

@@ -71,8 +71,8 @@ class RolloutWorker(Worker):
         _setup_threads(self.cfg)
         self.tokenizer = load_tokenizer(self.cfg)
         self.vllm: VllmSampler | None = None
-        self.eos_ids = eos_token_ids(self.cfg, self.tokenizer)
         config = load_hf_config(self.cfg)
+        self.eos_ids = eos_token_ids(self.tokenizer, config)
         if self.cfg.rollout_backend == "vllm":
             self.model = load_model(self.cfg, weights=False) if self.cfg.lora_rank else None
             self.vllm = VllmSampler(
