@@ -411,6 +411,10 @@ class VllmBackend:
 
         m = job.model
         config = load_hf_config(m)
+        longest = job.data.max_prompt_tokens + job.sampling.max_new_tokens
+        # the engine refuses a length beyond the model's context; a response that reaches the
+        # context's end stops there and counts as cut at the limit
+        context = getattr(config, "max_position_embeddings", None)
         self.sampler = VllmSampler(
             config,
             tokenizer,
@@ -418,7 +422,7 @@ class VllmBackend:
             m.dtype,
             m.vllm_kv_cache_gib,
             m.vllm_gpu_memory_fraction,
-            job.data.max_prompt_tokens + job.sampling.max_new_tokens,
+            min(longest, context) if context else longest,
             eos_token_ids(tokenizer, config),
         )
         # the weights as transformers loads them (GGUF files de-quantised)
