@@ -157,6 +157,19 @@ COMMANDS: dict[str, Command] = {
             },
         ),
         Command(
+            "math-eval",
+            "avg@k and pass@k (with 95% intervals) of a math model on a problems file; resumable",
+            "math_eval",
+            "rlinf_vla.reasoning.math_eval",
+            output=lambda job: ("eval.output_dir", job.output_dir),
+            sections={
+                "model": "rlinf_vla.reasoning.model:ModelConfig",
+                "data": "rlinf_vla.reasoning.math_eval:EvalDataConfig",
+                "sampling": "rlinf_vla.reasoning.math_eval:SamplingConfig",
+                "eval": "rlinf_vla.reasoning.math_eval:MathEvalConfig",
+            },
+        ),
+        Command(
             "serve",
             "serve a policy over websockets (msgpack + numpy) for robot clients",
             "serve",

@@ -126,10 +126,12 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class Problem:
-    """A question and its reference answer (as text)."""
+    """A question and its reference answer (as text); ``id``: the file's name for it, if the
+    file has an id field and it was asked for."""
 
     question: str
     answer: str
+    id: str | None = None
 
 
 # --------------------------------------------------------------------------- files
@@ -165,10 +167,14 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
 
 
 _READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+#: the file types :func:`read_problems` reads, by suffix
+FILE_TYPES = tuple(_READERS)
 
 
-def read_problems(path: str | Path, prompt_field: str, answer_field: str) -> list[Problem]:
-    """Problems of a JSONL / JSON / Parquet file.
+def read_problems(
+    path: str | Path, prompt_field: str, answer_field: str, id_field: str | None = None
+) -> list[Problem]:
+    """Problems of a JSONL / JSON / Parquet file (``id_field``: also read each row's id).
 
     Raises:
         ValueError: the file is not of its type, is not UTF-8 text, has no rows, a row that is
@@ -185,13 +191,18 @@ def read_problems(path: str | Path, prompt_field: str, answer_field: str) -> lis
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ValueError(f"{path}: row {i} is not an object: {str(row)[:80]!r}")
-        missing = [f for f in (prompt_field, answer_field) if row.get(f) is None]
+        fields = (prompt_field, answer_field, *([id_field] if id_field else []))
+        missing = [f for f in fields if row.get(f) is None]
         if missing:
             raise ValueError(
                 f"{path}: row {i} lacks the field(s) {missing} (set data.prompt_field / "
-                f"data.answer_field; the row has: {', '.join(sorted(row))})"
+                f"data.answer_field{' / data.id_field' if id_field else ''}; the row has: "
+                f"{', '.join(sorted(row))})"
             )
-    return [Problem(str(r[prompt_field]), str(r[answer_field])) for r in rows]
+    return [
+        Problem(str(r[prompt_field]), str(r[answer_field]), str(r[id_field]) if id_field else None)
+        for r in rows
+    ]
 
 
 # --------------------------------------------------------------------------- reasoning_gym

@@ -69,9 +69,17 @@ def encode_prompts(
 
 
 def _sample(
-    logits: Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
+    logits: Tensor,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    generator: torch.Generator | None,
+    groups: list[tuple[torch.Generator, Tensor]] | None = None,
 ) -> Tensor:
-    """``[A, V]`` logits -> ``[A]`` token ids (greedy when ``temperature == 0``)."""
+    """``[A, V]`` logits -> ``[A]`` token ids (greedy when ``temperature == 0``).
+
+    ``groups``: ``(generator, rows)`` pairs; the tokens of ``rows`` are drawn from their own
+    generator (instead of ``generator``), so that they do not depend on the other rows."""
     if temperature == 0.0:
         return logits.argmax(-1)
     logits = logits / temperature
@@ -84,7 +92,12 @@ def _sample(
         drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if groups is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for gen, rows in groups:
+        out[rows] = torch.multinomial(probs[rows], 1, generator=gen).squeeze(-1)
+    return out
 
 
 @torch.no_grad()
@@ -100,7 +113,7 @@ def sample_responses(
     top_k: int = 0,
     stop_strings: tuple[str, ...] = (),
     tokenizer: Any = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> list[list[Response]]:
     """``n`` responses for each prompt.
 
@@ -112,6 +125,9 @@ def sample_responses(
         stop_strings: a response also ends once its decoded tail contains one of these
             (needs ``tokenizer``).
         temperature: 0 for greedy decoding.
+        generator: one generator for every draw, or one per prompt: then prompt ``i``'s
+            responses are drawn from ``generator[i]`` alone and are the same whichever prompts
+            are sampled beside it (up to the rounding of the batched forward pass).
 
     Returns:
         ``[P][n]`` responses; rows of prompt ``i`` are ``i*n ... i*n + n - 1``.
@@ -145,8 +161,14 @@ def sample_responses(
     tokens: list[list[int]] = [[] for _ in range(P * n)]
     finish: list[Finish] = ["length"] * (P * n)
     max_stop = max((len(s) for s in stop_strings), default=0)
+    per_prompt = isinstance(generator, list)
+    if per_prompt and len(generator) != P:
+        raise ValueError(f"{len(generator)} generators for {P} prompts")
     for step in range(max_new_tokens):
-        chosen = _sample(logits, temperature, top_p, top_k, generator)
+        groups = _prompt_rows(rows, n, generator, device) if per_prompt else None
+        chosen = _sample(
+            logits, temperature, top_p, top_k, None if per_prompt else generator, groups
+        )
         keep = []
         for a, tok in enumerate(chosen.tolist()):
             r = rows[a]
@@ -177,3 +199,14 @@ def sample_responses(
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
     return [[Response(tokens[i * n + j], finish[i * n + j]) for j in range(n)] for i in range(P)]
+
+
+def _prompt_rows(
+    rows: list[int], n: int, generators: list[torch.Generator], device: torch.device
+) -> list[tuple[torch.Generator, Tensor]]:
+    """The active rows of each prompt (response ``r`` belongs to prompt ``r // n``) with that
+    prompt's generator."""
+    by_prompt: dict[int, list[int]] = {}
+    for a, r in enumerate(rows):
+        by_prompt.setdefault(r // n, []).append(a)
+    return [(generators[i], torch.tensor(active, device=device)) for i, active in by_prompt.items()]

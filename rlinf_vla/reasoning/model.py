@@ -10,6 +10,7 @@ output layer.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from rlinf_vla.config import ConfigError
 
 GGUF_ENV = "RLINF_SMOLLM2_GGUF"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: a Hugging Face hub model id, ``org/name``
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 @dataclass
@@ -29,8 +32,9 @@ class ModelConfig:
     """The ``model`` section.
 
     Attributes:
-        path: a local Hugging Face causal-LM folder, a ``.gguf`` file, or ``None`` for the
-            default SmolLM2-135M-Instruct GGUF (``$RLINF_SMOLLM2_GGUF``, else the copy
+        path: a local Hugging Face causal-LM folder, a ``.gguf`` file, a hub id
+            (``org/name``) already in the local Hugging Face cache (nothing is downloaded), or
+            ``None`` for the default SmolLM2-135M-Instruct GGUF (``$RLINF_SMOLLM2_GGUF``, else the copy
             ``scripts/install.sh`` puts in ``<venv>/share/rlinf-vla/models/``).
         gguf_file: the GGUF file name inside ``path`` (a folder), if the weights are GGUF.
         dtype: parameter dtype of the trained model and the rollout copy.
@@ -99,10 +103,43 @@ class ModelConfig:
         if p.is_file() and p.suffix == ".gguf":
             return str(p.parent), p.name
         if not p.is_dir():
-            raise ConfigError(f"model.path: {path!r} is neither a model folder nor a .gguf file")
+            cached = cached_hub_snapshot(path)
+            if cached is None:
+                raise ConfigError(
+                    f"model.path: {path!r} is neither a model folder nor a .gguf file, nor a "
+                    "hub id (org/name) in the local Hugging Face cache"
+                )
+            p = Path(cached)
         if self.gguf_file and not (p / self.gguf_file).is_file():
             raise ConfigError(f"model.gguf_file: {self.gguf_file!r} is not in {path}")
         return str(p), self.gguf_file
+
+
+def cached_hub_snapshot(repo_id: str) -> str | None:
+    """The folder of ``repo_id``'s newest snapshot in the local Hugging Face cache
+    (``$HF_HUB_CACHE``), or ``None`` when it is not there or is not a hub id; never
+    downloads."""
+    if not _HUB_ID.fullmatch(repo_id):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def eos_token_ids(tokenizer: Any, config: Any) -> set[int]:
+    """The tokens that end a response: the tokenizer's end token and those a model built
+    from ``config`` (its Hugging Face config) generates with."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    extra = GenerationConfig.from_model_config(config).eos_token_id
+    ids.update([extra] if isinstance(extra, int) else (extra or []))
+    ids.discard(None)
+    return ids
 
 
 def _dtype(name: str) -> torch.dtype:

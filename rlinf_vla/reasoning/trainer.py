@@ -51,6 +51,7 @@ from rlinf_vla.pipelines.tracking import (
 )
 from rlinf_vla.reasoning.config import MathGrpoJob
 from rlinf_vla.reasoning.data import Problem, PromptSampler, load_problems
+from rlinf_vla.reasoning.scoring import summarize
 from rlinf_vla.reasoning.workers import ActorWorker, RewardWorker, RolloutWorker, Sequence
 from rlinf_vla.runtime import (
     Cluster,
@@ -383,7 +384,8 @@ class MathGrpoRunner:
 
     # ----------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out problems."""
+        """Greedy accuracy on the held-out problems: ``avg@1`` of ``rlinf-vla math-eval``,
+        scored and aggregated by the same functions (:mod:`~rlinf_vla.reasoning.scoring`)."""
         t = time.perf_counter()
         bs = self.job.runner.eval_batch_size * self.rollout.world_size
         texts, stopped, lengths = [], [], []
@@ -392,14 +394,20 @@ class MathGrpoRunner:
             texts += [g[0] for g in gen["texts"]]
             stopped += [g[0] for g in gen["stopped"]]
             lengths += [len(g[0]) for g in gen["responses"]]
-        scored = self._score(texts, [p.answer for p in self.held_out])
-        n = len(scored)
+        references = [p.answer for p in self.held_out]
+        cut = [not s for s in stopped]
+        scored = [
+            row
+            for rows in self.reward.scatter("score_samples", texts, references, lengths, cut)
+            for row in rows
+        ]
+        m = summarize([[s] for s in scored])
         return {
-            "eval/accuracy": sum(s[1] for s in scored) / n,
-            "eval/boxed_rate": sum(s[2] for s in scored) / n,
-            "eval/unparseable_rate": sum(not s[3] for s in scored) / n,
-            "eval/response_length": sum(lengths) / n,
-            "eval/cut_at_limit_rate": sum(not s for s in stopped) / n,
+            "eval/accuracy": m["avg@1"]["value"],
+            "eval/boxed_rate": m["boxed_rate"],
+            "eval/unparseable_rate": m["unparseable_rate"],
+            "eval/response_length": m["mean_length"],
+            "eval/cut_at_limit_rate": m["cut_at_limit_rate"],
             "time/eval_s": time.perf_counter() - t,
         }
 

@@ -200,9 +200,13 @@ class VllmSampler:
         top_p: float,
         top_k: int,
         stop_strings: tuple[str, ...],
-        generator: torch.Generator,
+        generator: torch.Generator | None,
+        seeds: list[int] | None = None,
     ) -> list[list[Response]]:
-        """``n`` responses per prompt (greedy when ``temperature == 0``)."""
+        """``n`` responses per prompt (greedy when ``temperature == 0``).
+
+        Each prompt's request is seeded from ``seeds`` (one per prompt) when given, else
+        with a seed drawn from ``generator``."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -211,13 +215,16 @@ class VllmSampler:
         greedy = temperature == 0.0
         # Greedy draws nothing: its requests take no seed, so an evaluation leaves the
         # generator, and the sampling after it, as they were.
-        seeds: list[int | None] = (
-            [None] * len(prompts)
-            if greedy
-            else torch.randint(
+        if greedy:
+            seeds = [None] * len(prompts)
+        elif seeds is None:
+            if generator is None:
+                raise ValueError("sampling needs a generator or one seed per prompt")
+            seeds = torch.randint(
                 2**31 - 1, (len(prompts),), generator=generator, device=generator.device
             ).tolist()
-        )
+        elif len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         params = [
             SamplingParams(
                 n=1 if greedy else n,  # vLLM draws a greedy response once

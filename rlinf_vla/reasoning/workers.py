@@ -22,6 +22,7 @@ from rlinf_vla.reasoning.config import MathAlgoConfig
 from rlinf_vla.reasoning.generation import Response, encode_prompts, sample_responses
 from rlinf_vla.reasoning.model import (
     ModelConfig,
+    eos_token_ids,
     load_hf_config,
     load_model,
     load_tokenizer,
@@ -29,6 +30,7 @@ from rlinf_vla.reasoning.model import (
     response_logprobs,
 )
 from rlinf_vla.reasoning.reward import score_response
+from rlinf_vla.reasoning.scoring import score_sample
 from rlinf_vla.reasoning.vllm_backend import VllmSampler, merged_weights
 from rlinf_vla.runtime import (
     Worker,
@@ -69,14 +71,8 @@ class RolloutWorker(Worker):
         _setup_threads(self.cfg)
         self.tokenizer = load_tokenizer(self.cfg)
         self.vllm: VllmSampler | None = None
-        self.eos_ids = {self.tokenizer.eos_token_id}
-        from transformers import GenerationConfig
-
         config = load_hf_config(self.cfg)
-        # the end tokens a model built from this config generates with
-        extra = GenerationConfig.from_model_config(config).eos_token_id
-        self.eos_ids.update([extra] if isinstance(extra, int) else (extra or []))
-        self.eos_ids.discard(None)
+        self.eos_ids = eos_token_ids(self.tokenizer, config)
         if self.cfg.rollout_backend == "vllm":
             self.model = load_model(self.cfg, weights=False) if self.cfg.lora_rank else None
             self.vllm = VllmSampler(
@@ -220,6 +216,16 @@ class RewardWorker(Worker):
             r = score_response(text, ref, self.format_weight, self.fallback)
             out.append((r.reward, r.correct, r.formatted, r.parsed))
         return out
+
+    def score_samples(
+        self, texts: list[str], references: list[str], lengths: list[int], cut: list[bool]
+    ) -> list[dict[str, Any]]:
+        """:func:`~rlinf_vla.reasoning.scoring.score_sample` of each response, as dicts (what
+        the held-out evaluation aggregates, as ``rlinf-vla math-eval`` does)."""
+        return [
+            score_sample(text, ref, n, c, self.fallback).to_dict()
+            for text, ref, n, c in zip(texts, references, lengths, cut, strict=True)
+        ]
 
 
 # --------------------------------------------------------------------------- actor

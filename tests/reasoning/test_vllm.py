@@ -254,3 +254,48 @@ def test_doctor_samples_with_vllm_or_says_how_to_install_it():
     else:
         assert not result.ok and "not installed" in result.detail
         assert "scripts/install_vllm.sh" in result.fix
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_math_eval_with_the_vllm_backend(tmp_path, capsys):
+    """`rlinf-vla math-eval model.rollout_backend=vllm`: each problem's request carries its
+    own seed, so a resumed evaluation samples a missing problem as the first run did."""
+    import json
+
+    from rlinf_vla import cli
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(3))
+    )
+    out = tmp_path / "out"
+    args = [
+        "math-eval",
+        f"model.path={build_tiny_model(tmp_path / 'm', head_dim=32)}",
+        f"data.path={data}",
+        "model.rollout_backend=vllm",
+        "model.vllm_kv_cache_gib=0.25",
+        "data.max_prompt_tokens=64",
+        "sampling.k=2",
+        "sampling.temperature=1.0",
+        "sampling.max_new_tokens=6",
+        "eval.batch_size=2",
+        f"eval.output_dir={out}",
+    ]
+    assert cli.main(args) == 0
+    assert "vllm backend" in capsys.readouterr().out
+    lines = (out / "problems.jsonl").read_text().splitlines(keepends=True)
+    records = [json.loads(line) for line in lines]
+    assert [r["index"] for r in records] == [0, 1, 2]
+    assert all(len(r["samples"]) == 2 for r in records)
+    assert all(1 <= s["length"] <= 6 for r in records for s in r["samples"])
+    # drop problem 0 (sampled beside problem 1): alone now, it gets the same responses
+    (out / "problems.jsonl").write_text("".join(lines[1:]))
+    assert cli.main(args) == 0
+    assert "2 already in" in capsys.readouterr().err
+    again = {
+        json.loads(line)["index"]: json.loads(line)
+        for line in (out / "problems.jsonl").read_text().splitlines()
+    }
+    assert again[0]["samples"] == records[0]["samples"]
