@@ -47,8 +47,8 @@ from typing import Any
 from maniskill_learning import common, env_args, episode_chunks, evaluations, run, stage_sets
 
 from rlinf_vla import cli
-from rlinf_vla.pipelines.checkpoints import best_checkpoint
 from rlinf_vla.pipelines.evaluation import EVAL_RESET_ID_BASE
+from rlinf_vla.run.checkpoints import best_checkpoint
 
 ALGOS = ("ppo", "grpo", "dagger")
 

@@ -46,7 +46,7 @@ from typing import Any
 
 from rlinf_vla import cli
 from rlinf_vla.eval.stats import wilson_interval
-from rlinf_vla.pipelines.tracking import read_metrics
+from rlinf_vla.run.tracking import read_metrics
 
 # What each policy family needs beyond the common settings: its section for sft and train, the
 # envs of the SFT's evaluation, and its RL keys (common to PPO and GRPO, then per algorithm).

@@ -118,8 +118,8 @@ def problems(args: argparse.Namespace) -> list:
 # --------------------------------------------------------------------------- ours
 def run_ours(args: argparse.Namespace, model: str, out_dir: Path, backend: str = "hf") -> dict:
     from rlinf_vla import cli
-    from rlinf_vla.pipelines.tracking import read_metrics
     from rlinf_vla.reasoning import run, validate
+    from rlinf_vla.run.tracking import read_metrics
 
     overrides = [
         f"model.path={model}",

@@ -47,7 +47,7 @@ def _asset(name: str) -> str:
 
 def _runner_folder(job: Any) -> tuple[str, Path]:
     """The run folder of a trainer's job (its ``runner`` section) and the key that sets it."""
-    from rlinf_vla.pipelines.tracking import run_folder
+    from rlinf_vla.run.tracking import run_folder
 
     r = job.runner
     return "runner.resume" if r.resume else "runner.output_dir", run_folder(
@@ -158,7 +158,7 @@ COMMANDS: dict[str, Command] = {
         ),
         Command(
             "math-eval",
-            "avg@k and pass@k (with 95% intervals) of a math model on a problems file; resumable",
+            "avg@k and pass@k of a math model on a problems file, with confidence intervals; resumable",
             "math_eval",
             "rlinf_vla.reasoning.math_eval",
             output=lambda job: ("eval.output_dir", job.output_dir),
@@ -207,7 +207,7 @@ def preflight(command: Command, job: Any) -> None:
     errors = SectionErrors()
     target = command.output(job) if command.output is not None else None
     if target is not None:
-        from rlinf_vla.pipelines.tracking import check_writable
+        from rlinf_vla.run.tracking import check_writable
 
         key, folder = target
         errors.build(lambda: check_writable(folder, key))
@@ -580,7 +580,7 @@ def _build_parser(
 
 
 def _plot(run_dir: str, output: str | None) -> int:
-    from rlinf_vla.pipelines.plot import plot_run
+    from rlinf_vla.run.plot import plot_run
 
     try:
         out = plot_run(run_dir, output)

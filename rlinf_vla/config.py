@@ -272,3 +272,25 @@ def _convert(tp: Any, value: Any, key: str, nonfinite_ok: bool = False) -> Any:
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def config_fields(config: Any) -> dict[str, Any]:
+    """A dataclass config's fields as a dict (its nested values left as they are)."""
+    import dataclasses
+
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def named_section(section: Any, path: str) -> tuple[str, dict[str, Any]]:
+    """A registry-named section (``env``, ``policy``, ...) as its ``name`` and the rest of its
+    keys; ``path`` names the section in the error of a missing name."""
+    from omegaconf import OmegaConf
+
+    values = (
+        OmegaConf.to_container(section, resolve=True)
+        if not isinstance(section, dict)
+        else dict(section)
+    )
+    if "name" not in values:
+        raise ConfigError(f"{path}.name is missing")
+    return values.pop("name"), values

@@ -199,7 +199,7 @@ def test_a_run_folder_that_cannot_be_made_is_refused_by_every_command(
 def test_a_full_disk_is_refused_and_the_probe_leaves_nothing_behind(
     tmp_path, capsys, nothing_starts, monkeypatch
 ):
-    import rlinf_vla.pipelines.tracking as tracking
+    import rlinf_vla.run.tracking as tracking
 
     def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -211,7 +211,7 @@ def test_a_full_disk_is_refused_and_the_probe_leaves_nothing_behind(
 
 
 def test_a_writable_run_folder_passes_the_probe_unchanged(tmp_path):
-    from rlinf_vla.pipelines.tracking import check_writable
+    from rlinf_vla.run.tracking import check_writable
 
     check_writable(tmp_path / "a" / "b", "runner.output_dir")
     assert list(tmp_path.iterdir()) == []

@@ -10,8 +10,8 @@ import numpy
 import torch
 
 from rlinf_vla import provenance
-from rlinf_vla.pipelines.loop import RunLoop
-from rlinf_vla.pipelines.tracking import LoggingConfig
+from rlinf_vla.run.loop import RunLoop
+from rlinf_vla.run.tracking import LoggingConfig
 
 
 def test_the_record_names_the_versions_python_and_cpus_of_this_process():

@@ -16,7 +16,8 @@ from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, env_err
 from rlinf_vla.envs import ENVS, env_config
 from rlinf_vla.eval import protocol as protocols
 from rlinf_vla.eval.stats import condition
-from rlinf_vla.policies.resolve import fit_problems, for_policy, policy_config_for
+from rlinf_vla.fit import fit_problems, for_policy
+from rlinf_vla.policies.resolve import policy_config_for
 from rlinf_vla.runtime.cluster import ClusterConfig
 
 
@@ -199,7 +200,7 @@ def _plain(section: Any, path: str) -> dict[str, Any]:
 
 def check_fit(env_name: str, env_cfg: Any, pol: Any) -> None:
     """The policy's cameras, action size and proprio size must fit the env
-    (:func:`~rlinf_vla.policies.resolve.fit_problems`)."""
+    (:func:`~rlinf_vla.fit.fit_problems`)."""
     problems = fit_problems(env_name, env_cfg, pol)
     if problems:
         raise ConfigError("; ".join(problems))

@@ -42,7 +42,7 @@ from rlinf_vla.eval.report import (
     write_reports,
 )
 from rlinf_vla.eval.stats import condition
-from rlinf_vla.pipelines.loop import stop_reason
+from rlinf_vla.run.loop import stop_reason
 
 
 @dataclass

@@ -101,7 +101,7 @@ class ActorWorker(Worker, HasLearner):
 
     def parameter_counts(self) -> dict[str, int]:
         """``total`` and ``trained`` parameters of the policy (for the run's header)."""
-        from rlinf_vla.pipelines.loop import parameter_counts
+        from rlinf_vla.run.loop import parameter_counts
 
         return parameter_counts(self.policy)
 

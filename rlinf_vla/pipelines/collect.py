@@ -99,13 +99,13 @@ def validate(cfg: Any) -> CollectJob:
     """Typed sections; the env's config is checked, nothing is started."""
     from omegaconf import OmegaConf
 
+    from rlinf_vla.config import named_section
     from rlinf_vla.envs import env_config
-    from rlinf_vla.pipelines.config import _named
 
     unknown = sorted(set(cfg) - {"env", "collect"})
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: collect, env)")
-    env_name, env = _named(cfg["env"], "env")
+    env_name, env = named_section(cfg["env"], "env")
     errors = SectionErrors()
     collect = errors.build(lambda: from_section(CollectConfig, cfg["collect"], "collect"))
 

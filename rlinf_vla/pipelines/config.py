@@ -8,7 +8,6 @@ anything. A policy without a checkpoint takes the env's sizes where the command 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -17,18 +16,16 @@ from rlinf_vla.config import (
     ConfigError,
     SectionErrors,
     check_at_least,
+    config_fields,
     env_error,
     from_section,
+    named_section,
 )
+from rlinf_vla.fit import fit_problems, for_policy, sized_for_env
 from rlinf_vla.pipelines.evaluation import check_eval_episodes
-from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
-from rlinf_vla.policies.resolve import (
-    fit_problems,
-    for_policy,
-    policy_config_for,
-    sized_for_env,
-)
-from rlinf_vla.runtime.cluster import ClusterConfig
+from rlinf_vla.policies.resolve import policy_config_for
+from rlinf_vla.run.tracking import LoggingConfig, resolve_resume
+from rlinf_vla.runtime.cluster import ClusterConfig, local_device_count
 from rlinf_vla.runtime.placement import Placement, PlacementConfig, resolve_placement
 from rlinf_vla.training.algo_config import AlgoConfig
 
@@ -158,57 +155,20 @@ class TrainJob:
     raw: dict[str, Any] = field(default_factory=dict)
 
     def settings(self) -> dict[str, Any]:
-        """Every setting, defaults included (:func:`~rlinf_vla.pipelines.checkpoints
+        """Every setting, defaults included (:func:`~rlinf_vla.run.checkpoints
         .settings_of`): what a resume compares beside the command line's keys."""
-        from rlinf_vla.pipelines.checkpoints import settings_of
+        from rlinf_vla.run.checkpoints import settings_of
 
         return settings_of(
             {
                 "cluster": self.cluster,
-                "env": {"name": self.env_name, **_fields(self.env_config)},
-                "policy": {"name": self.policy_name, **_fields(self.policy_config)},
+                "env": {"name": self.env_name, **config_fields(self.env_config)},
+                "policy": {"name": self.policy_name, **config_fields(self.policy_config)},
                 "algo": self.algo,
                 "placement": self.placement,
                 "runner": self.runner,
             }
         )
-
-
-def _fields(config: Any) -> dict[str, Any]:
-    """A dataclass config's fields as a dict (its nested values left as they are)."""
-    import dataclasses
-
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-
-
-def _named(section: Any, path: str) -> tuple[str, dict[str, Any]]:
-    from omegaconf import OmegaConf
-
-    values = (
-        OmegaConf.to_container(section, resolve=True)
-        if not isinstance(section, dict)
-        else dict(section)
-    )
-    if "name" not in values:
-        raise ConfigError(f"{path}.name is missing")
-    return values.pop("name"), values
-
-
-def local_device_count(cluster: ClusterConfig) -> int | None:
-    """Devices of a local cluster, computed without starting it (``None`` for a remote one)."""
-    if cluster.address is not None:
-        return None
-    if cluster.devices_per_node is not None:
-        return cluster.devices_per_node
-    try:
-        import torch
-
-        gpus = torch.cuda.device_count() if cluster.num_gpus is None else cluster.num_gpus
-    except ImportError:
-        gpus = 0
-    if gpus:
-        return gpus
-    return cluster.num_cpus or os.cpu_count() or 1
 
 
 def validate(cfg: Any) -> TrainJob:
@@ -234,8 +194,8 @@ def _typed_job(cfg: Any) -> TrainJob:
 
     from rlinf_vla.envs import env_config, replace_config
 
-    env_name, env = _named(cfg["env"], "env")
-    policy_name, policy = _named(cfg["policy"], "policy")
+    env_name, env = named_section(cfg["env"], "env")
+    policy_name, policy = named_section(cfg["policy"], "policy")
 
     def make_env_config() -> Any:
         try:

@@ -27,8 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlinf_vla.config import RunAborted
 from rlinf_vla.envs.base import EnvConfig, VectorEnv
 from rlinf_vla.policies.base import Policy
+from rlinf_vla.run.checkpoints import Resume, checkpoint_folders, damage
+from rlinf_vla.run.tracking import read_metrics
 from rlinf_vla.types import ChunkResult
 
 if TYPE_CHECKING:
@@ -39,6 +42,7 @@ __all__ = [
     "SCENE_BLOCKS",
     "VALIDATION_RESET_ID_BASE",
     "EvalResult",
+    "best_checkpoint",
     "eval_reset_ids",
     "evaluate_on_worker",
     "greedy_eval",
@@ -280,3 +284,37 @@ def evaluate_on_worker(
         (video_dir / name).write_bytes(blob)
         logger.log_video("eval/video", video_dir / name, step)
     return {**metrics, "eval/first_reset_id": float(first)}
+
+
+def best_checkpoint(run_dir: str | Path, prefix: str, scenes: str = "validation") -> Resume:
+    """The complete checkpoint of ``run_dir`` (``<prefix>_<n>``) whose evaluation after step or
+    iteration ``n`` had the highest greedy success rate, among the evaluations on ``scenes``
+    (``runner.eval_scenes``: ``validation`` by default, so that the scenes a checkpoint is
+    then scored on played no part in choosing it); the latest of equal ones (the one trained
+    longest). Its note names the rate and how many evaluations it was chosen from.
+
+    Raises:
+        RunAborted: no complete checkpoint was evaluated on ``scenes``.
+    """
+
+    run_dir = Path(run_dir)
+    first = float(SCENE_BLOCKS[scenes])
+    rates = {
+        int(row.get("iteration", row.get("step", -1))): float(row["eval/success_rate"])
+        for row in read_metrics(run_dir)
+        if row.get("eval/success_rate") is not None and row.get("eval/first_reset_id") == first
+    }
+    saved = {int(p.name.rsplit("_", 1)[1]): p for p in checkpoint_folders(run_dir, prefix)}
+    candidates = [(rate, n) for n, rate in rates.items() if n in saved and damage(saved[n]) is None]
+    if not candidates:
+        raise RunAborted(
+            f"{run_dir}: no complete checkpoint was evaluated on {scenes} scenes "
+            f"({len(rates)} evaluation(s) on them, checkpoints {sorted(saved)}): evaluate with "
+            f"runner.eval_scenes={scenes} at the steps the run saves (runner.save_interval)"
+        )
+    rate, n = max(candidates)
+    note = (
+        f"checkpoints/{saved[n].name}: greedy success {rate:.3f} on {scenes} scenes, the best "
+        f"of {len(candidates)} evaluated checkpoint(s)"
+    )
+    return Resume(saved[n], [note])

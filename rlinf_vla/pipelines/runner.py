@@ -22,19 +22,19 @@ import torch
 
 from rlinf_vla.config import RunAborted
 from rlinf_vla.pipelines.actor import ActorWorker
-from rlinf_vla.pipelines.checkpoints import (
+from rlinf_vla.pipelines.config import TrainJob, check_env_split
+from rlinf_vla.pipelines.evaluation import evaluate_on_worker
+from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
+from rlinf_vla.pipelines.routing import Routing
+from rlinf_vla.run.checkpoints import (
     Resume,
     begin_checkpoint,
     finish_checkpoint,
     prepare_resume,
     resume_checkpoint,
 )
-from rlinf_vla.pipelines.config import TrainJob, check_env_split
-from rlinf_vla.pipelines.evaluation import evaluate_on_worker
-from rlinf_vla.pipelines.loop import RunLoop, Say, count_text, device_ranges, device_summary
-from rlinf_vla.pipelines.rollout import EnvWorker, RolloutWorker, trajectory_key
-from rlinf_vla.pipelines.routing import Routing
-from rlinf_vla.pipelines.tracking import MetricsLogger, run_folder
+from rlinf_vla.run.loop import RunLoop, Say, count_text, device_ranges, device_summary
+from rlinf_vla.run.tracking import MetricsLogger, run_folder
 from rlinf_vla.runtime import (
     Channel,
     Cluster,
@@ -68,7 +68,7 @@ class EmbodiedRunner:
     """Launches the env, rollout and actor groups of a :class:`TrainJob` and trains.
 
     ``checkpoint``: the checkpoint a resumed run continues from, chosen and verified by
-    :func:`~rlinf_vla.pipelines.checkpoints.prepare_resume` (default: the newest complete one
+    :func:`~rlinf_vla.run.checkpoints.prepare_resume` (default: the newest complete one
     of ``runner.resume``).
     """
 
@@ -438,7 +438,7 @@ def _runner_state(path: Path, placement: Any) -> dict[str, Any]:
     Raises:
         RunAborted: the file cannot be read, or the worker counts differ (naming both).
     """
-    from rlinf_vla.pipelines.checkpoints import load_runner_state
+    from rlinf_vla.run.checkpoints import load_runner_state
 
     state = load_runner_state(path)
     actors = len(list(path.glob("actor_rank*.pt")))
@@ -513,8 +513,8 @@ def run(job: TrainJob) -> Path:
 def closing_lines(out: Path) -> list[str]:
     """What a finished run says last: greedy success at its first and last evaluation (when
     it had two), and its learning curves drawn to ``<run>/curves.png``."""
-    from rlinf_vla.pipelines.plot import plot_run
-    from rlinf_vla.pipelines.tracking import read_metrics
+    from rlinf_vla.run.plot import plot_run
+    from rlinf_vla.run.tracking import read_metrics
 
     rows = read_metrics(out)
     evals = [r for r in rows if "eval/success_rate" in r]

@@ -35,7 +35,7 @@ from rlinf_vla.config import (
 )
 from rlinf_vla.pipelines.demos import FeatureMap, combine_stats, map_features, value_problem
 from rlinf_vla.pipelines.evaluation import check_eval_episodes
-from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume, run_folder
+from rlinf_vla.run.tracking import LoggingConfig, resolve_resume, run_folder
 from rlinf_vla.runtime.cluster import ClusterConfig
 from rlinf_vla.training.algo_config import AlgoConfig
 
@@ -138,7 +138,7 @@ class SFTRunnerConfig:
         eval_scenes: which scenes they start from: ``held_out`` (reset ids from
             ``2**31 - 2**20``, those ``train`` evaluates on) or ``validation`` (the block below
             them, from ``2**31 - 2**21``): choose a checkpoint on validation scenes and score
-            it on others (:func:`~rlinf_vla.pipelines.checkpoints.best_checkpoint`).
+            it on others (:func:`~rlinf_vla.pipelines.evaluation.best_checkpoint`).
         eval_num_envs: envs the evaluation runs them on (``None``: ``min(env.num_envs,
             eval_episodes)``; as ``train``).
         eval_videos: an MP4 of the first env per evaluation in ``<run>/videos/step_<N>/``.
@@ -190,20 +190,20 @@ class SFTJob:
     raw: dict[str, Any] = field(default_factory=dict)
 
     def settings(self) -> dict[str, Any]:
-        """Every setting, defaults included (:func:`~rlinf_vla.pipelines.checkpoints
+        """Every setting, defaults included (:func:`~rlinf_vla.run.checkpoints
         .settings_of`): what a resume compares beside the command line's keys."""
-        from rlinf_vla.pipelines.checkpoints import settings_of
-        from rlinf_vla.pipelines.config import _fields
+        from rlinf_vla.config import config_fields
+        from rlinf_vla.run.checkpoints import settings_of
 
         sections: dict[str, Any] = {
             "cluster": self.cluster,
             "data": self.data,
             "sft": self.sft,
             "runner": self.runner,
-            "policy": {"name": self.policy_name, **_fields(self.policy_config)},
+            "policy": {"name": self.policy_name, **config_fields(self.policy_config)},
         }
         if self.env_config is not None:
-            sections["env"] = {"name": self.env_name, **_fields(self.env_config)}
+            sections["env"] = {"name": self.env_name, **config_fields(self.env_config)}
         return settings_of(sections)
 
     def algo(self, ranks: int) -> AlgoConfig:
@@ -277,14 +277,14 @@ def validate(cfg: Any) -> SFTJob:
     nothing and reads only the datasets' metadata. Each stage names every problem it finds."""
     from omegaconf import OmegaConf
 
-    from rlinf_vla.pipelines.config import _named
+    from rlinf_vla.config import named_section
 
     known = {"cluster", "env", "policy", "data", "sft", "runner"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: {sorted(known)})")
-    env_name, env = _named(cfg["env"], "env")
-    policy_name, policy = _named(cfg["policy"], "policy")
+    env_name, env = named_section(cfg["env"], "env")
+    policy_name, policy = named_section(cfg["policy"], "policy")
     built, env_cfg, datasets = _sections(cfg, env_name, env)
     data: DataConfig = built["data"]
     _check_datasets(data, datasets)
@@ -485,7 +485,7 @@ def _check_eval_env(
     env_name: str, env_cfg: Any, pol_cfg: Any, reads_state: bool, errors: SectionErrors
 ) -> None:
     """The evaluation's env takes the policy's actions and gives its cameras and state."""
-    from rlinf_vla.policies.resolve import state_problems
+    from rlinf_vla.fit import state_problems
 
     no_eval = "; or runner.eval_interval=0 to train without evaluating"
     env_dim = getattr(env_cfg, "action_dim", None)
@@ -543,7 +543,7 @@ def _with_statistics(
 def _check_devices(sft: SFTConfig, cluster: ClusterConfig) -> None:
     """``sft.devices`` names devices of the local cluster (counted without starting it) and
     the batch splits evenly over them; a remote cluster is checked when it starts."""
-    from rlinf_vla.pipelines.config import local_device_count
+    from rlinf_vla.runtime.cluster import local_device_count
     from rlinf_vla.runtime.placement import parse_devices
 
     count = local_device_count(cluster)
@@ -561,11 +561,11 @@ class SFTRunner:
     """The actor workers (and one rollout worker for evaluation) of an :class:`SFTJob`."""
 
     def __init__(self, job: SFTJob, cluster: Any, checkpoint: Any = None) -> None:
-        """``checkpoint``: the :class:`~rlinf_vla.pipelines.checkpoints.Resume` a resumed run
+        """``checkpoint``: the :class:`~rlinf_vla.run.checkpoints.Resume` a resumed run
         continues from (default: the newest complete checkpoint of ``runner.resume``)."""
         from rlinf_vla.pipelines.actor import ActorWorker
-        from rlinf_vla.pipelines.checkpoints import resume_checkpoint
         from rlinf_vla.pipelines.rollout import RolloutWorker
+        from rlinf_vla.run.checkpoints import resume_checkpoint
         from rlinf_vla.runtime import WorkerGroup, create_collective, wait_started
         from rlinf_vla.runtime.placement import parse_devices
 
@@ -635,7 +635,7 @@ class SFTRunner:
             raise
 
     def header(self) -> list[str]:
-        from rlinf_vla.pipelines.loop import count_text, device_summary
+        from rlinf_vla.run.loop import count_text, device_summary
 
         job = self.job
         counts = self.actor.parameter_counts(ranks=[0]).wait()[0]
@@ -656,7 +656,7 @@ class SFTRunner:
         ]
 
     def run(self) -> Path:
-        from rlinf_vla.pipelines.loop import RunLoop
+        from rlinf_vla.run.loop import RunLoop
         from rlinf_vla.runtime import wait_all
 
         job, r = self.job, self.job.runner
@@ -729,7 +729,7 @@ class SFTRunner:
         return {**metrics, "time/eval_s": time.perf_counter() - t0}
 
     def save(self, step: int) -> Path:
-        from rlinf_vla.pipelines.checkpoints import begin_checkpoint, finish_checkpoint
+        from rlinf_vla.run.checkpoints import begin_checkpoint, finish_checkpoint
 
         path = begin_checkpoint(self.output_dir / "checkpoints" / f"step_{step}")
         self.actor.save(str(path)).wait()  # the actor workers (on this machine) have finished
@@ -769,7 +769,7 @@ def _status(metrics: dict[str, Any]) -> str:
 def run(job: SFTJob) -> Path:
     """``rlinf-vla sft``: start the cluster, clone, print where the outputs are."""
 
-    from rlinf_vla.pipelines.checkpoints import prepare_resume
+    from rlinf_vla.run.checkpoints import prepare_resume
     from rlinf_vla.runtime import Cluster
 
     # A resume's config and checkpoint are checked before anything starts.

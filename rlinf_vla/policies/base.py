@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointMismatchError",
     "Policy",
     "PolicyConfig",
+    "PolicyNeeds",
     "PolicySpec",
     "check_state_dict",
     "find_checkpoint",
@@ -177,11 +178,35 @@ class PolicyConfig:
             out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 
+    def needs(self) -> PolicyNeeds:
+        """What the policy built from this config needs from an env or a dataset (the fit
+        check, ``rlinf_vla.fit``). A family that reads cameras or the robot's state says so."""
+        return PolicyNeeds(cameras=(), action_dim=self.action_dim)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if str(self.device).startswith("cuda") else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+
+@dataclass(frozen=True)
+class PolicyNeeds:
+    """What a policy reads and writes, beside :meth:`EnvConfig.spec` what an env provides.
+
+    Attributes:
+        cameras: the ``images`` keys it reads (``policy.image_keys``).
+        action_dim: the size of its actions (``policy.action_dim``).
+        state_dim: the exact size of ``obs.state`` it reads (``policy.proprio_dim``), or
+            ``None``.
+        max_state_dim: it zero-pads the state to this size, so any state up to it fits
+            (``policy.max_state_dim``), or ``None``.
+    """
+
+    cameras: tuple[str, ...]
+    action_dim: int
+    state_dim: int | None = None
+    max_state_dim: int | None = None
 
 
 def check(cfg: Any, name: str, ok: bool, message: str) -> None:

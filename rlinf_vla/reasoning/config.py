@@ -20,9 +20,9 @@ from rlinf_vla.algos.presets import (
     ineffective_keys,
 )
 from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
-from rlinf_vla.pipelines.tracking import LoggingConfig, resolve_resume
 from rlinf_vla.reasoning.data import DataConfig
 from rlinf_vla.reasoning.model import ModelConfig
+from rlinf_vla.run.tracking import LoggingConfig, resolve_resume
 from rlinf_vla.runtime.cluster import ClusterConfig
 from rlinf_vla.runtime.placement import (
     Placement,
@@ -255,9 +255,9 @@ class MathGrpoJob:
     raw: dict[str, Any] = field(default_factory=dict)
 
     def settings(self) -> dict[str, Any]:
-        """Every setting, defaults included (:func:`~rlinf_vla.pipelines.checkpoints
+        """Every setting, defaults included (:func:`~rlinf_vla.run.checkpoints
         .settings_of`): what a resume compares beside the command line's keys."""
-        from rlinf_vla.pipelines.checkpoints import settings_of
+        from rlinf_vla.run.checkpoints import settings_of
 
         names = ("cluster", "model", "data", "algo", "placement", "runner")
         return settings_of({name: getattr(self, name) for name in names})
@@ -267,7 +267,7 @@ def validate(cfg: Any) -> MathGrpoJob:
     """Typed configs and cross-checks for a composed ``math_grpo`` config; starts nothing."""
     from omegaconf import OmegaConf
 
-    from rlinf_vla.pipelines.config import local_device_count
+    from rlinf_vla.runtime.cluster import local_device_count
 
     known = {"cluster", "model", "data", "algo", "placement", "runner"}
     unknown = sorted(set(cfg) - known)

@@ -29,7 +29,11 @@ import torch
 from rlinf_vla.algos import dynamic_sampling, overlong_penalty, whiten
 from rlinf_vla.algos.presets import estimate, estimator_kind
 from rlinf_vla.config import ConfigError, to_dict
-from rlinf_vla.pipelines.checkpoints import (
+from rlinf_vla.reasoning.config import MathGrpoJob
+from rlinf_vla.reasoning.data import Problem, PromptSampler, load_problems
+from rlinf_vla.reasoning.scoring import summarize
+from rlinf_vla.reasoning.workers import ActorWorker, RewardWorker, RolloutWorker, Sequence
+from rlinf_vla.run.checkpoints import (
     Resume,
     begin_checkpoint,
     finish_checkpoint,
@@ -37,22 +41,18 @@ from rlinf_vla.pipelines.checkpoints import (
     prepare_resume,
     resume_checkpoint,
 )
-from rlinf_vla.pipelines.loop import (
+from rlinf_vla.run.loop import (
     RunLoop,
     Say,
     count_text,
     device_ranges,
     device_summary,
 )
-from rlinf_vla.pipelines.tracking import (
+from rlinf_vla.run.tracking import (
     MetricsLogger,
     complete_checkpoints,
     run_folder,
 )
-from rlinf_vla.reasoning.config import MathGrpoJob
-from rlinf_vla.reasoning.data import Problem, PromptSampler, load_problems
-from rlinf_vla.reasoning.scoring import summarize
-from rlinf_vla.reasoning.workers import ActorWorker, RewardWorker, RolloutWorker, Sequence
 from rlinf_vla.runtime import (
     Cluster,
     WorkerError,

@@ -378,3 +378,20 @@ class Cluster:
     def __repr__(self) -> str:
         kinds = sorted({d.kind for d in self.devices})
         return f"Cluster(nodes={self.num_nodes}, devices={self.num_devices}, kinds={kinds})"
+
+
+def local_device_count(cluster: ClusterConfig) -> int | None:
+    """Devices of a local cluster, computed without starting it (``None`` for a remote one)."""
+    if cluster.address is not None:
+        return None
+    if cluster.devices_per_node is not None:
+        return cluster.devices_per_node
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if cluster.num_gpus is None else cluster.num_gpus
+    except ImportError:
+        gpus = 0
+    if gpus:
+        return gpus
+    return cluster.num_cpus or os.cpu_count() or 1

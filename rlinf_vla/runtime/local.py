@@ -41,7 +41,7 @@ from rlinf_vla.runtime.worker import (
     GroupBase,
     GroupResult,
     WorkerContext,
-    _guarded,
+    guarded,
     invoke,
 )
 
@@ -289,7 +289,7 @@ class LocalGroup(GroupBase):
                 return Process.this()
 
             future: Future = Future()
-            future.set_result(_guarded(f"{worker_cls.__name__}.__init__", build))
+            future.set_result(guarded(f"{worker_cls.__name__}.__init__", build))
             futures.append(future)
             self._hosts.append(_Host(f"{name}[{rank}]"))
         self._starting = GroupResult(self, "__init__", list(range(len(futures))), futures)
@@ -302,7 +302,7 @@ class LocalGroup(GroupBase):
     def _submit(self, method: str, ranks: list[int], args: tuple, kwargs: dict) -> list[Any]:
         return [
             self._hosts[r].submit(
-                lambda worker=self._workers[r]: _guarded(
+                lambda worker=self._workers[r]: guarded(
                     method, invoke, worker, method, args, kwargs
                 )
             )

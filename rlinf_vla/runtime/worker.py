@@ -235,15 +235,15 @@ class _WorkerHost:
             self.worker = worker
             return Process.this()
 
-        return _guarded(f"{cls.__name__}.__init__", build)
+        return guarded(f"{cls.__name__}.__init__", build)
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        return _guarded(method, invoke, self.worker, method, args, kwargs)
+        return guarded(method, invoke, self.worker, method, args, kwargs)
 
     def join_collective(self, *args: Any) -> Any:
         from rlinf_vla.runtime import collective
 
-        return _guarded("join_collective", collective.join, *args)
+        return guarded("join_collective", collective.join, *args)
 
     def free_port(self) -> tuple[str, int]:
         """An IP address of this node and a TCP port free on it (for rendezvous)."""
@@ -260,7 +260,7 @@ def invoke(worker: Worker, method: str, args: tuple, kwargs: dict) -> Any:
     return asyncio.run(_await(result)) if inspect.isawaitable(result) else result
 
 
-def _guarded(label: str, fn: Any, *args: Any) -> Any:
+def guarded(label: str, fn: Any, *args: Any) -> Any:
     """Run ``fn``; an exception becomes a :class:`_Failure` carrying its traceback."""
     try:
         return fn(*args)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.conftest import CliRun, checkpoint_done, process_gone, wait_until
-from tests.pipelines.test_checkpoints import SMALL
+from tests.run.test_checkpoints import SMALL
 
 #: Seconds a call may take at least before it counts as stalled, in these runs (the default
 #: is 120 s); every call of the toy run takes well under a second, 3 s under heavy load.

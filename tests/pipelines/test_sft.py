@@ -173,7 +173,7 @@ def _sft(out, demos, *extra):
 @pytest.mark.ray
 def test_cloning_the_toy_expert_lowers_the_loss_raises_success_and_resumes(tmp_path, toy_demos):
     from rlinf_vla.data import open_dataset
-    from rlinf_vla.pipelines.tracking import read_metrics
+    from rlinf_vla.run.tracking import read_metrics
 
     run = tmp_path / "sft"
     common = ["runner.eval_interval=150", "runner.save_interval=75", "runner.eval_at_start=true"]
@@ -203,7 +203,7 @@ def test_cloning_the_toy_expert_lowers_the_loss_raises_success_and_resumes(tmp_p
 @pytest.mark.ray
 def test_an_sft_checkpoint_starts_rl(tmp_path, toy_demos):
     from rlinf_vla import cli
-    from rlinf_vla.pipelines.tracking import read_metrics
+    from rlinf_vla.run.tracking import read_metrics
 
     run = tmp_path / "sft"
     assert _sft(run, toy_demos, "sft.steps=2", "runner.eval_interval=0") == 0
@@ -278,7 +278,7 @@ def test_a_fresh_pi0_pads_the_state_to_the_datas_size_unless_told(long_state_dem
 def _evaluated_run(tmp_path, evaluations):
     """A run folder with complete checkpoints ``step_<n>`` and one metrics row per
     ``(step, success, first reset id)``."""
-    from rlinf_vla.pipelines.checkpoints import write_manifest
+    from rlinf_vla.run.checkpoints import write_manifest
 
     run = tmp_path / "run"
     rows = []
@@ -294,8 +294,11 @@ def _evaluated_run(tmp_path, evaluations):
 
 def test_the_best_checkpoint_is_chosen_on_validation_scenes_only(tmp_path):
     from rlinf_vla.config import RunAborted
-    from rlinf_vla.pipelines.checkpoints import best_checkpoint
-    from rlinf_vla.pipelines.evaluation import EVAL_RESET_ID_BASE, VALIDATION_RESET_ID_BASE
+    from rlinf_vla.pipelines.evaluation import (
+        EVAL_RESET_ID_BASE,
+        VALIDATION_RESET_ID_BASE,
+        best_checkpoint,
+    )
 
     val, test = float(VALIDATION_RESET_ID_BASE), float(EVAL_RESET_ID_BASE)
     run = _evaluated_run(
@@ -332,9 +335,8 @@ def test_validation_scenes_are_neither_held_out_nor_demonstration_scenes():
 @pytest.mark.slow
 @pytest.mark.ray
 def test_sft_evaluates_on_the_validation_scenes_it_is_told(tmp_path, toy_demos):
-    from rlinf_vla.pipelines.checkpoints import best_checkpoint
-    from rlinf_vla.pipelines.evaluation import VALIDATION_RESET_ID_BASE
-    from rlinf_vla.pipelines.tracking import read_metrics
+    from rlinf_vla.pipelines.evaluation import VALIDATION_RESET_ID_BASE, best_checkpoint
+    from rlinf_vla.run.tracking import read_metrics
 
     run = tmp_path / "sft"
     common = ["runner.eval_interval=2", "runner.save_interval=2", "runner.eval_episodes=4"]
@@ -394,7 +396,7 @@ def test_with_evaluation_a_dataset_that_does_not_fit_the_env_names_both_sides(
 @pytest.mark.ray
 def test_lerobots_own_dataset_trains_without_a_simulator(tmp_path):
     from rlinf_vla import cli
-    from rlinf_vla.pipelines.tracking import read_metrics
+    from rlinf_vla.run.tracking import read_metrics
 
     run = tmp_path / "so100"
     args = [f"data.paths=[{SO100}]", "runner.eval_interval=0", "sft.steps=40", "sft.lr=1e-3"]

@@ -141,8 +141,8 @@ def test_grpo_two_iterations(tmp_path, capsys):
     for group in ("env", "rollout", "actor"):  # each worker holds at least its Python and torch
         assert 0.1 < rows[0][f"memory/{group}_rss_gib"] < 24, group
     # The header says what ran: the tiny OpenVLA's parameters counted here independently.
-    from rlinf_vla.pipelines.loop import count_text
     from rlinf_vla.policies import make_policy
+    from rlinf_vla.run.loop import count_text
 
     params = sum(p.numel() for p in make_policy("openvla", preset="tiny").parameters())
     err = capsys.readouterr().err
@@ -358,7 +358,7 @@ def test_sigterm_stops_the_run_naming_its_checkpoint_and_auto_resume_continues_i
     assert job.returncode == 143, err
     assert "stopped by SIGTERM" in err
     assert f"resume with: rlinf-vla train ... runner.resume={run}" in err
-    from rlinf_vla.pipelines.tracking import last_checkpoint
+    from rlinf_vla.run.tracking import last_checkpoint
 
     done = int(last_checkpoint(run).name.split("_")[1])
     final = done + 1
@@ -370,7 +370,7 @@ def test_sigterm_stops_the_run_naming_its_checkpoint_and_auto_resume_continues_i
 
 def test_auto_resume_continues_a_folder_with_a_checkpoint_and_starts_any_other(tmp_path):
     from rlinf_vla.config import ConfigError
-    from rlinf_vla.pipelines.tracking import resolve_resume
+    from rlinf_vla.run.tracking import resolve_resume
 
     run = tmp_path / "run"
     assert resolve_resume("auto", str(run), "iter") is None  # nothing there yet: start
@@ -386,7 +386,7 @@ def test_auto_resume_continues_a_folder_with_a_checkpoint_and_starts_any_other(t
 def test_a_fresh_start_refuses_a_folder_that_holds_a_run(tmp_path, capsys, nothing_starts):
     """Without runner.resume, a run folder with metrics or checkpoints is not overwritten."""
     from rlinf_vla.config import ConfigError
-    from rlinf_vla.pipelines.tracking import resolve_resume
+    from rlinf_vla.run.tracking import resolve_resume
 
     (tmp_path / "config.yaml").write_text("{}")  # what a start that failed at once leaves
     assert resolve_resume(None, str(tmp_path), "iter") is None
@@ -460,22 +460,28 @@ MODES = {
 }
 
 
+MANISKILL_ONE_ENV = ["env=maniskill", "env.num_envs=1"]
+LIBERO_ONE_ENV = [
+    *("env=libero", "env.num_envs=1", "env.task_ids=[0]"),
+    *("env.image_size=128", "env.fast_render=true"),
+]
+
+
+# Every mode runs on the toy env (test_two_iterations_in_each_mode); on each simulator: the
+# collocated workers (with an evaluation and its video), the single process (the simulators
+# start as under Ray) and one mode whose env workers have devices of their own.
 @pytest.mark.sim
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize(
-    ("env", "module"),
+    ("env", "module", "mode"),
     [
-        (["env=maniskill", "env.num_envs=1"], "mani_skill"),
-        (
-            [
-                *("env=libero", "env.num_envs=1", "env.task_ids=[0]"),
-                *("env.image_size=128", "env.fast_render=true"),
-            ],
-            "libero",
-        ),
+        pytest.param(MANISKILL_ONE_ENV, "mani_skill", "collocated", id="maniskill-collocated"),
+        pytest.param(MANISKILL_ONE_ENV, "mani_skill", "local", id="maniskill-local"),
+        pytest.param(MANISKILL_ONE_ENV, "mani_skill", "hybrid", id="maniskill-hybrid"),
+        pytest.param(LIBERO_ONE_ENV, "libero", "collocated", id="libero-collocated"),
+        pytest.param(LIBERO_ONE_ENV, "libero", "local", id="libero-local"),
+        pytest.param(LIBERO_ONE_ENV, "libero", "disaggregated", id="libero-disaggregated"),
     ],
-    ids=["maniskill", "libero"],
 )
 @pytest.mark.ray
 def test_two_iterations_on_a_simulator(tmp_path, env, module, mode):

@@ -94,7 +94,7 @@ def test_a_run_without_a_critic_has_no_value_head(tiny_model_dir: Path) -> None:
 @pytest.mark.parametrize("algo", ["ppo", "rloo", "dapo", "reinforce_pp"])
 def test_each_algorithm_trains_two_steps(tiny_model_dir: Path, tmp_path: Path, algo: str) -> None:
     from rlinf_vla import cli
-    from rlinf_vla.pipelines.tracking import read_metrics
+    from rlinf_vla.run.tracking import read_metrics
 
     args = [
         *small_run_args(tiny_model_dir, tmp_path),

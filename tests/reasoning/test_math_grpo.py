@@ -291,7 +291,7 @@ def test_a_batch_without_signal_makes_no_optimizer_step(tiny_model_dir: Path) ->
 @pytest.mark.ray
 def test_two_steps_end_to_end_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
     from rlinf_vla import cli
-    from rlinf_vla.pipelines.tracking import read_metrics
+    from rlinf_vla.run.tracking import read_metrics
 
     run = tmp_path / "run"
     common = [
@@ -329,7 +329,7 @@ def test_collocated_on_one_gpu_offloads_the_idle_model(
     # trains, the actor's model, AdamW state and KL reference while the rollout generates, and
     # the weights reach the rollout over gloo (NCCL refuses two ranks on one GPU).
     from rlinf_vla import cli
-    from rlinf_vla.pipelines.tracking import read_metrics
+    from rlinf_vla.run.tracking import read_metrics
 
     args = [
         *small_run_args(tiny_model_dir, tmp_path),

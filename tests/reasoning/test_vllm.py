@@ -196,7 +196,7 @@ def test_math_grpo_steps_with_vllm_rollouts(tmp_path, capsys):
     test_merged_lora_weights_equal_peft_merge_and_leave_the_model_unchanged (a second run
     here cost a second vLLM engine start, the longest part of this stage)."""
     from rlinf_vla import cli
-    from rlinf_vla.pipelines.tracking import read_metrics
+    from rlinf_vla.run.tracking import read_metrics
 
     run = tmp_path / "run"
     args = [
@@ -226,7 +226,7 @@ def test_math_grpo_steps_with_vllm_rollouts(tmp_path, capsys):
 def test_collocated_on_one_gpu_the_engine_sleeps_while_the_actor_trains(tmp_path):
     """Rollout (a vLLM engine in sleep mode) and actor on GPU 0, two steps."""
     from rlinf_vla import cli
-    from rlinf_vla.pipelines.tracking import read_metrics
+    from rlinf_vla.run.tracking import read_metrics
 
     args = [
         *small_run_args(build_tiny_model(tmp_path / "m", head_dim=32), tmp_path),

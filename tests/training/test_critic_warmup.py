@@ -6,8 +6,8 @@ import torch
 from rlinf_vla.config import ConfigError
 from rlinf_vla.pipelines.actor import ActorWorker
 from rlinf_vla.training.algo_config import AlgoConfig
-from tests.training.test_accumulation import _batch
 from tests.training.actors import local_actor
+from tests.training.test_accumulation import _batch
 
 VALID = torch.ones(8, dtype=torch.bool)
 

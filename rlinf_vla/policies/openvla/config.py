@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from rlinf_vla.policies.base import PolicyConfig, check
+from rlinf_vla.policies.base import PolicyConfig, PolicyNeeds, check
 
 __all__ = [
     "IMAGE_PIPELINES",
@@ -232,6 +232,10 @@ class OpenVLAConfig(PolicyConfig):
     unnorm_key: str | None = None
     gripper: str = "auto"
     exact_logprob: bool = True
+
+    def needs(self) -> PolicyNeeds:
+        """Its cameras; OpenVLA reads no robot state."""
+        return PolicyNeeds(cameras=tuple(self.image_keys), action_dim=self.action_dim)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from rlinf_vla.policies.base import check
+from rlinf_vla.policies.base import PolicyNeeds, check
 from rlinf_vla.policies.openvla.config import TINY_OPENVLA, CheckpointFiles, OpenVLAConfig
 
 __all__ = ["PLATFORMS", "OpenVLAOFTConfig", "detect_platform"]
@@ -103,6 +103,14 @@ class OpenVLAOFTConfig(OpenVLAConfig):
         """``init_log_std`` as a list (one value, or one per action dim)."""
         value = self.init_log_std
         return [float(x) for x in value] if isinstance(value, list | tuple) else [float(value)]
+
+    def needs(self) -> PolicyNeeds:
+        """Its cameras and, with ``use_proprio``, exactly ``proprio_dim`` state values."""
+        return PolicyNeeds(
+            cameras=tuple(self.image_keys),
+            action_dim=self.action_dim,
+            state_dim=self.proprio_dim if self.use_proprio else None,
+        )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from rlinf_vla.policies.base import PolicyConfig, check
+from rlinf_vla.policies.base import PolicyConfig, PolicyNeeds, check
 
 __all__ = ["GEMMA_VARIANTS", "SIGLIP_SO400M", "Pi0Config"]
 
@@ -179,6 +179,14 @@ class Pi0Config(PolicyConfig):
     max_period: float = 4.0
     greedy_noise: Literal["sample", "zero"] = "sample"
     greedy_seed: int = 0
+
+    def needs(self) -> PolicyNeeds:
+        """Its cameras and a state of at most ``max_state_dim`` values (zero-padded)."""
+        return PolicyNeeds(
+            cameras=tuple(self.image_keys),
+            action_dim=self.action_dim,
+            max_state_dim=self.max_state_dim,
+        )
 
     def __post_init__(self) -> None:
         super().__post_init__()

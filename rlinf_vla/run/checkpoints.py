@@ -31,8 +31,8 @@ __all__ = [
     "SAFE_ON_RESUME",
     "Resume",
     "begin_checkpoint",
-    "best_checkpoint",
     "check_resume_config",
+    "checkpoint_folders",
     "damage",
     "finish_checkpoint",
     "latest_config",
@@ -147,7 +147,7 @@ def load_runner_state(folder: Path) -> dict[str, Any]:
         ) from None
 
 
-def _numbered(run_dir: Path, prefix: str) -> list[Path]:
+def checkpoint_folders(run_dir: Path, prefix: str) -> list[Path]:
     """``<run_dir>/checkpoints/<prefix>_N`` folders, newest first."""
     found = []
     for p in (Path(run_dir) / "checkpoints").glob(f"{prefix}_*"):
@@ -183,7 +183,7 @@ def resume_checkpoint(run_dir: str | Path, prefix: str) -> Resume:
         RunAborted: no checkpoint is complete, naming the folder and what is wrong with each.
     """
     run_dir = Path(run_dir)
-    folders = _numbered(run_dir, prefix)
+    folders = checkpoint_folders(run_dir, prefix)
     with_manifest = [p for p in folders if (p / MANIFEST).exists()]
     oldest_manifest = min((int(p.name.rsplit("_", 1)[1]) for p in with_manifest), default=None)
     skipped: list[str] = []
@@ -213,42 +213,6 @@ def resume_checkpoint(run_dir: str | Path, prefix: str) -> Resume:
         f"{where} has no complete checkpoint to resume from ({found}); start the run again "
         "in another folder"
     )
-
-
-def best_checkpoint(run_dir: str | Path, prefix: str, scenes: str = "validation") -> Resume:
-    """The complete checkpoint of ``run_dir`` (``<prefix>_<n>``) whose evaluation after step or
-    iteration ``n`` had the highest greedy success rate, among the evaluations on ``scenes``
-    (``runner.eval_scenes``: ``validation`` by default, so that the scenes a checkpoint is
-    then scored on played no part in choosing it); the latest of equal ones (the one trained
-    longest). Its note names the rate and how many evaluations it was chosen from.
-
-    Raises:
-        RunAborted: no complete checkpoint was evaluated on ``scenes``.
-    """
-    from rlinf_vla.pipelines.evaluation import SCENE_BLOCKS
-    from rlinf_vla.pipelines.tracking import read_metrics
-
-    run_dir = Path(run_dir)
-    first = float(SCENE_BLOCKS[scenes])
-    rates = {
-        int(row.get("iteration", row.get("step", -1))): float(row["eval/success_rate"])
-        for row in read_metrics(run_dir)
-        if row.get("eval/success_rate") is not None and row.get("eval/first_reset_id") == first
-    }
-    saved = {int(p.name.rsplit("_", 1)[1]): p for p in _numbered(run_dir, prefix)}
-    candidates = [(rate, n) for n, rate in rates.items() if n in saved and damage(saved[n]) is None]
-    if not candidates:
-        raise RunAborted(
-            f"{run_dir}: no complete checkpoint was evaluated on {scenes} scenes "
-            f"({len(rates)} evaluation(s) on them, checkpoints {sorted(saved)}): evaluate with "
-            f"runner.eval_scenes={scenes} at the steps the run saves (runner.save_interval)"
-        )
-    rate, n = max(candidates)
-    note = (
-        f"checkpoints/{saved[n].name}: greedy success {rate:.3f} on {scenes} scenes, the best "
-        f"of {len(candidates)} evaluated checkpoint(s)"
-    )
-    return Resume(saved[n], [note])
 
 
 def _said(skipped: list[str], chosen: str) -> list[str]:
@@ -448,7 +412,7 @@ def prepare_resume(
         return None
     metrics = Path(resume) / "metrics.jsonl"
     if metrics.is_file():
-        from rlinf_vla.pipelines.tracking import parse_metrics
+        from rlinf_vla.run.tracking import parse_metrics
 
         try:
             parse_metrics(metrics)  # a torn last row is dropped; damage before it is not

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rlinf_vla.pipelines.tracking import read_metrics
+from rlinf_vla.run.tracking import read_metrics
 
 #: The worker groups whose memory the trainers log (``memory/<group>_*``).
 _GROUPS = ("env", "rollout", "reward", "actor")

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from rlinf_vla import cli
-from rlinf_vla.pipelines.plot import _series, drawn_panels, plot_run
-from rlinf_vla.pipelines.tracking import LoggingConfig, MetricsLogger, read_metrics
+from rlinf_vla.run.plot import _series, drawn_panels, plot_run
+from rlinf_vla.run.tracking import LoggingConfig, MetricsLogger, read_metrics
 
 
 def _rows(n, start=1):
@@ -128,7 +128,7 @@ def _torn_run(tmp_path, rows=4):
 
 
 def test_a_torn_last_row_is_dropped_with_a_warning_on_resume(tmp_path, caplog):
-    from rlinf_vla.pipelines.loop import RunLoop
+    from rlinf_vla.run.loop import RunLoop
 
     run = _torn_run(tmp_path / "run")
     loop = RunLoop(
@@ -183,7 +183,7 @@ def test_reading_metrics_skips_a_torn_last_row_but_not_a_damaged_one(tmp_path):
 )
 def test_a_full_disk_while_saving_names_the_run_folder(tmp_path, error):
     from rlinf_vla.config import RunAborted
-    from rlinf_vla.pipelines.loop import RunLoop
+    from rlinf_vla.run.loop import RunLoop
 
     loop = RunLoop(
         tmp_path / "run",
@@ -207,7 +207,7 @@ def test_a_full_disk_while_saving_names_the_run_folder(tmp_path, error):
 
 
 def test_other_errors_while_saving_are_not_called_a_full_disk(tmp_path):
-    from rlinf_vla.pipelines.loop import RunLoop
+    from rlinf_vla.run.loop import RunLoop
 
     loop = RunLoop(
         tmp_path / "run",

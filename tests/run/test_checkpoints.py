@@ -9,7 +9,7 @@ import yaml
 
 from rlinf_vla import cli
 from rlinf_vla.config import ConfigError, RunAborted
-from rlinf_vla.pipelines.checkpoints import (
+from rlinf_vla.run.checkpoints import (
     MANIFEST,
     check_resume_config,
     damage,
@@ -17,8 +17,8 @@ from rlinf_vla.pipelines.checkpoints import (
     resume_checkpoint,
     write_manifest,
 )
-from rlinf_vla.pipelines.loop import RunLoop
-from rlinf_vla.pipelines.tracking import LoggingConfig, read_metrics
+from rlinf_vla.run.loop import RunLoop
+from rlinf_vla.run.tracking import LoggingConfig, read_metrics
 
 SMALL = [
     "env=toy",
@@ -368,7 +368,7 @@ def test_a_key_set_on_only_one_side_is_a_change(tmp_path):
     ],
 )
 def test_a_damaged_run_folder_is_refused_before_anything_starts(tmp_path, damage, message):
-    from rlinf_vla.pipelines.checkpoints import prepare_resume
+    from rlinf_vla.run.checkpoints import prepare_resume
 
     run = _saved_run(tmp_path, {"algo": {"lr": 1e-4}})
     _fake_checkpoint(tmp_path, 2)

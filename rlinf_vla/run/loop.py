@@ -34,7 +34,7 @@ from typing import Any
 
 from rlinf_vla import provenance
 from rlinf_vla.config import RunAborted
-from rlinf_vla.pipelines.tracking import (
+from rlinf_vla.run.tracking import (
     LoggingConfig,
     MetricsLogger,
     disk_full_message,
@@ -138,7 +138,7 @@ class RunLoop:
         header: lines printed before the first iteration: what runs where (see
             :func:`parameter_counts`, :func:`device_summary`).
         settings: every setting of the job, defaults included
-            (:func:`~rlinf_vla.pipelines.checkpoints.settings_of`), written to
+            (:func:`~rlinf_vla.run.checkpoints.settings_of`), written to
             ``configs/settings_<k>.yaml`` for a resume to compare with.
     """
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from rlinf_vla.pipelines.loop import RunLoop, TrainingAborted
-from rlinf_vla.pipelines.tracking import LoggingConfig, read_metrics
+from rlinf_vla.run.loop import RunLoop, TrainingAborted
+from rlinf_vla.run.tracking import LoggingConfig, read_metrics
 
 
 def _loop(tmp_path, total=5, save_interval=2, max_nan_updates=3):
@@ -108,7 +108,7 @@ def test_a_crash_before_any_checkpoint_says_so_and_reraises(tmp_path, capsys):
 
 
 def test_header_helpers_write_counts_ranges_and_devices_for_people():
-    from rlinf_vla.pipelines.loop import count_text, device_ranges, device_summary
+    from rlinf_vla.run.loop import count_text, device_ranges, device_summary
     from rlinf_vla.runtime import Device
 
     assert [count_text(n) for n in (950, 20_130, 435_201, 135_000_000, 7_541_237_184)] == [
@@ -199,7 +199,7 @@ def test_an_iteration_without_an_update_says_why_in_full_once(tmp_path, capsys):
     ],
 )
 def test_no_update_reason_reads_the_trainer_metrics(metrics, reason):
-    from rlinf_vla.pipelines.loop import no_update_reason
+    from rlinf_vla.run.loop import no_update_reason
 
     got = no_update_reason(metrics)
     assert got == reason if reason is None else reason in got
