@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -67,13 +66,6 @@ class SectionErrors:
         if self.messages:
             listed = "".join(f"\n  - {m}" for m in self.messages)
             raise ConfigError(f"{len(self.messages)} problems:{listed}")
-
-
-def env_error(error: Exception) -> ConfigError:
-    """The error of an env config built from the ``env`` section, naming the key as the command
-    line sets it (``LiberoEnvConfig.task_ids ...`` -> ``env.task_ids ...``)."""
-    message = re.sub(r"^\w+EnvConfig\.", "env.", str(error.args[0] if error.args else error))
-    return ConfigError(message if message.startswith("env.") else f"env: {message}")
 
 
 def device_problem(value: str, key: str) -> str | None:

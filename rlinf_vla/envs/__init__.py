@@ -37,6 +37,7 @@ __all__ = [
     "StepOutput",
     "VectorEnv",
     "env_config",
+    "env_section_config",
     "for_device",
     "group_reset_ids",
     "make_env",
@@ -63,6 +64,23 @@ def env_config(name: str, config: EnvConfig | None = None, **overrides: Any) -> 
             f"env {name!r} takes a {cls.config_cls.__name__}, got {type(config).__name__}"
         )
     return replace_config(config, **overrides) if overrides else config
+
+
+def env_section_config(
+    name: str, section: dict[str, Any], config: EnvConfig | None = None, **overrides: Any
+) -> EnvConfig:
+    """:func:`env_config` of a command's ``env`` section: an unknown env or key, or a bad
+    value, is a :class:`~rlinf_vla.config.ConfigError` naming the key as the command line
+    sets it (``LiberoEnvConfig.task_ids ...`` -> ``env.task_ids ...``)."""
+    import re
+
+    from rlinf_vla.config import ConfigError
+
+    try:
+        return env_config(name, config, **{**section, **overrides})
+    except (KeyError, TypeError, ValueError) as e:
+        message = re.sub(r"^\w+EnvConfig\.", "env.", str(e.args[0] if e.args else e))
+        raise ConfigError(message if message.startswith("env.") else f"env: {message}") from None
 
 
 def for_device(config: EnvConfig, device: Any) -> EnvConfig:

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, env_error, from_section
-from rlinf_vla.envs import ENVS, env_config
+from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
+from rlinf_vla.envs import ENVS, env_section_config
 from rlinf_vla.eval import protocol as protocols
 from rlinf_vla.eval.stats import condition
 from rlinf_vla.fit import fit_problems, for_policy
@@ -249,11 +249,8 @@ def validate(cfg: Any) -> EvalJob:
     _check_perturbation_keys(env_name, env, ev)
     # The eval drives every env itself: one env per slot, resets chosen per trial.
     env["group_size"] = 1
-    try:
-        slots_cfg = env_config(env_name, **env)  # num_envs: the envs run in parallel
-        env_cfg = env_config(env_name, slots_cfg, num_envs=1)  # each env's own config
-    except (KeyError, TypeError, ValueError) as e:
-        raise env_error(e) from None
+    slots_cfg = env_section_config(env_name, env)  # num_envs: the envs run in parallel
+    env_cfg = env_section_config(env_name, {}, slots_cfg, num_envs=1)  # each env's own config
     try:  # the env's own checks of eval.tasks and eval.trials_per_task
         run_configs = env_cfg.eval_configs(env_name, ev.tasks, ev.trials_per_task)
     except ValueError as e:

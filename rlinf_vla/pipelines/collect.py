@@ -29,7 +29,6 @@ from rlinf_vla.config import (
     RunAborted,
     SectionErrors,
     check_at_least,
-    env_error,
     from_section,
 )
 
@@ -100,7 +99,7 @@ def validate(cfg: Any) -> CollectJob:
     from omegaconf import OmegaConf
 
     from rlinf_vla.config import named_section
-    from rlinf_vla.envs import env_config
+    from rlinf_vla.envs import env_section_config
 
     unknown = sorted(set(cfg) - {"env", "collect"})
     if unknown:
@@ -110,10 +109,7 @@ def validate(cfg: Any) -> CollectJob:
     collect = errors.build(lambda: from_section(CollectConfig, cfg["collect"], "collect"))
 
     def check_env() -> Any:
-        try:
-            cfg = env_config(env_name, **{**env, "auto_reset": False})
-        except (KeyError, TypeError, ValueError) as e:
-            raise env_error(e) from None
+        cfg = env_section_config(env_name, env, auto_reset=False)
         # an env without an expert, or (ManiSkill) a task or control mode without one
         problem = cfg.expert_problem(env_name)
         if problem:

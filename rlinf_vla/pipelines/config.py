@@ -17,7 +17,6 @@ from rlinf_vla.config import (
     SectionErrors,
     check_at_least,
     config_fields,
-    env_error,
     from_section,
     named_section,
 )
@@ -192,16 +191,10 @@ def _typed_job(cfg: Any) -> TrainJob:
     """The job of ``cfg`` with every section typed (every bad section named at once)."""
     from omegaconf import OmegaConf
 
-    from rlinf_vla.envs import env_config, replace_config
+    from rlinf_vla.envs import env_section_config, replace_config
 
     env_name, env = named_section(cfg["env"], "env")
     policy_name, policy = named_section(cfg["policy"], "policy")
-
-    def make_env_config() -> Any:
-        try:
-            return env_config(env_name, **env)
-        except (KeyError, TypeError, ValueError) as e:
-            raise env_error(e) from None
 
     def resolve_policy() -> tuple[dict[str, Any], Any]:
         # The section holds what the command line set; a checkpoint's config decides the rest,
@@ -218,7 +211,7 @@ def _typed_job(cfg: Any) -> TrainJob:
             algo.group_size = env["group_size"]
         elif algo.preset.uses_groups:
             env["group_size"] = algo.group_size
-    env_cfg = errors.build(make_env_config)
+    env_cfg = errors.build(lambda: env_section_config(env_name, env))
     policy, pol_cfg = errors.build(resolve_policy) or (policy, None)
     sections = {
         "cluster": ClusterConfig,

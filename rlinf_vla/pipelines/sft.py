@@ -29,7 +29,6 @@ from rlinf_vla.config import (
     ConfigError,
     SectionErrors,
     check_at_least,
-    env_error,
     from_section,
     to_dict,
 )
@@ -327,7 +326,7 @@ def _sections(
 ) -> tuple[dict[str, Any], Any, list[Any]]:
     """The typed sections, the evaluation's env config (``None`` without an evaluation) and
     the opened datasets."""
-    from rlinf_vla.envs import env_config
+    from rlinf_vla.envs import env_section_config
 
     errors = SectionErrors()
     built = {
@@ -340,17 +339,11 @@ def _sections(
         )
     }
 
-    def make_env_config() -> Any:
-        try:
-            return env_config(env_name, **env)
-        except (KeyError, TypeError, ValueError) as e:
-            raise env_error(e) from None
-
     # Without an evaluation no env is built (nor its simulator imported): the dataset alone
     # decides the policy's sizes (real-robot data of any action and state size).
     runner = built["runner"]
     evaluates = runner is None or bool(runner.eval_interval or runner.eval_at_start)
-    env_cfg = errors.build(make_env_config) if evaluates else None
+    env_cfg = errors.build(lambda: env_section_config(env_name, env)) if evaluates else None
     datasets = errors.build(lambda: _open(built["data"].paths)) if built["data"] else None
     errors.raise_any()
     return built, env_cfg, datasets
