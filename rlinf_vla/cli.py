@@ -66,7 +66,8 @@ class Command:
     none this time); it must be writable before anything starts (:func:`preflight`). ``sections`` names the config class
     (``module:Class``) of a config group's section, whose fields and docstring ``--help`` lists
     (the policy and env groups' classes come from their registries). ``folder_key`` is the
-    key of the folder a run writes, which ``--multirun`` sets for each run.
+    key of the folder a run writes, which ``--multirun`` sets for each run. ``example`` is the
+    override ``--help`` shows.
     """
 
     name: str
@@ -77,6 +78,7 @@ class Command:
     output: Callable[[Any], tuple[str, Path] | None] | None = None
     sections: dict[str, str] = field(default_factory=dict)
     folder_key: str | None = None
+    example: str = "cluster.num_cpus=2"
 
     @property
     def config_dir(self) -> Path:
@@ -111,6 +113,7 @@ COMMANDS: dict[str, Command] = {
             "rlinf_vla.pipelines.collect",
             output=lambda job: ("collect.output_dir", Path(job.collect.output_dir)),
             folder_key="collect.output_dir",
+            example="collect.episodes=50",
         ),
         Command(
             "sft",
@@ -162,6 +165,7 @@ COMMANDS: dict[str, Command] = {
             "math_eval",
             "rlinf_vla.reasoning.math_eval",
             output=lambda job: ("eval.output_dir", job.output_dir),
+            example="sampling.k=16",
             sections={
                 "model": "rlinf_vla.reasoning.model:ModelConfig",
                 "data": "rlinf_vla.reasoning.math_eval:EvalDataConfig",
@@ -175,6 +179,7 @@ COMMANDS: dict[str, Command] = {
             "serve",
             "rlinf_vla.real_robot.serve",
             sections={"server": "rlinf_vla.real_robot.server:ServerConfig"},
+            example="server.port=8000",
         ),
         Command(
             "deploy",
@@ -185,6 +190,7 @@ COMMANDS: dict[str, Command] = {
             output=lambda job: (
                 ("record.output_dir", Path(job.record.output_dir)) if job.record.enabled else None
             ),
+            example="safety.max_translation_m=0.02",
             sections={
                 "action": "rlinf_vla.real_robot.deploy:ActionConfig",
                 "safety": "rlinf_vla.real_robot.safety:SafetyConfig",
@@ -526,10 +532,14 @@ def _build_parser(
         p = sub.add_parser(
             command.name,
             help=command.help,
-            description=f"{command.help}\n\nconfig groups (choose with group=choice):\n"
-            + "\n".join(lines)
+            description=command.help
+            + (
+                "\n\nconfig groups (choose with group=choice):\n" + "\n".join(lines)
+                if lines
+                else ""
+            )
             + (_keys_text(command, overrides) if command.name == help_for else "")
-            + "\n\nany value can be set with section.key=value, e.g. cluster.num_cpus=2",
+            + f"\n\nany value can be set with section.key=value, e.g. {command.example}",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument(

@@ -25,6 +25,18 @@ def test_subcommand_help_lists_groups_and_choices(capsys):
     assert "benchmark    channel (default)" in out
 
 
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_a_commands_help_example_sets_one_of_its_own_keys(capsys, name):
+    with pytest.raises(SystemExit):
+        cli.main([name, "--help"])
+    out = capsys.readouterr().out
+    keys = {line.split(" = ")[0].strip() for line in out.splitlines() if " = " in line}
+    example = cli.COMMANDS[name].example.split("=")[0]
+    assert example in keys, f"{name} --help shows {example}=..., not one of its keys"
+    if "config groups" in out:  # listed only when the command has some
+        assert out.split("config groups")[1].split("\n")[1].strip()
+
+
 def test_cfg_job_prints_the_resolved_config(capsys):
     assert (
         cli.main(
