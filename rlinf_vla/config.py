@@ -286,3 +286,16 @@ def named_section(section: Any, path: str) -> tuple[str, dict[str, Any]]:
     if "name" not in values:
         raise ConfigError(f"{path}.name is missing")
     return values.pop("name"), values
+
+
+def check_sections(cfg: Any, known: Any) -> None:
+    """A command's config holds only the top-level keys (its sections) it reads (``known``).
+
+    Raises:
+        ConfigError: naming the unknown keys and the known ones.
+    """
+    unknown = sorted(set(cfg) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )

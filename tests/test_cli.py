@@ -301,3 +301,12 @@ def test_serving_needs_no_simulator_or_hardware_driver():
     ]
     assert sorted(d.split(">")[0] for d in extras["serve"]) == ["msgpack", "websockets"]
     assert "rlinf-vla[serve]" in extras["robot"]
+
+
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_every_command_names_an_unknown_top_level_key_and_the_known_ones(name):
+    from rlinf_vla.config import ConfigError
+
+    validate, _ = cli.COMMANDS[name].load()
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\): bogus \(known: \w+"):
+        validate({"bogus": {}})

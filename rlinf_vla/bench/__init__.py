@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlinf_vla.config import ConfigError, from_section
+from rlinf_vla.config import ConfigError, check_sections, from_section
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,7 @@ def validate(cfg: Any) -> BenchJob:
     """Check the composed ``bench`` config; pure (starts nothing)."""
     from rlinf_vla.runtime.cluster import ClusterConfig
 
-    known = {"cluster", "benchmark", "output_dir"}
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    check_sections(cfg, ("cluster", "benchmark", "output_dir"))
     section = dict(cfg["benchmark"])
     spec = get_benchmark(section.get("name", ""))
     return BenchJob(

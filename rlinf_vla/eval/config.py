@@ -12,7 +12,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
+from rlinf_vla.config import (
+    ConfigError,
+    SectionErrors,
+    check_at_least,
+    check_sections,
+    from_section,
+    named_section,
+)
 from rlinf_vla.envs import ENVS, env_section_config
 from rlinf_vla.eval import protocol as protocols
 from rlinf_vla.eval.stats import condition
@@ -188,16 +195,6 @@ class EvalJob:
 
 
 # ------------------------------------------------------------------------------- validation
-def _plain(section: Any, path: str) -> dict[str, Any]:
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(section, DictConfig):
-        section = OmegaConf.to_container(section, resolve=True)
-    if not isinstance(section, dict):
-        raise ConfigError(f"{path}: expected a mapping, got {section!r}")
-    return dict(section)
-
-
 def check_fit(env_name: str, env_cfg: Any, pol: Any) -> None:
     """The policy's cameras, action size and proprio size must fit the env
     (:func:`~rlinf_vla.fit.fit_problems`)."""
@@ -224,14 +221,9 @@ def validate(cfg: Any) -> EvalJob:
             suite (listing the known ones) or ManiSkill task, a missing checkpoint, a policy
             whose cameras, action size or proprio size do not fit the env.
     """
-    known = {"cluster", "env", "policy", "eval"}
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: {sorted(known)})")
-    env = _plain(cfg["env"], "env")
-    policy = _plain(cfg["policy"], "policy")
-    env_name = env.pop("name", None)
-    policy_name = policy.pop("name", None)
+    check_sections(cfg, ("cluster", "env", "policy", "eval"))
+    env_name, env = named_section(cfg["env"], "env")
+    policy_name, policy = named_section(cfg["policy"], "policy")
     if env_name not in ENVS:
         raise ConfigError(f"env.name: unknown env {env_name!r}; known envs: {sorted(ENVS)}")
     errors = SectionErrors()  # the independent sections are all checked before raising

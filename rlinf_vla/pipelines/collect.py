@@ -29,6 +29,7 @@ from rlinf_vla.config import (
     RunAborted,
     SectionErrors,
     check_at_least,
+    check_sections,
     from_section,
 )
 
@@ -101,9 +102,7 @@ def validate(cfg: Any) -> CollectJob:
     from rlinf_vla.config import named_section
     from rlinf_vla.envs import env_section_config
 
-    unknown = sorted(set(cfg) - {"env", "collect"})
-    if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: collect, env)")
+    check_sections(cfg, ("env", "collect"))
     env_name, env = named_section(cfg["env"], "env")
     errors = SectionErrors()
     collect = errors.build(lambda: from_section(CollectConfig, cfg["collect"], "collect"))

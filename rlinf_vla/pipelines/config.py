@@ -16,6 +16,7 @@ from rlinf_vla.config import (
     ConfigError,
     SectionErrors,
     check_at_least,
+    check_sections,
     config_fields,
     from_section,
     named_section,
@@ -174,10 +175,7 @@ def validate(cfg: Any) -> TrainJob:
     """Typed configs and cross-checks for a composed ``train`` config; starts nothing. Every
     section is checked before any error is raised, then every check across sections, so that
     one run names all the problems of each stage."""
-    known = {"cluster", "env", "policy", "algo", "placement", "runner"}
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    check_sections(cfg, ("cluster", "env", "policy", "algo", "placement", "runner"))
     job = _typed_job(cfg)
     errors = SectionErrors()
     for message in _cross_problems(job, cfg["algo"]):

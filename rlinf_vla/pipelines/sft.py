@@ -29,6 +29,7 @@ from rlinf_vla.config import (
     ConfigError,
     SectionErrors,
     check_at_least,
+    check_sections,
     from_section,
     to_dict,
 )
@@ -278,10 +279,7 @@ def validate(cfg: Any) -> SFTJob:
 
     from rlinf_vla.config import named_section
 
-    known = {"cluster", "env", "policy", "data", "sft", "runner"}
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: {sorted(known)})")
+    check_sections(cfg, ("cluster", "env", "policy", "data", "sft", "runner"))
     env_name, env = named_section(cfg["env"], "env")
     policy_name, policy = named_section(cfg["policy"], "policy")
     built, env_cfg, datasets = _sections(cfg, env_name, env)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rlinf_vla.config import ConfigError, RunAborted, from_section, to_dict
+from rlinf_vla.config import ConfigError, RunAborted, check_sections, from_section, to_dict
 from rlinf_vla.real_robot.kinematics import matrix_to_rotvec
 from rlinf_vla.real_robot.protocol import CONTROL_RATE_RANGE_HZ
 from rlinf_vla.real_robot.robot import Robot
@@ -166,11 +166,7 @@ def validate(cfg: Any) -> DeployJob:
     from omegaconf import OmegaConf
 
     values = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
-    unknown = sorted(set(values) - _TOP)
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s): {', '.join(unknown)} (known: {', '.join(sorted(_TOP))})"
-        )
+    check_sections(values, _TOP)
     robot = robot_config(values.pop("robot", {}) or {})
     job = from_section(DeployJob, {**values, "robot": {}}, "")
     job.robot = robot

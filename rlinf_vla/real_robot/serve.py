@@ -14,7 +14,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlinf_vla.config import ConfigError, from_section
+from rlinf_vla.config import ConfigError, check_sections, from_section, named_section
 from rlinf_vla.real_robot.openpi import check_layout, describe
 from rlinf_vla.real_robot.server import PolicyServer, ServerConfig, is_loopback
 
@@ -40,18 +40,13 @@ def validate(cfg: Any) -> ServeJob:
     from rlinf_vla.policies.resolve import policy_config_for
 
     values = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
-    unknown = sorted(set(values) - {"policy", "server"})
-    if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)} (known: policy, server)")
-    policy = dict(values.get("policy") or {})
-    name = policy.pop("name", None)
-    if name is None:
-        raise ConfigError("policy.name is missing")
+    check_sections(values, ("policy", "server"))
+    name, policy = named_section(values.get("policy") or {}, "policy")
     config = policy_config_for(name, policy)  # reads a checkpoint's config files
     server = from_section(ServerConfig, values.get("server"), "server")
     if server.protocol == "openpi":
         try:
-            check_layout(server.openpi_layout, tuple(config.image_keys))
+            check_layout(server.openpi_layout, config.needs().cameras)
         except ValueError as e:
             raise ConfigError(f"server.openpi_layout: {e}") from None
     return ServeJob(name, policy, server, config)

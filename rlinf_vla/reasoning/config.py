@@ -19,7 +19,13 @@ from rlinf_vla.algos.presets import (
     AlgorithmSection,
     ineffective_keys,
 )
-from rlinf_vla.config import ConfigError, SectionErrors, check_at_least, from_section
+from rlinf_vla.config import (
+    ConfigError,
+    SectionErrors,
+    check_at_least,
+    check_sections,
+    from_section,
+)
 from rlinf_vla.reasoning.data import DataConfig
 from rlinf_vla.reasoning.model import ModelConfig
 from rlinf_vla.run.tracking import LoggingConfig, resolve_resume
@@ -269,10 +275,7 @@ def validate(cfg: Any) -> MathGrpoJob:
 
     from rlinf_vla.runtime.cluster import local_device_count
 
-    known = {"cluster", "model", "data", "algo", "placement", "runner"}
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    check_sections(cfg, ("cluster", "model", "data", "algo", "placement", "runner"))
     sections = {
         "cluster": ClusterConfig,
         "model": ModelConfig,

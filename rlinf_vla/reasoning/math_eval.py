@@ -26,7 +26,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from rlinf_vla.config import ConfigError, SectionErrors, device_problem, from_section
+from rlinf_vla.config import (
+    ConfigError,
+    SectionErrors,
+    check_sections,
+    device_problem,
+    from_section,
+)
 from rlinf_vla.reasoning.data import (
     DEFAULT_SYSTEM_PROMPT,
     FILE_TYPES,
@@ -233,12 +239,7 @@ def validate(cfg: Any) -> MathEvalJob:
     model (the data file is read)."""
     from omegaconf import OmegaConf
 
-    unknown = sorted(set(cfg) - set(MathEvalJob.SECTIONS))
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s): {', '.join(unknown)} "
-            f"(known: {', '.join(MathEvalJob.SECTIONS)})"
-        )
+    check_sections(cfg, MathEvalJob.SECTIONS)
     errors = SectionErrors()
     training = sorted(set(cfg["model"]) - set(MODEL_KEYS))
     if training:
