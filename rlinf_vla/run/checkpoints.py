@@ -191,12 +191,10 @@ def resume_checkpoint(run_dir: str | Path, prefix: str) -> Resume:
         n = int(p.name.rsplit("_", 1)[1])
         name = f"checkpoints/{p.name}"
         legacy = oldest_manifest is None or n < oldest_manifest
+        if not (p / "COMPLETE").exists():
+            skipped.append(f"{name} is incomplete (no COMPLETE marker: the save did not finish)")
+            continue
         if legacy and not (p / MANIFEST).exists():
-            if not (p / "COMPLETE").exists():
-                skipped.append(
-                    f"{name} is incomplete (no COMPLETE marker: the save did not finish)"
-                )
-                continue
             notes = [*_said(skipped, name)]
             notes.append(
                 f"warning: {name} has no {MANIFEST} (saved before checkpoints had manifests): "
@@ -387,9 +385,13 @@ def begin_checkpoint(path: Path) -> Path:
 
 
 def finish_checkpoint(path: Path, number: int) -> Path:
-    """Mark a checkpoint whose writers have all finished: ``COMPLETE``, then the manifest."""
-    (path / "COMPLETE").write_text(str(number))
+    """Mark a checkpoint whose writers have all finished: the manifest, then ``COMPLETE``.
+
+    ``COMPLETE`` comes last so that a run stopped between the two (SIGTERM, Ctrl-C) never
+    leaves a folder that :func:`~rlinf_vla.run.tracking.last_checkpoint` counts as complete
+    and :func:`resume_checkpoint` rejects for its missing manifest."""
     write_manifest(path)
+    (path / "COMPLETE").write_text(str(number))
     return path
 
 

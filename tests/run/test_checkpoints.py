@@ -60,7 +60,7 @@ def _fake_checkpoint(run, n, manifest=True):
 def test_the_manifest_names_every_file_and_each_kind_of_damage(tmp_path):
     path = _fake_checkpoint(tmp_path, 1)
     files = json.loads((path / MANIFEST).read_text())["files"]
-    assert sorted(files) == ["COMPLETE", "policy/model.safetensors", "runner.pt"]
+    assert sorted(files) == ["policy/model.safetensors", "runner.pt"]  # COMPLETE comes after
     assert files["runner.pt"]["size"] == 500
     assert not list(path.glob(f"{MANIFEST}.*"))  # the temporary file was renamed
     assert damage(path) is None
@@ -94,6 +94,35 @@ def test_a_resume_skips_damaged_checkpoints_and_says_which_file(tmp_path):
     chosen = resume_checkpoint(tmp_path, "iter")
     assert chosen.path.name == "iter_5"
     assert "checkpoints/iter_10 is damaged (no MANIFEST.json" in chosen.notes[-1]
+
+
+def test_a_save_stopped_before_its_complete_marker_is_skipped_by_every_reader(
+    tmp_path, monkeypatch
+):
+    # SIGTERM can land between the manifest and the COMPLETE marker, or inside the manifest:
+    # neither leaves a folder that one reader counts as complete and another rejects.
+    import rlinf_vla.run.checkpoints as checkpoints
+    from rlinf_vla.run.tracking import last_checkpoint
+
+    _fake_checkpoint(tmp_path, 1)
+    stopped = _fake_checkpoint(tmp_path, 2)
+    (stopped / "COMPLETE").unlink()  # the manifest written, the marker not yet
+    assert last_checkpoint(tmp_path) == tmp_path / "checkpoints" / "iter_1"
+    chosen = resume_checkpoint(tmp_path, "iter")
+    assert chosen.path.name == "iter_1"
+    assert chosen.notes == [
+        "checkpoints/iter_2 is incomplete (no COMPLETE marker: the save did not finish); "
+        "resuming from checkpoints/iter_1"
+    ]
+
+    def interrupted(folder):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoints, "write_manifest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _fake_checkpoint(tmp_path, 3)
+    assert not (tmp_path / "checkpoints" / "iter_3" / "COMPLETE").exists()
+    assert last_checkpoint(tmp_path).name == resume_checkpoint(tmp_path, "iter").path.name
 
 
 def test_no_complete_checkpoint_fails_naming_the_folder_and_each_damage(tmp_path):
