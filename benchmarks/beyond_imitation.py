@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -44,11 +42,18 @@ from typing import Any
 
 # the helpers of the privileged-state benchmark beside this file (run as a script, its folder
 # is on the path)
-from maniskill_learning import common, env_args, episode_chunks, evaluations, run, stage_sets
+from maniskill_learning import (
+    common,
+    env_args,
+    episode_chunks,
+    evaluations,
+    run,
+    stage_sets,
+    write_results,
+)
 
 from rlinf_vla import cli
-from rlinf_vla.pipelines.evaluation import EVAL_RESET_ID_BASE
-from rlinf_vla.run.checkpoints import best_checkpoint
+from rlinf_vla.pipelines.evaluation import EVAL_RESET_ID_BASE, best_checkpoint
 
 ALGOS = ("ppo", "grpo", "dagger")
 
@@ -74,25 +79,35 @@ RECIPE: dict[str, list[str]] = {
 ENVS = {"ppo": 40, "grpo": 80, "dagger": 40}
 
 
-def score(args: argparse.Namespace, checkpoint: Path, out: Path, first: int) -> float:
-    """Greedy success of ``checkpoint`` on ``--eval-episodes`` scenes from reset id ``first``
-    (``rlinf-vla eval``; an interrupted evaluation resumes, a finished one is read back)."""
+def eval_results(
+    env: list[str], checkpoint: Path, out: Path, trials: int, first: int, total: int
+) -> dict[str, Any]:
+    """``rlinf-vla eval`` of ``checkpoint``'s greedy policy on the env ``env``, ``trials`` per
+    task from seed ``first``, into ``out`` (an interrupted evaluation resumes, one with its
+    ``total`` trials is read back): its ``results.json``."""
     done = out / "results.json"
-    if not done.exists() or json.loads(done.read_text())["overall"]["trials"] < args.eval_episodes:
+    if not done.exists() or json.loads(done.read_text())["overall"]["trials"] < total:
         run(
             [
                 "eval",
-                *env_args(args, args.eval_envs),
+                *env,
                 "policy=openvla_oft",
                 f"policy.checkpoint={checkpoint}",
                 "policy.clip_greedy=true",
-                f"eval.trials_per_task={args.eval_episodes}",
+                f"eval.trials_per_task={trials}",
                 f"eval.seed={first}",
                 f"eval.output_dir={out}",
                 "eval.progress=false",
             ]
         )
-    return float(json.loads(done.read_text())["overall"]["success_rate"])
+    return json.loads(done.read_text())
+
+
+def score(args: argparse.Namespace, checkpoint: Path, out: Path, first: int) -> float:
+    """Greedy success of ``checkpoint`` on ``--eval-episodes`` scenes from reset id ``first``."""
+    env = env_args(args, args.eval_envs)
+    n = args.eval_episodes
+    return float(eval_results(env, checkpoint, out, n, first, n)["overall"]["success_rate"])
 
 
 def scores(args: argparse.Namespace, checkpoint: Path, out: Path) -> dict[str, float]:
@@ -102,20 +117,21 @@ def scores(args: argparse.Namespace, checkpoint: Path, out: Path) -> dict[str, f
     }
 
 
-def sft_stage(args: argparse.Namespace, demos: Path, seed: int) -> dict[str, Any]:
-    """The warm start at SFT seed ``seed``: its run, its validation curve, the chosen
-    checkpoint and its scores."""
-    name = f"{args.task}-{args.state}-demos{args.demos}-sft{args.sft_steps}-seed{seed}"
-    out = args.work / name
+def warm_start(
+    args: argparse.Namespace, demos: list[Path], out: Path, seed: int, keys: list[str]
+) -> dict[str, Any]:
+    """Behaviour cloning on ``demos`` at seed ``seed`` into ``out`` (``rlinf-vla sft`` with
+    ``keys``, the env's and any others, on the env's validation scenes; a finished run is
+    reused), its validation curve and the chosen checkpoint."""
     wall = None
     if not (out / "checkpoints" / f"step_{args.sft_steps}").exists():
         wall = run(
             [
                 "sft",
-                *env_args(args, 8),
+                *keys,
                 "policy=openvla_oft",
                 f"policy.chunk_size={args.chunk}",
-                f"data.paths=[{demos}]",
+                f"data.paths=[{','.join(str(d) for d in demos)}]",
                 f"sft.steps={args.sft_steps}",
                 "sft.lr=3e-4",
                 "sft.batch_size=64",
@@ -132,26 +148,41 @@ def sft_stage(args: argparse.Namespace, demos: Path, seed: int) -> dict[str, Any
         )
     chosen = best_checkpoint(out, "step")
     print(chosen.notes[0])
-    curve = evaluations(out)
     return {
         "seed": seed,
         "run_dir": str(out),
         "checkpoint": str(chosen.path / "policy"),
         "chosen_step": chosen.number,
-        "validation_curve": curve,
+        "validation_curve": evaluations(out),
         "seconds": wall,
-        **scores(args, chosen.path / "policy", out / "chosen"),
     }
 
 
-def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed: int) -> dict:
-    """One run of ``algo`` from the warm start ``warm`` at seed ``seed``, and its scores."""
+def sft_stage(args: argparse.Namespace, demos: Path, seed: int) -> dict[str, Any]:
+    """The warm start at SFT seed ``seed``: its run, its validation curve, the chosen
+    checkpoint and its scores."""
+    name = f"{args.task}-{args.state}-demos{args.demos}-sft{args.sft_steps}-seed{seed}"
+    out = args.work / name
+    warm = warm_start(args, [demos], out, seed, env_args(args, 8))
+    return warm | scores(args, Path(warm["checkpoint"]), out / "chosen")
+
+
+def rl_run(
+    args: argparse.Namespace,
+    algo: str,
+    warm: dict[str, Any],
+    seed: int,
+    env: list[str],
+    envs: int,
+    chunks: int,
+) -> dict[str, Any]:
+    """One run of ``algo`` from the warm start ``warm`` at seed ``seed`` on the env ``env``
+    (its keys, with ``envs`` training envs; ``chunks`` chunk steps per rollout), unless
+    finished: its record and ``last``, the path of its last checkpoint."""
     recipe = RECIPE["rl"] + [HEAD_ONLY] * args.head_only if algo != "dagger" else []
     out = Path(warm["run_dir"] + f"-{algo}{'-head' * args.head_only}{seed}")
     iterations = getattr(args, f"{algo}_iterations")
     last = out / "checkpoints" / f"iter_{iterations}" / "policy"
-    chunks = episode_chunks(args)
-    envs = ENVS[algo]
     extra = []
     if algo == "grpo":  # GRPO scores each env's first episode: groups of --group envs
         extra = [f"algo.group_size={args.group}", f"env.group_size={args.group}"]
@@ -162,7 +193,7 @@ def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed:
         wall = run(
             [
                 "train",
-                *env_args(args, envs),
+                *env,
                 "policy=openvla_oft",
                 f"policy.checkpoint={warm['checkpoint']}",
                 f"algo={algo}",
@@ -178,22 +209,30 @@ def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed:
                 f"runner.eval_episodes={args.eval_episodes}",
                 f"runner.eval_num_envs={args.eval_envs}",
                 "runner.eval_videos=false",
-                f"runner.save_interval={args.eval_every}",  # a stopped run resumes from it
+                # a stopped run resumes from it
+                f"runner.save_interval={args.eval_every or iterations}",
                 *common(out, seed),
                 *stage_sets(args, algo),
             ]
         )
-    curve = evaluations(out)
     return {
         "algo": algo,
         "head_only": args.head_only and algo != "dagger",
         "seed": seed,
         "sft_seed": warm["seed"],
         "run_dir": str(out),
-        "curve": curve,
+        "curve": evaluations(out),
         "seconds": wall,
-        **scores(args, last, out / "final"),
+        "last": str(last),
     }
+
+
+def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed: int) -> dict:
+    """One run of ``algo`` from the warm start ``warm`` at seed ``seed``, and its scores."""
+    envs = ENVS[algo]
+    record = rl_run(args, algo, warm, seed, env_args(args, envs), envs, episode_chunks(args))
+    last = Path(record.pop("last"))
+    return record | scores(args, last, Path(record["run_dir"]) / "final")
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -314,11 +353,8 @@ def main() -> None:
         "warm_starts": warm,
         "runs": runs,
         "minutes": minutes,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -150,6 +150,14 @@ def run(command: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    """Write a study's ``results`` as JSON to ``path``, with the machine it ran on."""
+    results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+
+
 def evaluations(run_dir: Path) -> list[tuple[int, float]]:
     """``(iteration or step, greedy success)`` of every evaluation of a run."""
     return [
@@ -365,14 +373,8 @@ def main() -> None:
     if "collect" in times:
         print(f"{'collect':<22}{'':>9}{'':>18}{times['collect'] / 60:>9.1f}")
     print(f"total {sum(times.values()) / 60:.1f} minutes")
-    results.update(
-        table=table,
-        seconds=times,
-        machine={"cpus": os.cpu_count(), "platform": platform.platform()},
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+    results.update(table=table, seconds=times)
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

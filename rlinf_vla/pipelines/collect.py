@@ -251,8 +251,9 @@ def run(job: CollectJob) -> Path:
 
     c = job.collect
     console = Console(stderr=True)
-    task = getattr(job.env_config, "task", None)
-    task_text = f" {task}" if task else ""
+    # describe(): MetaWorld's MT10 has a `task` field that only MT1 reads
+    what = job.env_config.describe()
+    task_text = f" {what}" if what else ""
     console.print(
         f"rlinf-vla collect: {c.episodes} successful expert episodes of {job.env_name}{task_text} "
         f"in {job.env_config.num_envs} envs -> {c.output_dir}",

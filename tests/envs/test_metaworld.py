@@ -63,6 +63,28 @@ def test_reset_id_mapping_and_eval_trials() -> None:
         MetaWorldEnvConfig().eval_configs("metaworld", None, 51)
 
 
+def test_interleaved_reset_ids_spread_an_evaluation_block_over_the_tasks() -> None:
+    # train's and sft's evaluations take consecutive ids from a block (2**31 - 2**21 for the
+    # validation scenes); by task, 40 of them hold one or two tasks, interleaved 4 of each
+    from rlinf_vla.pipelines.evaluation import VALIDATION_RESET_ID_BASE
+
+    cfg = MetaWorldEnvConfig(task_set="MT10", reset_id_layout="interleaved")
+    block = range(VALIDATION_RESET_ID_BASE, VALIDATION_RESET_ID_BASE + 40)
+    tasks = [cfg.task_variation(r)[0] for r in block]
+    assert sorted(tasks) == sorted(list(range(10)) * 4)
+    assert len({cfg.task_variation(r) for r in block}) == 40
+    by_task = MetaWorldEnvConfig(task_set="MT10")
+    assert len({by_task.task_variation(r)[0] for r in block}) == 2
+    pairs = {cfg.task_variation(r) for r in range(500)}
+    assert len(pairs) == 500
+    assert all(cfg.task_variation(cfg.reset_id(p, s)) == (p, s) for p, s in pairs)
+    assert all(by_task.task_variation(by_task.reset_id(p, s)) == (p, s) for p, s in pairs)
+    trials = cfg.eval_trials("metaworld", None, 2, seed=0)
+    assert [cfg.task_variation(t["reset_id"]) for t in trials[2:4]] == [(1, 0), (1, 1)]
+    with pytest.raises(ValueError, match="reset_id_layout"):
+        MetaWorldEnvConfig(reset_id_layout="random")
+
+
 @pytest.mark.sim
 def test_task_lists_match_metaworld() -> None:
     _require_metaworld()

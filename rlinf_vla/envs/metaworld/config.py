@@ -98,6 +98,8 @@ CAMERAS: tuple[str, ...] = (
 )
 STATE_MODES = ("proprio", "full")
 REWARD_MODES = ("sparse", "dense")
+#: ``reset_id_layout`` values: how reset ids enumerate (task, configuration) pairs.
+RESET_ID_LAYOUTS = ("by_task", "interleaved")
 RENDER_BACKENDS = ("egl", "osmesa")
 
 
@@ -124,6 +126,11 @@ class MetaWorldEnvConfig(EnvConfig):
             (0 .. 10).
         scene_seed: the 50 goal / object configurations of a task are those of
             ``metaworld.MT1(task, seed=scene_seed).train_tasks``, whatever the task set.
+        reset_id_layout: how reset id ``r`` picks (task, configuration) among ``n`` tasks:
+            ``"by_task"`` (default): task ``(r // 50) % n``, configuration ``r % 50`` (a
+            task's configurations one after another); ``"interleaved"``: task ``r % n``,
+            configuration ``(r // n) % 50``, so that any ``k n`` consecutive ids (the
+            evaluation blocks of ``train`` and ``sft``) hold ``k`` scenes of every task.
         render_backend: MuJoCo offscreen backend, ``"egl"`` or ``"osmesa"``.
         envs_per_process: envs simulated by each worker subprocess, one after another
             (subprocesses run in parallel); more than one saves the memory of the simulator's
@@ -141,6 +148,7 @@ class MetaWorldEnvConfig(EnvConfig):
     state_mode: str = "proprio"
     reward_mode: str = "sparse"
     scene_seed: int = 0
+    reset_id_layout: str = "by_task"
     render_backend: str = "egl"
     worker_timeout_s: float = 600.0
     envs_per_process: int = 1
@@ -164,6 +172,21 @@ class MetaWorldEnvConfig(EnvConfig):
         if self.task_set == "MT1":
             return (self.task,)
         return MT10 if self.task_set == "MT10" else MT50
+
+    def task_variation(self, reset_id: int) -> tuple[int, int]:
+        """(task position in :attr:`tasks`, configuration) of ``reset_id``
+        (``reset_id_layout``)."""
+        n = len(self.tasks)
+        if self.reset_id_layout == "interleaved":
+            return reset_id % n, (reset_id // n) % VARIATIONS_PER_TASK
+        return (reset_id // VARIATIONS_PER_TASK) % n, reset_id % VARIATIONS_PER_TASK
+
+    def reset_id(self, task_pos: int, variation: int) -> int:
+        """The smallest reset id of task position ``task_pos`` and configuration
+        ``variation`` (the inverse of :meth:`task_variation`)."""
+        if self.reset_id_layout == "interleaved":
+            return len(self.tasks) * variation + task_pos
+        return VARIATIONS_PER_TASK * task_pos + variation
 
     def episode_steps(self) -> int:
         """``max_episode_steps``, else MetaWorld's ``max_path_length`` (500) for every task."""
@@ -205,14 +228,14 @@ class MetaWorldEnvConfig(EnvConfig):
         """Every task of the task set x its configurations ``0 .. trials_per_task - 1`` (at
         most :data:`VARIATIONS_PER_TASK`, see :meth:`eval_configs`; the seed plays no part:
         ``scene_seed`` fixes the configurations). The reset id of task position ``p`` and
-        configuration ``s`` is ``50 p + s``."""
+        configuration ``s`` is ``50 p + s`` (``n s + p`` with the interleaved layout)."""
         return [
             {
                 "suite": self.task_set,
                 "task": name,
                 "task_index": pos,
                 "init_state": s,
-                "reset_id": VARIATIONS_PER_TASK * pos + s,
+                "reset_id": self.reset_id(pos, s),
             }
             for pos, name in enumerate(self.tasks)
             for s in range(trials_per_task)
@@ -233,6 +256,12 @@ class MetaWorldEnvConfig(EnvConfig):
             self, "reward_mode", self.reward_mode in REWARD_MODES, f"must be one of {REWARD_MODES}"
         )
         self.scene_seed = int(self.scene_seed)
+        check_field(
+            self,
+            "reset_id_layout",
+            self.reset_id_layout in RESET_ID_LAYOUTS,
+            f"must be one of {RESET_ID_LAYOUTS}",
+        )
         check_field(self, "scene_seed", 0 <= self.scene_seed < 2**32, "must lie in [0, 2**32)")
         check_field(
             self,

@@ -46,7 +46,9 @@ def reset_id_to_task_variation(reset_id: int, num_tasks: int) -> tuple[int, int]
     """Map a reset id to (task position in the task set, goal / object configuration).
 
     ``task = (reset_id // 50) % num_tasks`` and ``configuration = reset_id % 50``: ids
-    ``0 .. 50 * num_tasks - 1`` enumerate every (task, configuration) pair once, task by task.
+    ``0 .. 50 * num_tasks - 1`` enumerate every (task, configuration) pair once, task by task
+    (the default ``reset_id_layout``; :meth:`MetaWorldEnvConfig.task_variation` follows the
+    configured one).
     """
     return (reset_id // VARIATIONS_PER_TASK) % num_tasks, reset_id % VARIATIONS_PER_TASK
 
@@ -118,7 +120,7 @@ class MetaWorldCore:
         }
 
     def reset(self, reset_id: int) -> dict[str, Any]:
-        pos, variation = reset_id_to_task_variation(int(reset_id), len(self.tasks))
+        pos, variation = self.cfg.task_variation(int(reset_id))
         if pos != self.task_pos:
             self._build(pos)
         self.env.set_task(self.variations[variation])
@@ -186,7 +188,9 @@ class MetaWorldEnv(VectorEnv):
       puck and place it at the goal").
     - **Randomisation.** Each task has 50 goal / object configurations, those of
       ``metaworld.MT1(task, seed=scene_seed).train_tasks``. Reset id ``r`` selects task
-      ``(r // 50) % n_tasks`` and configuration ``r % 50`` (:func:`reset_id_to_task_variation`);
+      ``(r // 50) % n_tasks`` and configuration ``r % 50`` (:func:`reset_id_to_task_variation`;
+      ``reset_id_layout="interleaved"``: task ``r % n_tasks``, configuration
+      ``(r // n_tasks) % 50``);
       the same id gives the same scene in any process, whatever ran before.
     - **Success.** MetaWorld's ``info["success"]`` (the task's own distance / angle test); it
       terminates the episode. ``reward_mode="sparse"``: reward 1.0 at success, else 0;
@@ -244,8 +248,7 @@ class MetaWorldEnv(VectorEnv):
 
     def task_of(self, reset_ids: torch.Tensor | list[int]) -> list[str]:
         """The task each reset id selects."""
-        n = len(self.tasks)
-        return [self.tasks[reset_id_to_task_variation(int(r), n)[0]] for r in reset_ids]
+        return [self.tasks[self.cfg.task_variation(int(r))[0]] for r in reset_ids]
 
     def sim_state(self, env_id: int = 0) -> dict[str, Any]:
         """The scene of env ``env_id`` (:meth:`MetaWorldCore.sim_state`)."""
