@@ -1,10 +1,13 @@
 """Test-suite wide settings: markers that skip cleanly when their hardware is missing, the
 ``ray`` mark (the tests that start Ray workers share one Ray instance; the others start none),
-and a check that no test leaves the process's torch thread count changed."""
+a check that no test leaves the process's torch thread count changed, and the time per test
+file at the end of a full run."""
 
 from __future__ import annotations
 
 import os
+from collections import defaultdict
+from typing import Any
 
 import pytest
 
@@ -235,3 +238,27 @@ def offline_without_physx_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr(physx.requests, "get", offline)
+
+
+#: A run of at least this many tests ends with its time per test file (CI shows the end of the
+#: output; the per-test list, ``--durations``, does not add up a file's many short tests).
+_FILE_TIMES_MIN_TESTS = 200
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    seconds: dict[str, float] = defaultdict(float)
+    tests = 0
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            duration = getattr(report, "duration", None)
+            nodeid = getattr(report, "nodeid", "")
+            if duration is None or not nodeid:
+                continue
+            seconds[nodeid.split("::", 1)[0]] += duration
+            tests += getattr(report, "when", None) == "call"
+    if tests < _FILE_TIMES_MIN_TESTS:
+        return
+    total = sum(seconds.values())
+    terminalreporter.write_sep("=", f"time per test file ({total / 60:.1f} min in tests)")
+    for path, s in sorted(seconds.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{s:8.1f} s {100 * s / total:5.1f} %  {path}")
