@@ -6,7 +6,7 @@ the one-task part, on ManiSkill). One command runs it with the package's own com
 this process), prints a per-task table and writes JSON (default
 ``benchmarks/results/multitask.json``)::
 
-    .venv/bin/python benchmarks/multitask.py                                  # about 75 min
+    .venv/bin/python benchmarks/multitask.py                                  # about 85 min
     .venv/bin/python benchmarks/multitask.py --sft-seeds 0 1 --seeds 0 1 2    # the full grid
 
 1. ``rlinf-vla collect``, once per task: ``--demos-per-task`` successful episodes of
@@ -60,17 +60,15 @@ scale in every task. MetaWorld's dense reward (0 .. 10 per step, differently sha
 ends with the episode at success, so an episode that hovers near the goal without meeting
 the success test collects more of it than one that succeeds early.
 
-Time on the 2-core machine, estimated from a smoke run of every stage (1 demonstration per
-task, 20 SFT steps, 2 PPO iterations of 4 envs, 1 scene per task: 10.4 minutes in all):
-collecting takes about 25 s per task plus 2-3 s per demonstration (6 min), an SFT step
-0.29 s and a 40-scene validation about 80 s (3000 steps: 19 min), a PPO iteration of 10
-envs x 38 chunks about 31 s (30 iterations: 16-20 min per run, more as episodes succeed
-and end sooner: every new episode rebuilds its worker's simulator for the task it draws),
-and scoring one checkpoint on 2 x 50 scenes 4-5 min. The default command (one SFT seed, two
-PPO seeds) comes to about 75 minutes, the full grid (2 SFT seeds x 3 PPO seeds: 2 warm
-starts, 6 PPO runs, 8 scored checkpoints) to about 3 to 3.5 hours; it can be run in parts,
-finished stages being reused. Whether 30 iterations of 10 envs (30-45 episodes per task)
-are enough for PPO to gain on every task is what the study measures, not a given.
+Time on the 2-core machine, measured with ``--seeds 0`` (67 minutes in all): collecting 3.7
+minutes, behaviour cloning 42.2 (3000 steps of about 0.8 s, three 40-scene validations),
+a PPO run of 30 iterations of 10 envs x 38 chunks 14.6 (25-45 s an iteration; every new
+episode rebuilds its worker's simulator for the task it draws), scoring a checkpoint on
+2 x 50 scenes about 3 minutes. The default command (one SFT seed, two PPO seeds) takes about
+85 minutes, the full grid (2 SFT seeds x 3 PPO seeds: 2 warm starts, 6 PPO runs, 8 scored
+checkpoints) about 3.5-4 hours; it can be run in parts, finished stages being reused.
+Whether 30 iterations of 10 envs (about 30 episodes per task) are enough for PPO to gain on
+every task is what the study measures, not a given.
 """
 
 from __future__ import annotations
