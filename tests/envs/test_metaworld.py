@@ -18,7 +18,6 @@ from rlinf_vla.envs.metaworld.config import (
     VARIATIONS_PER_TASK,
     MetaWorldEnvConfig,
 )
-from rlinf_vla.envs.metaworld.env import reset_id_to_task_variation
 
 FAST = {"image_size": 64, "fast_render": True}
 NEEDS_METAWORLD = "MetaWorld is not installed: pip install 'rlinf-vla[metaworld]'"
@@ -52,10 +51,11 @@ def test_unknown_names_list_the_known_ones() -> None:
 
 
 def test_reset_id_mapping_and_eval_trials() -> None:
-    pairs = {reset_id_to_task_variation(r, 10) for r in range(VARIATIONS_PER_TASK * 10)}
+    task_variation = MetaWorldEnvConfig(task_set="MT10").task_variation  # the default layout
+    pairs = {task_variation(r) for r in range(VARIATIONS_PER_TASK * 10)}
     assert len(pairs) == 500
-    assert reset_id_to_task_variation(3 * 50 + 7, 10) == (3, 7)
-    assert reset_id_to_task_variation(10 * 50 + 7, 10) == (0, 7)  # wraps around
+    assert task_variation(3 * 50 + 7) == (3, 7)
+    assert task_variation(10 * 50 + 7) == (0, 7)  # wraps around
     trials = MetaWorldEnvConfig(task_set="MT10").eval_trials("metaworld", None, 3, seed=0)
     assert [t["task"] for t in trials[::3]] == list(MT10)
     assert [t["reset_id"] for t in trials[3:6]] == [50, 51, 52]

@@ -42,17 +42,6 @@ def _import_metaworld() -> Any:
     return metaworld
 
 
-def reset_id_to_task_variation(reset_id: int, num_tasks: int) -> tuple[int, int]:
-    """Map a reset id to (task position in the task set, goal / object configuration).
-
-    ``task = (reset_id // 50) % num_tasks`` and ``configuration = reset_id % 50``: ids
-    ``0 .. 50 * num_tasks - 1`` enumerate every (task, configuration) pair once, task by task
-    (the default ``reset_id_layout``; :meth:`MetaWorldEnvConfig.task_variation` follows the
-    configured one).
-    """
-    return (reset_id // VARIATIONS_PER_TASK) % num_tasks, reset_id % VARIATIONS_PER_TASK
-
-
 class MetaWorldCore:
     """One MetaWorld simulator in a subprocess (see ``rlinf_vla.envs.vector``).
 
@@ -188,7 +177,7 @@ class MetaWorldEnv(VectorEnv):
       puck and place it at the goal").
     - **Randomisation.** Each task has 50 goal / object configurations, those of
       ``metaworld.MT1(task, seed=scene_seed).train_tasks``. Reset id ``r`` selects task
-      ``(r // 50) % n_tasks`` and configuration ``r % 50`` (:func:`reset_id_to_task_variation`;
+      ``(r // 50) % n_tasks`` and configuration ``r % 50`` (:meth:`MetaWorldEnvConfig.task_variation`;
       ``reset_id_layout="interleaved"``: task ``r % n_tasks``, configuration
       ``(r // n_tasks) % 50``);
       the same id gives the same scene in any process, whatever ran before.
