@@ -100,12 +100,19 @@ class EmbodiedRunner:
         self.output_dir = self._output_dir()
         # placement=local: the same workers in threads of this process, no Ray (runtime.local)
         local = placement.mode == "local"
-        self.channel = (LocalChannel if local else Channel).create(f"embodied-{id(self)}")
         self._synced: int | None = None  # the weights version the rollout workers hold
         self._sync_bytes = 0  # bytes the syncs of the current iteration sent
         self._memory: dict[str, list[dict[str, float]]] = {}  # the last memory readings
         try:
             self._start_workers(LocalGroup if local else WorkerGroup, offload, sharded)
+            # The first rollout worker keeps the channel's queues (Ray modes): it takes the
+            # observations and puts the actions and trajectories without a call of its own.
+            name = f"embodied-{id(self)}"
+            self.channel = (
+                LocalChannel.create(name)
+                if local
+                else Channel.create(name, host=self.rollout.actor(0))
+            )
             self._connect(sharded)
             self.start_iteration = 0
             if self.checkpoint is not None:
@@ -152,6 +159,7 @@ class EmbodiedRunner:
                 "offload": offload,
             },
             wait=False,
+            **({} if Group is LocalGroup else {"channels": True}),
         )
         self.actor = Group(
             cluster,
@@ -395,7 +403,8 @@ class EmbodiedRunner:
                 self.rollout.close().wait(timeout=60)
         # first the channel: a (local) worker blocked on it ends its call, so its group's
         # shutdown can wait for its thread
-        self.channel.close()
+        if "channel" in self.__dict__:  # made once the workers started
+            self.channel.close()
         for name in ("env", "rollout", "actor"):
             if name in self.__dict__:  # all of them unless the start failed
                 self.__dict__[name].shutdown()

@@ -27,11 +27,20 @@ Semantics:
   put and a get of an observation of 4 images of 128 px took 5.6 ms instead of 6.2 as
   pickled tensors, and of 32 images of 256 px 11.2 ms instead of 24.1 (round trips included).
 - A ``get`` with a timeout that expires leaves the channel untouched (no item is lost).
+- Hosting: ``Channel.create(name, host=actor)`` keeps the queues inside a worker's process (an
+  actor of a :class:`~rlinf_vla.runtime.WorkerGroup` made with ``channels=True``) instead of
+  an actor of their own. The handles in that process use the queues directly (no Ray call;
+  small items are not even copied); the others call the host, whose channel calls run in threads of their own beside the
+  worker's calls. A pipeline whose consumer hosts its channel pays one call per request and
+  response instead of two and one process less: on the 2-core machine a put and get of 0.8 MB
+  through a separate channel actor took 9.3-11 ms of CPU in all processes, a direct call to
+  the consumer 4.4 ms (docs/experiments/2026-11-30-channel-costs.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import threading
@@ -112,6 +121,61 @@ class _ChannelActor:
             return len(self.queues[key]) if key in self.queues else 0
 
 
+#: The queues of the channels hosted by this process (:func:`host_queues`), by name.
+_HOSTED: dict[str, _ChannelActor] = {}
+
+
+def host_queues(name: str, maxsize: int) -> None:
+    """Make the queues of channel ``name`` in this process (called in the host worker)."""
+    if name in _HOSTED:
+        raise ValueError(f"a channel named {name!r} is already hosted in this process")
+    _HOSTED[name] = _ChannelActor(maxsize)
+
+
+def hosted_call(name: str, op: str, *arg: Any) -> Any:
+    """``op`` on the queues of the hosted channel ``name`` (the host's channel calls);
+    ``host`` makes them, ``close`` drops them."""
+    if op == "host":
+        host_queues(name, *arg)
+        return None
+    if op == "close":
+        _HOSTED.pop(name, None)
+        return None
+    if name not in _HOSTED:
+        raise KeyError(f"no channel named {name!r} is hosted here (it was closed)")
+    return getattr(_HOSTED[name], op)(*arg)
+
+
+class _HostedQueues:
+    """A hosted channel's queues seen from another process: each call goes to the host
+    actor's ``channel_call`` with the same arguments as a channel actor's method."""
+
+    def __init__(self, host: Any, name: str) -> None:
+        self.host, self.name = host, name
+
+    def __getattr__(self, op: str) -> _HostedOp:
+        if op.startswith("__"):
+            raise AttributeError(op)
+        return _HostedOp(self.host, self.name, op)
+
+    def __reduce__(self) -> tuple:
+        return (_HostedQueues, (self.host, self.name))
+
+
+class _HostedOp:
+    def __init__(self, host: Any, name: str, op: str, options: dict | None = None) -> None:
+        self.host, self.name, self.op, self._options = host, name, op, options
+
+    def options(self, **options: Any) -> _HostedOp:
+        return _HostedOp(self.host, self.name, self.op, options)
+
+    def remote(self, *arg: Any) -> Any:
+        method = self.host.channel_call
+        if self._options:
+            method = method.options(**self._options)
+        return method.remote(self.name, self.op, *arg)
+
+
 class Channel:
     """Handle to a named channel. Create with :meth:`create`, look up with :meth:`connect`.
 
@@ -126,6 +190,9 @@ class Channel:
         self._reset_producer()
 
     def _reset_producer(self) -> None:
+        # In the process that hosts the queues, the handle uses them directly.
+        hosted = isinstance(self._actor, _HostedQueues)
+        self._local = _HOSTED.get(self.name) if hosted else None
         # Ray builds a method wrapper on every attribute access of an actor handle; keep them.
         self._remote_put, self._remote_get = self._actor.put, self._actor.get
         self._remote_exchange = self._actor.exchange
@@ -151,18 +218,29 @@ class Channel:
 
     @classmethod
     def create(
-        cls, name: str, maxsize: int = 0, inline_max_bytes: int = INLINE_MAX_BYTES
+        cls,
+        name: str,
+        maxsize: int = 0,
+        inline_max_bytes: int = INLINE_MAX_BYTES,
+        host: Any = None,
     ) -> Channel:
         """Start a channel named ``name`` (unique in the cluster's namespace).
 
         Args:
             maxsize: items per key before ``put`` waits (0: unbounded).
             inline_max_bytes: items with more array bytes than this go through the object store.
+            host: the Ray actor of a worker that keeps the queues in its process
+                (``WorkerGroup(..., channels=True).actor(rank)``; module docs); ``None``: an
+                actor of the channel's own. A hosted channel ends with its host and cannot be
+                found by :meth:`connect`.
         """
         import ray
 
         if maxsize < 0:
             raise ValueError(f"maxsize must be >= 0, got {maxsize}")
+        if host is not None:
+            ray.get(host.channel_call.remote(name, "host", maxsize))
+            return cls(name, _HostedQueues(host, name), maxsize, inline_max_bytes)
         actor = (
             ray.remote(_ChannelActor)
             .options(name=f"channel:{name}", num_cpus=0, max_concurrency=MAX_BLOCKED_CALLS)
@@ -197,6 +275,14 @@ class Channel:
         good part of a put's cost; :meth:`flush` still knows when it was applied.
         """
         t0 = time.perf_counter()
+        if self._local is not None:  # the queues are in this process: no call
+            payload = self._payload(item)  # a big item may be taken by another process
+            with self._lock:
+                packet = (key, self._producer, self._seq, payload)
+                self._seq += 1
+            self._timers["send_s"] += time.perf_counter() - t0
+            self._local.put(packet)  # on a full bounded queue, waits for room
+            return None, None
         payload = self._payload(item)
         with self._lock:
             packet = (key, self._producer, self._seq, payload)
@@ -230,7 +316,8 @@ class Channel:
     async def async_put(self, key: str, item: Any) -> None:
         """Append ``item`` and wait until the channel accepted it."""
         _, ref = self._submit(key, item, ack=True)
-        await ref
+        if ref is not None:  # a hosted channel's put in its host was applied at once
+            await ref
 
     def exchange(self, put_key: str, item: Any, get_key: str, timeout: float | None = None) -> Any:
         """``put(put_key, item)`` then ``get(get_key)``, in one call to the channel.
@@ -247,6 +334,13 @@ class Channel:
 
         t0 = time.perf_counter()
         payload = self._payload(item)
+        if self._local is not None:
+            with self._lock:
+                packet = (put_key, self._producer, self._seq, payload)
+                self._seq += 1
+            self._timers["send_s"] += time.perf_counter() - t0
+            got = self._local.exchange((packet, (get_key, 1, timeout)))
+            return self._fetch(_check_timeout(self, get_key, got, timeout))[0]
         with self._lock:
             packet = (put_key, self._producer, self._seq, payload)
             ref = self._remote_exchange.remote((packet, (get_key, 1, timeout)))
@@ -266,7 +360,7 @@ class Channel:
         """
         import ray
 
-        if self._seq == 0:
+        if self._seq == 0 or self._local is not None:  # a host's own puts apply at once
             return
         ref = self._actor.wait_applied.remote((self._producer, self._seq, timeout))
         if not ray.get(ref):
@@ -286,10 +380,12 @@ class Channel:
         import ray
 
         self._check_batch(n)
-        payloads = _check_timeout(
-            self, key, ray.get(self._remote_get.remote((key, n, timeout))), timeout
-        )
-        return self._fetch(payloads)
+        request = (key, n, timeout)
+        if self._local is not None:
+            got = self._local.get(request)
+        else:
+            got = ray.get(self._remote_get.remote(request))
+        return self._fetch(_check_timeout(self, key, got, timeout))
 
     def _fetch(self, payloads: list[tuple[str, Any]]) -> list[Any]:
         """The items of ``payloads``, the object-store ones fetched (timed in ``fetch_s``)."""
@@ -316,6 +412,8 @@ class Channel:
         return (await self.async_get_batch(key, 1, timeout))[0]
 
     async def async_get_batch(self, key: str, n: int, timeout: float | None = None) -> list[Any]:
+        if self._local is not None:  # the host's own queues: wait in a thread of its own
+            return await asyncio.to_thread(self.get_batch, key, n, timeout)
         self._check_batch(n)
         payloads = _check_timeout(
             self, key, await self._remote_get.remote((key, n, timeout)), timeout
@@ -331,18 +429,28 @@ class Channel:
         """Items waiting under ``key`` (items still in flight from a ``put`` not counted)."""
         import ray
 
+        if self._local is not None:
+            return self._local.qsize(key)
         return ray.get(self._actor.qsize.remote(key))
 
     def sizes(self) -> dict[str, int]:
         """Items waiting under every key seen so far."""
         import ray
 
+        if self._local is not None:
+            return self._local.qsize(None)
         return ray.get(self._actor.qsize.remote(None))
 
     def close(self) -> None:
-        """Stop the channel actor; items still queued are dropped."""
+        """Stop the channel actor (or drop a hosted channel's queues); items still queued are
+        dropped."""
         import ray
 
+        if isinstance(self._actor, _HostedQueues):
+            # A host that has already ended took the queues with it.
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.get(self._actor.close.remote(), timeout=10)
+            return
         ray.kill(self._actor, no_restart=True)
 
     def __repr__(self) -> str:

@@ -254,6 +254,28 @@ class _WorkerHost:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
+def _channel_host_class() -> type:
+    """:class:`_WorkerHost` that can also keep channels' queues (``WorkerGroup(channels=True)``):
+    its ``channel_call`` runs in the concurrency group ``channel``, threads of its own beside
+    the worker's calls, so a put or get is answered while the worker computes."""
+    global _CHANNEL_HOST
+    if _CHANNEL_HOST is None:
+        import ray
+
+        from rlinf_vla.runtime.channel import hosted_call
+
+        class _ChannelHost(_WorkerHost):
+            @ray.method(concurrency_group="channel")
+            def channel_call(self, name: str, op: str, *arg: Any) -> Any:
+                return hosted_call(name, op, *arg)
+
+        _CHANNEL_HOST = _ChannelHost
+    return _CHANNEL_HOST
+
+
+_CHANNEL_HOST: type | None = None
+
+
 def invoke(worker: Worker, method: str, args: tuple, kwargs: dict) -> Any:
     """``worker.method(*args, **kwargs)``; a coroutine method is run to completion."""
     result = getattr(worker, method)(*args, **kwargs)
@@ -598,6 +620,8 @@ class WorkerGroup(GroupBase, Generic[W]):
         args, kwargs: passed to every worker's ``__init__``.
         env_vars: extra environment variables for the worker processes.
         max_concurrency: how many calls one worker may run at once (1: strictly in order).
+        channels: the workers can host channels' queues (``Channel.create(..., host=
+            group.actor(rank))``), answered in up to ``MAX_BLOCKED_CALLS`` threads of their own.
         timeout: seconds each worker may take to start (``None``: the cluster's
             ``start_timeout_s``); a worker that takes longer raises :class:`WorkerStalled`.
         wait: wait here until every worker's ``__init__`` has returned (the default). With
@@ -623,14 +647,21 @@ class WorkerGroup(GroupBase, Generic[W]):
         kwargs: dict[str, Any] | None = None,
         env_vars: dict[str, str] | None = None,
         max_concurrency: int = 1,
+        channels: bool = False,
         timeout: float | None = None,
         wait: bool = True,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from rlinf_vla.runtime.channel import MAX_BLOCKED_CALLS
+
         self._place(cluster, worker_cls, name, devices)
-        host_cls = ray.remote(_WorkerHost)
+        host_cls = (
+            ray.remote(concurrency_groups={"channel": MAX_BLOCKED_CALLS})(_channel_host_class())
+            if channels
+            else ray.remote(_WorkerHost)
+        )
         self._actors = []
         for rank, device in enumerate(self.devices):
             env = {

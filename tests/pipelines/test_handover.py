@@ -20,7 +20,7 @@ def _handover(monkeypatch, job):
     """The ``(worker class, args, kwargs)`` the runner gives each group, without Ray."""
     groups = {}
 
-    def group(cluster, cls, name, devices, args=(), kwargs=None, wait=True):
+    def group(cluster, cls, name, devices, args=(), kwargs=None, wait=True, channels=False):
         groups[name] = (cls, args, kwargs or {})
         if name == "actor":
             raise _Stop  # every group is described: stop before anything would start
@@ -28,7 +28,7 @@ def _handover(monkeypatch, job):
 
     monkeypatch.setattr(runner_module, "WorkerGroup", group)
     channel = SimpleNamespace(close=lambda: None)
-    monkeypatch.setattr(runner_module, "Channel", SimpleNamespace(create=lambda name: channel))
+    monkeypatch.setattr(runner_module, "Channel", SimpleNamespace(create=lambda name, **_: channel))
     with pytest.raises(_Stop):
         runner_module.EmbodiedRunner(job, SimpleNamespace(num_devices=1, devices=[]))
     return groups
