@@ -46,9 +46,10 @@ object-store fetches, offload copies, the trajectories' hand-off, and the rest (
 waiting, bookkeeping; negative where parts overlapped), from the workers' ``time/rollout/*``
 metrics, medians over the timed iterations; the sync loop's beside them.
 
-The toy workload adds a sleep per env step (``step_time_per_env_s``) chosen from the measured
-inference time so that ``e == i`` (balanced; the sleep stands for a simulator running on its
-own hardware). ManiSkill PickCube runs its CPU simulator in one subprocess per env, LIBERO
+The toy workload adds a sleep per env step (``step_time_per_env_s``) that makes up the
+difference between the env's own compute and the inference time, both measured by the loop
+first, so that ``e == i`` (balanced; the sleep stands for a simulator running on its own
+hardware). ManiSkill PickCube runs its CPU simulator in one subprocess per env, LIBERO
 (``libero_spatial`` task 0, the cameras the policy reads: agentview for OpenVLA) and MetaWorld (MT1 ``pick-place-v3``,
 the ``corner2`` camera) likewise. ``--modes`` picks some of the modes (each ``rlinf-vla train``
 run ends with a checkpoint: at full size that is the policy's whole weights). ``--policy`` picks OpenVLA or
@@ -433,9 +434,12 @@ def main() -> int:
 
     for w in workloads:
         if w.env == "toy":
-            # Balance: pick the per-env sleep so that a chunk of env steps costs what inference does.
-            _, _, i, _ = sync_loop(w, policy_args, 4)
-            w.env_config["step_time_per_env_s"] = round(i / (args.chunk_size * w.num_envs), 5)
+            # Balance: pick the per-env sleep so that a chunk step of the envs, sleep and the
+            # env's own compute together, costs what inference does (both measured as the
+            # timed loop measures them: whole rollouts, their median)
+            _, e0, i, _ = sync_loop(w, policy_args, w.chunks, rollouts=3)
+            sleep = max(i - e0, 0.0) / (args.chunk_size * w.num_envs)
+            w.env_config["step_time_per_env_s"] = round(sleep, 6)
         estimates: dict[str, float] = {}
         if not args.no_estimates:
             estimates, pick, measured = auto_estimates(w, policy_args, d)

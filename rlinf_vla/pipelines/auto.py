@@ -19,9 +19,10 @@ That gives these costs:
   ``algo.fsdp`` the actor shards over several actor workers, and sharded it runs the whole
   pass in every epoch: ``u`` is then measured both ways, the cached update for plans with one
   actor device and the whole one for plans with several;
-- ``o``: one chunk step's channel traffic between an env and a rollout worker (the
-  observation there, the actions back, through a channel actor and the object store as a run
-  sends them);
+- ``o``: one chunk step's channel round trip between an env and a rollout worker, as a run
+  makes it: one call from the env side to the profiling worker, which hosts the channel as a
+  rollout worker does, carrying the observation there (through the object store where a run
+  sends it that way) and the actions back;
 - on a CPU cluster whose simulators run in subprocesses, the CPU seconds they use per chunk
   step (``c``).
 
@@ -311,7 +312,7 @@ def profile(
     threads: int | None = 1,
     device: torch.device | None = None,
     cores: int | None = None,
-    round_trip: bool = False,
+    keep: dict[str, Any] | None = None,
 ) -> Costs:
     """Measure ``e``, ``i``, ``u``, ``r``, ``v`` (module docstring) in this process on one
     device.
@@ -325,8 +326,9 @@ def profile(
     policy's own default); forward passes there run under ``algo.autocast``.
     ``cores``: the node's cores that CPU inference and the simulators' processes share (a CPU
     cluster); with simulators in subprocesses their CPU time is measured as well.
-    ``round_trip``: time a channel round trip carrying the observation and the actions (this
-    process must be connected to Ray); otherwise ``o`` keeps its default.
+    ``keep``: a dict that receives the profiled observation message and actions (``obs``,
+    ``actions``), for a channel round trip timed with them (:func:`_round_trip_s`); ``o``
+    keeps its default here.
     """
     from rlinf_vla.envs import for_device, make_env
     from rlinf_vla.policies import make_policy
@@ -369,9 +371,10 @@ def profile(
             )
             for path in paths
         ]
-        overhead = (
-            _round_trip_s(timing.obs, timing.out.actions) if round_trip else CHANNEL_ROUND_TRIP_S
-        )
+        if keep is not None:
+            from rlinf_vla.pipelines.rollout import EnvMessage
+
+            keep.update(obs=EnvMessage(obs=timing.obs), actions=timing.out.actions.cpu())
     # the update was timed on one chunk step of all B envs; an iteration has T of them
     update_s = [
         (once_s + pass_s * job.algo.update_epochs) * job.runner.rollout_chunks
@@ -382,7 +385,6 @@ def profile(
         timing.env_s / chunks,
         i,
         update_s[0],
-        overhead_s=overhead,
         infer_fixed_s=_fixed(i, timing.half_s / chunks, timing.share),
         train_sharded_s=update_s[1] if len(update_s) > 1 else None,
         reset_s=timing.reset_s,
@@ -473,40 +475,50 @@ def _fixed(i: float, i_half: float, share: float) -> float:
     return min(max(fixed, 0.0), i)
 
 
-def _round_trip_s(obs: Any, actions: torch.Tensor, reps: int = 3) -> float:
-    """Seconds of one chunk step's channel traffic: the observation to the rollout and the
-    actions back (two puts and two gets through a channel actor, payloads through the
-    object store as a run sends them), the median of ``reps``."""
+def _round_trip_s(profiler: Any, reps: int = 3) -> float:
+    """Seconds of one chunk step's channel round trip as a run makes it, the median of
+    ``reps``: this process plays the env worker, whose ``exchange`` carries the profiled
+    observation to ``profiler`` (a ``WorkerGroup(..., channels=True)`` of :class:`Profiler`
+    that has run ``costs``), which hosts the channel as the first rollout worker does and
+    answers with the profiled actions."""
     import uuid
 
-    from rlinf_vla.pipelines.rollout import EnvMessage
     from rlinf_vla.runtime.channel import Channel
 
-    channel = Channel.create(f"auto-profile-{uuid.uuid4().hex[:8]}")
-    message = EnvMessage(obs=obs)
+    channel = Channel.create(f"auto-profile-{uuid.uuid4().hex[:8]}", host=profiler.actor(0))
+    message = profiler.sample().wait()[0]
+    answering = profiler.answer(channel, reps + 1)
     times = []
     try:
         for _ in range(reps + 1):  # the first pays the channel's start
             t0 = time.perf_counter()
-            channel.put("obs", message)
-            channel.get("obs")
-            channel.put("act", actions)
-            channel.get("act")
+            channel.exchange("obs", message, "act", timeout=_ANSWER_TIMEOUT_S)
             times.append(time.perf_counter() - t0)
     finally:
+        answered = answering.wait()[0]
         channel.close()
+    if answered != reps + 1:
+        raise RuntimeError(f"the profiler answered {answered} of {reps + 1} round trips")
     return sorted(times[1:])[len(times[1:]) // 2]
+
+
+#: How long either side of the profiled round trip waits for the other.
+_ANSWER_TIMEOUT_S = 120.0
 
 
 class Profiler(Worker):
     """Runs :func:`profile` on its device, with that device's threads, as a rollout worker
     would; started for the measurement and shut down after it."""
 
+    #: the observation message and actions of the profiled chunk step (set by ``costs``)
+    _sample: dict[str, Any] | None = None
+
     def costs(self, job: Any, chunks: int, sharded: bool, cores: int | None = None) -> Costs:
         import gc
 
         from rlinf_vla.runtime.offload import release_cuda_memory
 
+        self._sample = {}
         cores = cores if self.device_info.kind == "cpu" else None
         costs = profile(
             job,
@@ -515,7 +527,7 @@ class Profiler(Worker):
             threads=None,
             device=self.device,
             cores=cores,
-            round_trip=True,
+            keep=self._sample,
         )
         gc.collect()
         # The model and env are gone; their cached GPU memory goes back to the driver now,
@@ -523,6 +535,24 @@ class Profiler(Worker):
         # on the same GPU).
         release_cuda_memory()
         return costs
+
+    def sample(self) -> Any:
+        """The observation message of the profiled chunk step (after :meth:`costs`)."""
+        assert self._sample is not None, "sample() needs costs() first"
+        return self._sample["obs"]
+
+    def answer(self, channel: Any, n: int) -> int:
+        """Answer ``n`` observations on ``channel`` (hosted here) as a rollout worker does:
+        take each one put under ``obs`` and put the profiled actions under ``act``. Returns how
+        many were answered before one did not come within the timeout."""
+        assert self._sample is not None, "answer() needs the sample of costs()"
+        for k in range(n):
+            try:
+                channel.get("obs", timeout=_ANSWER_TIMEOUT_S)
+            except TimeoutError:
+                return k
+            channel.put("act", self._sample["actions"])
+        return n
 
 
 def _update_cost(
@@ -593,7 +623,7 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
 
     env_cfg = job.env_config
     num_devices = cluster.num_devices
-    profiler = WorkerGroup(cluster, Profiler, name="profile", devices=[0])
+    profiler = WorkerGroup(cluster, Profiler, name="profile", devices=[0], channels=True)
     try:
         # The runner shards (algo.fsdp) only over several actor workers: on one device never;
         # on several, plans with one actor device keep the cache and the others do not.
@@ -601,6 +631,7 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
         costs = profiler.costs(
             job, job.placement.profile_chunks, sharded, node_cores(cluster)
         ).wait()[0]
+        costs = replace(costs, overhead_s=_round_trip_s(profiler))
     finally:
         profiler.shutdown()
     plans = candidate_plans(

@@ -325,15 +325,24 @@ def test_the_profile_measures_resets_bootstrap_values_and_the_simulators_cpu(mon
 
 
 @pytest.mark.ray
-def test_a_channel_round_trip_is_timed_with_the_workloads_payload():
-    import torch
-
+def test_a_channel_round_trip_is_timed_as_a_run_makes_it():
+    """``o`` is one exchange carrying the profiled observation to the profiling worker, which
+    hosts the channel as a run's rollout worker does and answers with the profiled actions;
+    every request is answered."""
     from rlinf_vla.pipelines import auto
-    from tests.policies.conftest import make_obs
+    from rlinf_vla.runtime import Cluster
+    from rlinf_vla.runtime.worker import WorkerGroup
 
-    obs = make_obs(4)
-    seconds = auto._round_trip_s(obs, torch.zeros(4, 2, 7))
-    assert 0 < seconds < 2.0
+    with Cluster(num_cpus=2) as cluster:
+        group = WorkerGroup(cluster, auto.Profiler, name="profile", devices=[0], channels=True)
+        try:
+            costs = group.costs(_toy_job(), 1, False).wait()[0]
+            assert costs.overhead_s == auto.CHANNEL_ROUND_TRIP_S  # the driver times it
+            assert group.sample().wait()[0].obs.batch_size == 4  # the toy job's 4 envs
+            # (it raises unless the profiler answered every request)
+            assert 0 < auto._round_trip_s(group, reps=2) < 2.0
+        finally:
+            group.shutdown()
 
 
 def test_the_cores_the_simulators_share_are_the_cpu_slots_threads(monkeypatch):
