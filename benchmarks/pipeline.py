@@ -124,9 +124,11 @@ class Row:
 
 
 #: The plan of ``placement=auto`` (mode, env devices, rollout devices, stages) each benchmark
-#: mode runs, with 2 devices (disaggregated: 3); collocated with stages is not weighed.
+#: mode runs, with 2 devices (disaggregated: 3).
 PLAN_OF = {
     "collocated": ("collocated", "all", "all", 1),
+    "collocated S=2": ("collocated", "all", "all", 2),
+    "collocated S=4": ("collocated", "all", "all", 4),
     "disaggregated": ("disaggregated", "0", "1", 1),
     "hybrid S=1": ("hybrid", "0", "1", 1),
     "hybrid S=2": ("hybrid", "0", "1", 2),

@@ -35,8 +35,10 @@ step (``i / R`` when ``f = 0``). ``a`` is a chunk step of the env batch on ``E``
 (they step in parallel already, on the node's cores, however many env workers drive them);
 ``r_E`` likewise. Every rollout is ``r_E + T * step + tail + v / R``:
 
-- collocated (everything on all ``N``; env and inference take turns):
-  ``step = a + b + o`` with ``E = R = N``
+- collocated (everything on all ``N``, ``E = R = N``): with ``S = 1`` env and inference take
+  turns, ``step = a + b + o``; with ``S >= 2`` stages each device's env worker steps stage
+  ``s`` while its rollout worker computes stage ``s - 1``, as in hybrid:
+  ``step = max(a, b) + S * o`` and ``tail = min(a, b) / S``
 - disaggregated (disjoint ``E + R + A = N``; env and inference alternate):
   ``step = a + b + o``
 - local with ``S`` stages (every component in one process on device 0, no Ray workers and no
@@ -57,8 +59,14 @@ The update adds ``u / A``.
 
 The fixed cost ``f`` is what makes many small stages lose: each stage is a call of its own.
 
+Stages overlap an env's step with inference where the env does not compute on the device the
+policy uses: simulators in subprocesses (their share of a CPU node's cores is bounded above)
+or an env that waits. A GPU simulator stepping on the policy's GPU shares it, which the model
+does not see: its stage plans are optimistic.
+
 Only plans whose env batches split into whole GRPO groups are considered. The plan with the
-lowest estimate wins (ties go to the simpler mode); the table of estimates is printed.
+lowest estimate wins; within 2 % of it the simpler one (one process, then collocated, hybrid,
+disaggregated; then fewer stages); the table of estimates is printed.
 """
 
 from __future__ import annotations
@@ -168,22 +176,8 @@ def candidate_plans(
 ) -> list[Plan]:
     """Every placement that fits ``num_devices`` and splits ``num_groups`` env groups evenly,
     with its estimated rollout and train time for ``chunks`` chunk steps."""
-    plans: list[Plan] = []
     n = num_devices
-    if num_groups % n == 0:
-        e, r = costs.env_s(n)
-        b = costs.rollout_busy_s(n, n)
-        plans.append(
-            Plan(
-                "collocated",
-                {"actor": "all", "env": "all", "rollout": "all"},
-                1,
-                _rollout_s(
-                    costs, chunks, r, e + b + costs.overhead_s, 0.0, n * b, costs.value_s / n
-                ),
-                costs.update_s(n),
-            )
-        )
+    plans = _collocated_plans(costs, n, num_groups, chunks, max_stages)
     plans += _local_plans(costs, num_groups, chunks, max_stages)
     for env_devices in range(1, n):
         plans += _split_plans(costs, n, env_devices, num_groups, chunks, max_stages)
@@ -204,6 +198,37 @@ def _rollout_s(
     tail and the bootstrap values."""
     cpu = costs.cpu_bound_s(inference_cpu * costs.threads)
     return reset + chunks * max(step, cpu) + tail + value
+
+
+def _collocated_plans(
+    costs: Costs, n: int, num_groups: int, chunks: int, max_stages: int
+) -> list[Plan]:
+    """``placement=collocated`` with 1, 2, 4, ... stages: an env and a rollout worker on each
+    of the ``n`` devices. With ``S >= 2`` a device's env stage ``s`` steps while its rollout
+    worker computes stage ``s - 1``, as in hybrid."""
+    o = costs.overhead_s
+    a, r = costs.env_s(n)
+    plans = []
+    stages = 1
+    while stages <= max_stages:
+        parts = n * stages
+        if num_groups % parts == 0:
+            b = costs.rollout_busy_s(parts, n)
+            if stages == 1:
+                step, tail = a + b + o, 0.0
+            else:
+                step, tail = max(a, b) + stages * o, min(a, b) / stages
+            plans.append(
+                Plan(
+                    "collocated",
+                    {"actor": "all", "env": "all", "rollout": "all"},
+                    stages,
+                    _rollout_s(costs, chunks, r, step, tail, n * b, costs.value_s / n),
+                    costs.update_s(n),
+                )
+            )
+        stages *= 2
+    return plans
 
 
 def _local_plans(costs: Costs, num_groups: int, chunks: int, max_stages: int) -> list[Plan]:
@@ -290,11 +315,14 @@ def _split_plans(
     return plans
 
 
-_SIMPLICITY = {"collocated": 0, "local": 1, "hybrid": 2, "disaggregated": 3}
+#: Within 2 % of the fastest estimate the simplest plan wins: one process (no Ray workers and
+#: no hops, which the estimates leave out), then the fewest kinds of worker placement.
+_SIMPLICITY = {"local": 0, "collocated": 1, "hybrid": 2, "disaggregated": 3}
 
 
 def choose(plans: list[Plan]) -> Plan:
-    """The fastest plan; within 2 % of it, the simplest (fewest stages, collocated first)."""
+    """The fastest plan; within 2 % of it, the simplest (one process first, then collocated,
+    hybrid, disaggregated; fewer stages)."""
     if not plans:
         raise ConfigError(
             "placement=auto: no placement splits the env batch into whole groups on these "

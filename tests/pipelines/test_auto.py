@@ -25,6 +25,13 @@ def test_estimates_match_the_formulas_by_hand():
     col = plans[("collocated", "all", "all", 1)]
     assert col.rollout_s == pytest.approx(10 * (0.4 / 3 + 0.01))
     assert col.train_s == pytest.approx(2 / 3)
+    # collocated in stages: each device's env worker (a = 0.1) steps one stage while its
+    # rollout worker computes another (S calls a chunk step, b = 0.1 / 3 in all), S round trips
+    c2 = plans[("collocated", "all", "all", 2)]
+    assert c2.rollout_s == pytest.approx(10 * (0.1 + 2 * 0.01) + (0.1 / 3) / 2)
+    c4 = plans[("collocated", "all", "all", 4)]
+    assert c4.rollout_s == pytest.approx(10 * (0.1 + 4 * 0.01) + (0.1 / 3) / 4)
+    assert c4.train_s == pytest.approx(2 / 3)
     # hybrid, env on 2 devices (a = 0.15), rollout on 1 (b = 0.1)
     h1 = plans[("hybrid", "0-1", "2", 1)]
     assert h1.rollout_s == pytest.approx(10 * (0.15 + 0.1 + 0.01))
@@ -74,19 +81,27 @@ def test_choice_prefers_overlap_when_env_and_inference_are_balanced():
     costs = Costs(env_chunk_s=0.2, infer_chunk_s=0.2, train_s=0.1, overhead_s=0.001)
     plans = candidate_plans(costs, num_devices=2, num_groups=4, chunks=20)
     best = choose(plans)
-    # collocated 20 * (0.4 / 2 + 0.001) = 4.02 s; hybrid S=4: 20 * (0.2 + 0.004) + 0.2 / 4 = 4.13 s
-    assert best.mode == "collocated"
+    # collocated S=2: each device steps a stage of a quarter of the envs (0.05 s per stage,
+    # 0.1 s a chunk step) while its rollout worker infers on the other (0.1 s): 20 * (0.1 +
+    # 2 * 0.001) + 0.1 / 2 = 2.09 s; collocated S=1 20 * (0.2 + 0.001) = 4.02 s; hybrid S=4
+    # 20 * (0.2 + 0.004) + 0.2 / 4 = 4.13 s
+    assert (best.mode, best.stages) == ("collocated", 2)
+    assert best.rollout_s == pytest.approx(2.09)
     costs = Costs(env_chunk_s=0.2, infer_chunk_s=0.05, train_s=0.1, overhead_s=0.0)
-    # one device: collocated and local fit; local overlaps the slow env with inference
-    # (20 * 0.2 + 0.05 / 2 + 0.1 = 4.125 s against collocated's 20 * 0.25 + 0.1 = 5.1 s; S=4
-    # is 1 % faster still, within the 2 % that goes to the simpler plan)
+    # one device: collocated and local fit; in stages both overlap the slow env with
+    # inference (20 * 0.2 + 0.05 / 2 + 0.1 = 4.125 s against 20 * 0.25 + 0.1 = 5.1 s; S=4 is
+    # 1 % faster still), and of the plans within 2 % the one process wins
     one = candidate_plans(costs, 1, 4, 20)
     assert [(p.mode, p.stages) for p in one] == [
         ("collocated", 1),
+        ("collocated", 2),
+        ("collocated", 4),
         ("local", 1),
         ("local", 2),
         ("local", 4),
     ]
+    by = {(p.mode, p.stages): p for p in one}
+    assert by[("collocated", 2)].rollout_s == pytest.approx(by[("local", 2)].rollout_s)
     assert (choose(one).mode, choose(one).stages) == ("local", 2)
 
 
