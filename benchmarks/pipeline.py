@@ -50,7 +50,8 @@ The toy workload adds a sleep per env step (``step_time_per_env_s``) that makes 
 difference between the env's own compute and the inference time, both measured by the loop
 first, so that ``e == i`` (balanced; the sleep stands for a simulator running on its own
 hardware). ManiSkill PickCube runs its CPU simulator in one subprocess per env, LIBERO
-(``libero_spatial`` task 0, the cameras the policy reads: agentview for OpenVLA) and MetaWorld (MT1 ``pick-place-v3``,
+(``libero_spatial`` task 0, the cameras the policy reads: agentview for OpenVLA; scenes seeded by
+reset id) and MetaWorld (MT1 ``pick-place-v3``,
 the ``corner2`` camera) likewise. ``--modes`` picks some of the modes (each ``rlinf-vla train``
 run ends with a checkpoint: at full size that is the policy's whole weights). ``--policy`` picks OpenVLA or
 OpenVLA-OFT; ``--set`` adds ``rlinf-vla train`` overrides to every run (e.g. LoRA and bf16
