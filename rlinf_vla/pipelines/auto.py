@@ -200,6 +200,20 @@ def _rollout_s(
     return reset + chunks * max(step, cpu) + tail + value
 
 
+def _stage_counts(max_stages: int) -> list[int]:
+    """The stage counts a plan may have: 1, 2, 4, ... up to ``max_stages``."""
+    return [1 << k for k in range(max_stages.bit_length())]
+
+
+def _channel_step(a: float, b: float, o: float, stages: int) -> tuple[float, float]:
+    """``(step, tail)`` of env workers (``a`` a chunk step) and rollout workers (busy ``b``)
+    that meet over the channel: taking turns with one stage, overlapped after the pipeline
+    fills with several (module docstring)."""
+    if stages == 1:
+        return a + b + o, 0.0
+    return max(a, b) + stages * o, min(a, b) / stages
+
+
 def _collocated_plans(
     costs: Costs, n: int, num_groups: int, chunks: int, max_stages: int
 ) -> list[Plan]:
@@ -209,15 +223,11 @@ def _collocated_plans(
     o = costs.overhead_s
     a, r = costs.env_s(n)
     plans = []
-    stages = 1
-    while stages <= max_stages:
+    for stages in _stage_counts(max_stages):
         parts = n * stages
         if num_groups % parts == 0:
             b = costs.rollout_busy_s(parts, n)
-            if stages == 1:
-                step, tail = a + b + o, 0.0
-            else:
-                step, tail = max(a, b) + stages * o, min(a, b) / stages
+            step, tail = _channel_step(a, b, o, stages)
             plans.append(
                 Plan(
                     "collocated",
@@ -227,7 +237,6 @@ def _collocated_plans(
                     costs.update_s(n),
                 )
             )
-        stages *= 2
     return plans
 
 
@@ -236,8 +245,7 @@ def _local_plans(costs: Costs, num_groups: int, chunks: int, max_stages: int) ->
     simulates while stage ``s - 1`` infers."""
     e, r = costs.env_s(1)
     plans = []
-    stages = 1
-    while stages <= max_stages:
+    for stages in _stage_counts(max_stages):
         if num_groups % stages == 0:
             b = costs.rollout_busy_s(stages, 1)
             if stages == 1:
@@ -253,7 +261,6 @@ def _local_plans(costs: Costs, num_groups: int, chunks: int, max_stages: int) ->
                     costs.update_s(1),
                 )
             )
-        stages *= 2
     return plans
 
 
@@ -268,17 +275,13 @@ def _split_plans(
     a, r = costs.env_s(env_devices)
     value = costs.value_s / rollout_devices
     plans = []
-    stages = 1
-    while stages <= max_stages:
+    for stages in _stage_counts(max_stages):
         parts = env_devices * stages  # trajectories per iteration
         b = costs.rollout_busy_s(parts, rollout_devices)
         if num_groups % parts == 0:
             # the actor takes as many devices as share the trajectories evenly
             actors = max(d for d in range(1, n + 1) if parts % d == 0)
-            if stages == 1:
-                step, tail = a + b + o, 0.0
-            else:
-                step, tail = max(a, b) + stages * o, min(a, b) / stages
+            step, tail = _channel_step(a, b, o, stages)
             components = {
                 "actor": "all" if actors == n else _span(0, actors),
                 "env": _span(0, env_devices),
@@ -293,7 +296,6 @@ def _split_plans(
                     costs.update_s(actors),
                 )
             )
-        stages *= 2
     for actor_devices in range(1, rollout_devices):
         rd = rollout_devices - actor_devices
         if num_groups % env_devices or env_devices % actor_devices:

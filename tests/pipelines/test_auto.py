@@ -101,7 +101,8 @@ def test_choice_prefers_overlap_when_env_and_inference_are_balanced():
         ("local", 4),
     ]
     by = {(p.mode, p.stages): p for p in one}
-    assert by[("collocated", 2)].rollout_s == pytest.approx(by[("local", 2)].rollout_s)
+    assert by[("collocated", 2)].rollout_s == pytest.approx(20 * 0.2 + 0.05 / 2)
+    assert by[("local", 2)].rollout_s == pytest.approx(20 * 0.2 + 0.05 / 2)
     assert (choose(one).mode, choose(one).stages) == ("local", 2)
 
 
