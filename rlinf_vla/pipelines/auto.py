@@ -8,10 +8,13 @@ That gives these costs:
 
 - ``e``: one chunk step of all ``B`` envs, seconds; ``r``: the reset of all of them that starts
   every rollout;
-- ``i``: the policy's actions for all ``B`` observations, seconds, and ``f``, the part of it
-  every call pays whatever its batch (``act`` is timed on ``B`` and on ``B / 2``
-  observations; a call on ``b`` envs costs ``f + (i - f) b / B``); ``v``: the values of all
-  ``B`` observations, the bootstrap call that ends a rollout;
+- ``i``: the policy's actions for all ``B`` observations, seconds; ``i_P``: one call on the
+  ``B / P`` observations of a stage batch, timed for every ``P`` a plan cuts the env batch
+  into (a small policy's call does not shrink in proportion to its batch: the tiny OpenVLA
+  takes 53 ms for 16 envs and 160 ms for 64 on one core); ``f``, the part of a call that
+  does not shrink with its batch, read off ``i`` and the smallest stage batch's ``i_P``
+  (``i_P = f + (i - f) / P`` where a batch was not timed); ``v``: the values of all ``B``
+  observations, the bootstrap call that ends a rollout;
 - ``u``: one update over an iteration's ``B * T`` samples (``update_epochs`` passes), seconds.
   When only the read-out trains and ``algo.cache_frozen_features`` is on, the actor computes
   the frozen features once per iteration (or takes those the rollout computed while acting)
@@ -29,8 +32,8 @@ That gives these costs:
 The cost model of one iteration of ``T`` chunk steps on ``N`` devices, with the envs splitting
 evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor devices). The env
 batch is cut into ``P = E * S`` stage batches; a rollout worker serves ``n = ceil(P / R)`` of
-them per chunk step, one call each, so it is busy ``b = n * (f + (i - f) / P)`` per chunk
-step (``i / R`` when ``f = 0``). ``a`` is a chunk step of the env batch on ``E`` devices:
+them per chunk step, one call each, so it is busy ``b = n * i_P`` per chunk step (``i / R``
+when calls cost in proportion to their batch). ``a`` is a chunk step of the env batch on ``E`` devices:
 ``e / E`` where the env computes in its worker, ``e`` where its simulators run in subprocesses
 (they step in parallel already, on the node's cores, however many env workers drive them);
 ``r_E`` likewise. Every rollout is ``r_E + T * step + tail + v / R``:
@@ -57,7 +60,8 @@ node's ``C`` cores, so no chunk step is shorter than ``(c + R * b * threads) / C
 overlap a plan promises is only there where the cores have room for it.
 The update adds ``u / A``.
 
-The fixed cost ``f`` is what makes many small stages lose: each stage is a call of its own.
+What a call costs whatever its batch is what makes many small stages lose: each stage is a
+call of its own.
 
 Stages overlap an env's step with inference where the env does not compute on the device the
 policy uses: simulators in subprocesses (their share of a CPU node's cores is bounded above)
@@ -96,6 +100,9 @@ class Costs:
     train_s: float
     overhead_s: float = CHANNEL_ROUND_TRIP_S
     infer_fixed_s: float = 0.0  # of ``infer_chunk_s``, paid by every call whatever its batch
+    #: Measured seconds of one call on a stage batch, ``((P, seconds), ...)`` for a batch of
+    #: ``B / P`` envs; a ``P`` not listed costs ``f + (i - f) / P``.
+    infer_call_s: tuple[tuple[int, float], ...] = ()
     #: The update as a sharded (FSDP) actor runs it, on one device, where it differs from
     #: ``train_s`` (the whole pass in every epoch, no feature cache); used for the plans with
     #: several actor devices. ``None``: the same as ``train_s``.
@@ -121,12 +128,19 @@ class Costs:
         u = self.train_s if actors == 1 or self.train_sharded_s is None else self.train_sharded_s
         return u / actors
 
+    def call_s(self, batches: int) -> float:
+        """Seconds of one call on a stage batch when the env batch is cut into ``batches``:
+        as measured, else ``f + (i - f) / batches``."""
+        measured = dict(self.infer_call_s)
+        if batches in measured:
+            return measured[batches]
+        f = min(self.infer_fixed_s, self.infer_chunk_s)
+        return f + (self.infer_chunk_s - f) / batches
+
     def rollout_busy_s(self, batches: int, workers: int) -> float:
         """Seconds a rollout worker computes per chunk step when the env batch is cut into
         ``batches`` stage batches shared by ``workers`` rollout workers (module docstring)."""
-        f = min(self.infer_fixed_s, self.infer_chunk_s)
-        calls = -(-batches // workers)
-        return calls * (f + (self.infer_chunk_s - f) / batches)
+        return -(-batches // workers) * self.call_s(batches)
 
     def env_s(self, env_devices: int) -> tuple[float, float]:
         """``(e, r)``: a chunk step and a reset of all ``B`` envs spread over ``env_devices``
@@ -203,6 +217,21 @@ def _rollout_s(
 def _stage_counts(max_stages: int) -> list[int]:
     """The stage counts a plan may have: 1, 2, 4, ... up to ``max_stages``."""
     return [1 << k for k in range(max_stages.bit_length())]
+
+
+def stage_batches(num_devices: int, num_groups: int, max_stages: int) -> tuple[int, ...]:
+    """Every ``P >= 2`` that a plan may cut the env batch into (``E * S`` stage batches on
+    ``E`` env devices, whole groups each): the batches :func:`profile` times a call on."""
+    return tuple(
+        sorted(
+            {
+                e * s
+                for e in range(1, num_devices + 1)
+                for s in _stage_counts(max_stages)
+                if e * s > 1 and num_groups % (e * s) == 0
+            }
+        )
+    )
 
 
 def _channel_step(a: float, b: float, o: float, stages: int) -> tuple[float, float]:
@@ -343,9 +372,10 @@ def profile(
     device: torch.device | None = None,
     cores: int | None = None,
     keep: dict[str, Any] | None = None,
+    batches: tuple[int, ...] = (2,),
 ) -> Costs:
-    """Measure ``e``, ``i``, ``u``, ``r``, ``v`` (module docstring) in this process on one
-    device.
+    """Measure ``e``, ``i``, ``i_P``, ``u``, ``r``, ``v`` (module docstring) in this process on
+    one device.
 
     ``sharded``: plans may shard the actor with FSDP (``algo.fsdp`` on several devices), which
     always runs the whole ``evaluate`` (no feature cache); the update is then also profiled
@@ -359,6 +389,8 @@ def profile(
     ``keep``: a dict that receives the profiled observation message and actions (``obs``,
     ``actions``), for a channel round trip timed with them (:func:`_round_trip_s`); ``o``
     keeps its default here.
+    ``batches``: the ``P`` of the stage batches (``B / P`` envs) to time a call on
+    (:func:`stage_batches`); one that does not divide ``B`` is left out.
     """
     from rlinf_vla.envs import for_device, make_env
     from rlinf_vla.policies import make_policy
@@ -389,7 +421,7 @@ def profile(
         paths = (cache, False) if sharded and cache else (cache,)
         for path in paths:
             _update_cost(policy, obs, out.replay, path, shipped, precision, clock)
-        timing = _time_rollout(env, act, clock, chunks, cpu=cores is not None)
+        timing = _time_rollout(env, act, clock, chunks, batches, cpu=cores is not None)
         subprocess_env = env.workers is not None
         t0 = clock()
         with torch.no_grad(), precision():
@@ -411,11 +443,15 @@ def profile(
         for once_s, pass_s in updates
     ]
     i = timing.infer_s / chunks
+    calls = tuple((p, seconds / chunks) for p, seconds in sorted(timing.stage_s.items()))
+    # f through the whole batch and the smallest stage batch, which the plans it matters to use
+    fixed = _fixed(i, calls[-1][1], 1 / calls[-1][0]) if calls else 0.0
     return Costs(
         timing.env_s / chunks,
         i,
         update_s[0],
-        infer_fixed_s=_fixed(i, timing.half_s / chunks, timing.share),
+        infer_fixed_s=fixed,
+        infer_call_s=calls,
         train_sharded_s=update_s[1] if len(update_s) > 1 else None,
         reset_s=timing.reset_s,
         value_s=value_s,
@@ -446,8 +482,7 @@ class _Timing:
     reset_s: float
     env_s: float
     infer_s: float
-    half_s: float  # the same inference calls on the first half of the batch
-    share: float  # that half's share of the batch
+    stage_s: dict[int, float]  # P -> the same inference calls on the first B / P envs
     env_cpu_s: float | None  # the simulator processes' CPU time
     obs: Any  # the last observation
     last_obs: Any  # the one before it, which the last actions were chosen from
@@ -455,17 +490,18 @@ class _Timing:
     shipped: torch.Tensor | None  # and its frozen features
 
 
-def _time_rollout(env: Any, act: Any, clock: Any, chunks: int, cpu: bool) -> _Timing:
+def _time_rollout(
+    env: Any, act: Any, clock: Any, chunks: int, batches: tuple[int, ...], cpu: bool
+) -> _Timing:
     """Time a rollout's reset and ``chunks`` chunk steps of ``env`` and ``act`` one after the
-    other, then the same inference calls on half the batch (the fixed cost of a call);
-    ``cpu``: also the CPU time of the simulators' processes."""
+    other, then the same inference calls on the first ``B / P`` envs for each ``P`` of
+    ``batches`` that divides ``B``; ``cpu``: also the CPU time of the simulators' processes."""
     t0 = clock()
     obs = env.reset()  # every rollout starts with one
     reset_s = clock() - t0
     pool = env.workers
     cpu0 = pool.cpu_seconds() if pool is not None and cpu else None
-    half = torch.arange(max(1, env.num_envs // 2))
-    env_s = infer_s = half_s = 0.0
+    env_s = infer_s = 0.0
     seen = []
     last_obs = obs
     for _ in range(chunks):
@@ -479,16 +515,21 @@ def _time_rollout(env: Any, act: Any, clock: Any, chunks: int, cpu: bool) -> _Ti
         seen.append(obs)
         last_obs, obs = obs, next_obs
     env_cpu = pool.cpu_seconds() - cpu0 if cpu0 is not None else None
-    for o in seen:  # after the steps: the simulators' CPU time is theirs alone
-        t0 = clock()
-        act(o.select(half))
-        half_s += clock() - t0
+    stage_s = {}
+    for p in batches:  # after the steps: the simulators' CPU time is theirs alone
+        if p < 2 or env.num_envs % p:
+            continue
+        part = torch.arange(env.num_envs // p)
+        stage_s[p] = 0.0
+        for o in seen:
+            t0 = clock()
+            act(o.select(part))
+            stage_s[p] += clock() - t0
     return _Timing(
         reset_s,
         env_s,
         infer_s,
-        half_s,
-        len(half) / env.num_envs,
+        stage_s,
         env_cpu,
         obs,
         last_obs,
@@ -497,11 +538,11 @@ def _time_rollout(env: Any, act: Any, clock: Any, chunks: int, cpu: bool) -> _Ti
     )
 
 
-def _fixed(i: float, i_half: float, share: float) -> float:
+def _fixed(i: float, i_part: float, share: float) -> float:
     """``f``, the part of a call's cost that does not shrink with its batch, from ``i`` on
-    the whole batch and ``i_half`` on its ``share``: ``i(b) = f + (i - f) b / B`` through the
+    the whole batch and ``i_part`` on its ``share``: ``i(b) = f + (i - f) b / B`` through the
     two measurements."""
-    fixed = (i_half - share * i) / (1 - share) if share < 1 else 0.0
+    fixed = (i_part - share * i) / (1 - share) if share < 1 else 0.0
     return min(max(fixed, 0.0), i)
 
 
@@ -543,7 +584,14 @@ class Profiler(Worker):
     #: the observation message and actions of the profiled chunk step (set by ``costs``)
     _sample: dict[str, Any] | None = None
 
-    def costs(self, job: Any, chunks: int, sharded: bool, cores: int | None = None) -> Costs:
+    def costs(
+        self,
+        job: Any,
+        chunks: int,
+        sharded: bool,
+        cores: int | None = None,
+        batches: tuple[int, ...] = (2,),
+    ) -> Costs:
         import gc
 
         from rlinf_vla.runtime.offload import release_cuda_memory
@@ -558,6 +606,7 @@ class Profiler(Worker):
             device=self.device,
             cores=cores,
             keep=self._sample,
+            batches=batches,
         )
         gc.collect()
         # The model and env are gone; their cached GPU memory goes back to the driver now,
@@ -653,13 +702,15 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
 
     env_cfg = job.env_config
     num_devices = cluster.num_devices
+    num_groups = env_cfg.num_envs // env_cfg.group_size
+    batches = stage_batches(num_devices, num_groups, job.placement.max_stages)
     profiler = WorkerGroup(cluster, Profiler, name="profile", devices=[0], channels=True)
     try:
         # The runner shards (algo.fsdp) only over several actor workers: on one device never;
         # on several, plans with one actor device keep the cache and the others do not.
         sharded = job.algo.fsdp and num_devices > 1
         costs = profiler.costs(
-            job, job.placement.profile_chunks, sharded, node_cores(cluster)
+            job, job.placement.profile_chunks, sharded, node_cores(cluster), batches
         ).wait()[0]
         costs = replace(costs, overhead_s=_round_trip_s(profiler))
     finally:
@@ -667,7 +718,7 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
     plans = candidate_plans(
         costs,
         num_devices,
-        env_cfg.num_envs // env_cfg.group_size,
+        num_groups,
         job.runner.rollout_chunks,
         job.placement.max_stages,
     )
@@ -676,9 +727,12 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
 
 def describe_costs(costs: Costs, num_envs: int) -> str:
     """The measured costs in one line."""
+    calls = "".join(
+        f", {num_envs // p} {seconds * 1e3:.1f} ms" for p, seconds in costs.infer_call_s
+    )
     line = (
         f"measured on one device: env chunk step {costs.env_chunk_s * 1e3:.1f} ms, "
-        f"inference {costs.infer_chunk_s * 1e3:.1f} ms ({num_envs} envs, of which "
+        f"inference {costs.infer_chunk_s * 1e3:.1f} ms ({num_envs} envs{calls}; "
         f"{costs.infer_fixed_s * 1e3:.1f} ms per call whatever its batch), "
         f"update {costs.train_s:.2f} s"
     )

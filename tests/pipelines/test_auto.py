@@ -7,7 +7,13 @@ import yaml
 
 from rlinf_vla import cli
 from rlinf_vla.config import ConfigError
-from rlinf_vla.pipelines.auto import Costs, _update_cost, candidate_plans, choose
+from rlinf_vla.pipelines.auto import (
+    Costs,
+    _update_cost,
+    candidate_plans,
+    choose,
+    stage_batches,
+)
 from rlinf_vla.policies import make_policy
 from tests.policies.conftest import make_obs
 
@@ -73,6 +79,36 @@ def test_a_fixed_cost_per_call_is_paid_by_every_stage():
     # local S=2 pays the fixed cost twice too, and trains on one device: 10 * 0.3 + 0.1 + 1
     assert plans[("local", "0", "0", 2)].iteration_s == pytest.approx(4.1)
     assert choose(list(plans.values())).mode == "collocated"
+
+
+def test_a_measured_call_on_a_stage_batch_replaces_the_affine_cost():
+    # i = 0.2 s for the whole batch, no fixed cost by the affine model; measured: a call on
+    # half the batch 0.15 s, on a quarter 0.1 s
+    costs = Costs(0.2, 0.2, 1.0, overhead_s=0.0, infer_call_s=((2, 0.15), (4, 0.1)))
+    plans = _by_key(candidate_plans(costs, num_devices=2, num_groups=8, chunks=10, max_stages=4))
+    # collocated: each device steps half the envs (0.1) and makes one call on half (0.15)
+    assert plans[("collocated", "all", "all", 1)].rollout_s == pytest.approx(10 * 0.25)
+    # collocated S=2: 4 stage batches, 2 calls on a quarter each per device: 0.2 against 0.1
+    assert plans[("collocated", "all", "all", 2)].rollout_s == pytest.approx(10 * 0.2 + 0.1 / 2)
+    # hybrid S=2: 2 calls on half the batch, 0.3 against the env's 0.2
+    assert plans[("hybrid", "0", "1", 2)].rollout_s == pytest.approx(10 * 0.3 + 0.2 / 2)
+    # local S=4: 4 calls on a quarter, 0.4 against 0.2
+    assert plans[("local", "0", "0", 4)].rollout_s == pytest.approx(10 * 0.4 + 0.2 / 4)
+    # hybrid S=4 cuts the batch into 4 too; collocated S=4 into 8, not measured: affine, f = 0
+    assert plans[("hybrid", "0", "1", 4)].rollout_s == pytest.approx(10 * 0.4 + 0.2 / 4)
+    assert plans[("collocated", "all", "all", 4)].rollout_s == pytest.approx(
+        10 * max(0.1, 4 * 0.2 / 8) + 0.1 / 4
+    )
+
+
+def test_the_stage_batches_profiled_are_those_the_plans_cut():
+    # 2 devices, up to 4 stages: E * S in {1, 2, 4} x {1, 2}
+    assert stage_batches(2, 8, 4) == (2, 4, 8)
+    # 6 groups: only halves are whole groups
+    assert stage_batches(2, 6, 4) == (2,)
+    # 3 devices: E * S for E in 1..3, S in 1, 2, 4, dividing 12
+    assert stage_batches(3, 12, 4) == (2, 3, 4, 6, 12)
+    assert stage_batches(1, 4, 1) == ()
 
 
 def test_choice_prefers_overlap_when_env_and_inference_are_balanced():
@@ -338,6 +374,40 @@ def test_the_profile_measures_resets_bootstrap_values_and_the_simulators_cpu(mon
     assert costs.env_cpu_s == pytest.approx(0.15)
     # without the node's cores the CPU share is not measured
     assert auto.profile(_toy_job(), 1, threads=1).env_cpu_s is None
+
+
+def test_the_profile_times_a_call_on_each_stage_batch(monkeypatch):
+    """A call on ``B / P`` envs is timed for each ``P`` asked for that divides ``B``; ``f`` is
+    read off the whole batch and the smallest stage batch. The policy's call here sleeps
+    20 ms + 5 ms per env (its outputs are those of one real call)."""
+    import time
+
+    from rlinf_vla.pipelines import auto
+
+    real = auto._rollout_call
+
+    def sleeping_call(policy, cache, precision):
+        act = real(policy, cache, precision)
+        first = {}
+
+        def call(obs):
+            if not first:
+                first["out"] = act(obs)
+            time.sleep(0.02 + 0.005 * obs.batch_size)
+            return first["out"]
+
+        return call
+
+    monkeypatch.setattr(auto, "_rollout_call", sleeping_call)
+    costs = auto.profile(_toy_job(), 2, threads=1, batches=(2, 3, 4))
+    assert costs.infer_chunk_s == pytest.approx(0.04, rel=0.15)
+    assert [p for p, _ in costs.infer_call_s] == [2, 4]  # 3 does not divide 4 envs
+    calls = dict(costs.infer_call_s)
+    assert calls[2] == pytest.approx(0.03, rel=0.15)
+    assert calls[4] == pytest.approx(0.025, rel=0.15)
+    # f + (i - f) / 4 = 0.025 with i = 0.04: f = 0.02
+    assert costs.infer_fixed_s == pytest.approx(0.02, abs=0.004)
+    assert costs.rollout_busy_s(4, 1) == pytest.approx(4 * calls[4])
 
 
 @pytest.mark.ray
