@@ -727,14 +727,14 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
 
 def describe_costs(costs: Costs, num_envs: int) -> str:
     """The measured costs in one line."""
-    calls = "".join(
-        f", {num_envs // p} {seconds * 1e3:.1f} ms" for p, seconds in costs.infer_call_s
-    )
+    parts = [f"{costs.infer_fixed_s * 1e3:.1f} ms per call whatever its batch"]
+    if costs.infer_call_s:
+        calls = ", ".join(f"{num_envs // p}: {s * 1e3:.1f} ms" for p, s in costs.infer_call_s)
+        parts.insert(0, f"a call on {calls}")
     line = (
         f"measured on one device: env chunk step {costs.env_chunk_s * 1e3:.1f} ms, "
-        f"inference {costs.infer_chunk_s * 1e3:.1f} ms ({num_envs} envs{calls}; "
-        f"{costs.infer_fixed_s * 1e3:.1f} ms per call whatever its batch), "
-        f"update {costs.train_s:.2f} s"
+        f"inference {costs.infer_chunk_s * 1e3:.1f} ms for {num_envs} envs "
+        f"({'; '.join(parts)}), update {costs.train_s:.2f} s"
     )
     if costs.train_sharded_s is not None:
         line += f" ({costs.train_sharded_s:.2f} s as FSDP runs it, without the feature cache)"
