@@ -31,14 +31,18 @@ For each workload, in one run on the same hardware:
   Ray workers, no channel hops); with ``S >= 2`` one stage's simulators step while the process
   computes another stage's actions.
 
-Each mode's ratio is taken against the loop measured just before it (a machine whose speed
-drifts over an hour-long run would otherwise favour the modes measured first); ``--repeats R``
+Each mode's ratio is taken against the mean of the loops measured just before and just after
+it (a machine whose speed drifts over an hour-long run would otherwise favour the modes
+measured first, and one whose speed swings within minutes the side measured while it was
+fast); ``--repeats R``
 measures every mode ``R`` times, every other repeat in the reverse order, and the table gives
 the median ratio and the spread (on a small shared machine a single run's rank within ~10 %
 is noise). The sync loop's row is the median of all its measurements.
 Before the runs, ``placement=auto``'s profile is taken once on a Ray cluster of ``--devices``
 devices, and its estimated rate of every mode it weighs is printed beside the measured one
-(``--no-estimates`` skips it), with the plan it picks.
+(``--no-estimates`` skips it), with the plan it picks; and its estimated ratio to the loop
+(``est. x``: the estimate over its estimate of local S=1, the plan that runs the loop) beside
+the measured ratio, which does not depend on how fast the machine was while it profiled.
 
 Each mode's rollout time is also broken down (a second table, and ``breakdown`` in the JSON):
 the env side's reset and simulator steps, the policy's compute, serialisation and
@@ -118,10 +122,50 @@ class Row:
     of_bound: float
     #: where a rollout's seconds went (:data:`PARTS`), medians over the timed iterations
     breakdown: dict[str, float] | None = None
-    #: each repeat's rate over the sync loop's rate measured just before it
+    #: each repeat's rate over the mean of the sync loop's rates measured just before and just
+    #: after it
     ratios: list[float] | None = None
     #: ``placement=auto``'s estimate of the rate (env steps/s), where it weighs the mode
     estimate: float | None = None
+    #: and of the ratio to the loop: the estimate over its estimate of local S=1, the plan
+    #: that runs the loop (it does not depend on how fast the machine was while profiling)
+    estimate_x: float | None = None
+
+
+class Measured:
+    """One workload's measurements, in the order they are taken: the loop, a mode, the loop,
+    a mode, ..., the loop. Each mode's ratio is its rate over the mean of the loops just
+    before and just after it, so that a machine whose speed drifts over the minutes a mode
+    takes favours neither side."""
+
+    def __init__(self, label: str, repeats: int) -> None:
+        self.label, self.repeats = label, repeats
+        self.loops: list[tuple[float, float, float, float]] = []  # sync_loop's results
+        self.rates: dict[str, list[float]] = {}
+        self.ratios: dict[str, list[float]] = {}
+        self.parts: dict[str, list[dict[str, float]]] = {}
+        #: the mode measured since the last loop: (mode, rate, parts, loop before, repeat)
+        self.waiting: list[tuple[str, float, dict[str, float], int, int]] = []
+
+    def add_mode(self, mode: str, rate: float, parts: dict[str, float], rep: int) -> None:
+        """A mode measured after the last loop; its ratio waits for the next loop."""
+        self.waiting.append((mode, rate, parts, len(self.loops) - 1, rep))
+
+    def add_loop(self, loop: tuple[float, float, float, float]) -> None:
+        """A loop measured; the mode before it (if any) gets its ratio."""
+        self.loops.append(loop)
+        while self.waiting:
+            mode, rate, parts, k, rep = self.waiting.pop()
+            before, after = self.loops[k][0], self.loops[k + 1][0]
+            ratio = rate / ((before + after) / 2)
+            self.rates.setdefault(mode, []).append(rate)
+            self.ratios.setdefault(mode, []).append(ratio)
+            self.parts.setdefault(mode, []).append(parts)
+            print(
+                f"{self.label}[{rep + 1}/{self.repeats}] {mode} {rate:.1f} env steps/s, the "
+                f"loop before and after it {before:.1f} and {after:.1f} ({ratio:.2f}x)",
+                flush=True,
+            )
 
 
 #: The plan of ``placement=auto`` (mode, env devices, rollout devices, stages) each benchmark
@@ -454,10 +498,7 @@ def main() -> int:
         if not args.no_estimates:
             estimates, pick, measured = auto_estimates(w, policy_args, d)
             print(f"{w.name}: placement=auto {measured}; it picks {pick}", flush=True)
-        loops: list[tuple[float, float, float, float]] = []
-        rates: dict[str, list[float]] = {}
-        ratios: dict[str, list[float]] = {}
-        parts_of: dict[str, list[dict[str, float]]] = {}
+        m = Measured(f"{w.name}: ", args.repeats)
         for rep in range(args.repeats):
             # every other repeat in the reverse order: a machine that slows down (or speeds up)
             # over the run does not always favour the same modes
@@ -470,9 +511,8 @@ def main() -> int:
                     skipped[mode] = f"needs {devices} GPUs, the machine has {gpus}"
                 if mode in skipped or f"{w.name}: {mode}" in skipped:
                     continue
-                # the loop just before the mode: the ratio compares two runs minutes apart at most
-                loop = sync_loop(w, policy_args, w.chunks, rollouts=args.iterations)
-                loops.append(loop)
+                # the loop just before the mode (and after the one before it)
+                m.add_loop(sync_loop(w, policy_args, w.chunks, rollouts=args.iterations))
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()  # the loop's policy is gone; the workers need it
                 with tempfile.TemporaryDirectory() as tmp:
@@ -484,16 +524,10 @@ def main() -> int:
                         skipped[f"{w.name}: {mode}"] = str(e)
                         print(f"{w.name}: {mode} skipped: {e}", flush=True)
                         continue
-                rates.setdefault(mode, []).append(rate)
-                ratios.setdefault(mode, []).append(rate / loop[0])
-                parts_of.setdefault(mode, []).append(parts)
-                print(
-                    f"{w.name}: [{rep + 1}/{args.repeats}] {mode} {rate:.1f} env steps/s, "
-                    f"the loop before it {loop[0]:.1f} ({rate / loop[0]:.2f}x)",
-                    flush=True,
-                )
-        if not loops:  # every mode skipped: the loop alone
-            loops.append(sync_loop(w, policy_args, w.chunks, rollouts=args.iterations))
+                m.add_mode(mode, rate, parts, rep)
+        if m.waiting or not m.loops:  # the loop after the last mode (or alone: all skipped)
+            m.add_loop(sync_loop(w, policy_args, w.chunks, rollouts=args.iterations))
+        loops, rates, ratios, parts_of = m.loops, m.rates, m.ratios, m.parts
         sync = statistics.median(x[0] for x in loops)
         e, i, reset = (statistics.median(x[k] for x in loops) for k in (1, 2, 3))
         # perfect overlap of env and inference after the rollout's reset
@@ -542,6 +576,9 @@ def main() -> int:
                     {k: round(v, 4) for k, v in parts.items()},
                     [round(x, 3) for x in ratios[mode]],
                     round(estimates[mode], 1) if mode in estimates else None,
+                    round(estimates[mode] / estimates["local S=1"], 2)
+                    if mode in estimates and "local S=1" in estimates
+                    else None,
                 )
             )
         results.append(Row(w.name, "overlap bound", round(bound, 1), round(bound / sync, 2), 1.0))
@@ -549,13 +586,15 @@ def main() -> int:
 
     print(
         f"\n{'workload':<20} {'mode':<15} {'env steps/s':>11} {'x sync':>7} {'spread':>11} "
-        f"{'of bound':>9} {'auto est.':>9} {'est. err':>8}"
+        f"{'of bound':>9} {'auto est.':>9} {'est. err':>8} {'est. x':>6} {'x err':>6}"
     )
     for r in results:
         spread = f"{min(r.ratios):.2f}-{max(r.ratios):.2f}" if r.ratios else ""
         est = (
             f"{r.estimate:>9.1f} {r.estimate / r.env_steps_per_s - 1:>+8.0%}" if r.estimate else ""
         )
+        if r.estimate_x:
+            est += f" {r.estimate_x:>6.2f} {r.estimate_x / r.vs_sync - 1:>+6.0%}"
         print(
             f"{r.workload:<20} {r.mode:<15} {r.env_steps_per_s:>11.1f} {r.vs_sync:>7.2f} "
             f"{spread:>11} {r.of_bound:>8.0%} {est}"
