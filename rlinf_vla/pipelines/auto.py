@@ -11,7 +11,7 @@ That gives these costs:
 - ``i``: the policy's actions for all ``B`` observations, seconds; ``i_P``: one call on the
   ``B / P`` observations of a stage batch, timed for every ``P`` a plan cuts the env batch
   into (a small policy's call does not shrink in proportion to its batch: the tiny OpenVLA
-  takes 53 ms for 16 envs and 160 ms for 64 on one core); ``f``, the part of a call that
+  takes about 65 ms for 16 envs and 210 ms for 64 on one core); ``f``, the part of a call that
   does not shrink with its batch, read off ``i`` and the smallest stage batch's ``i_P``
   (``i_P = f + (i - f) / P`` where a batch was not timed); ``v``: the values of all ``B``
   observations, the bootstrap call that ends a rollout;
@@ -33,10 +33,10 @@ The cost model of one iteration of ``T`` chunk steps on ``N`` devices, with the 
 evenly over the workers of a component (``E`` env, ``R`` rollout, ``A`` actor devices). The env
 batch is cut into ``P = E * S`` stage batches; a rollout worker serves ``n = ceil(P / R)`` of
 them per chunk step, one call each, so it is busy ``b = n * i_P`` per chunk step (``i / R``
-when calls cost in proportion to their batch). ``a`` is a chunk step of the env batch on ``E`` devices:
-``e / E`` where the env computes in its worker, ``e`` where its simulators run in subprocesses
-(they step in parallel already, on the node's cores, however many env workers drive them);
-``r_E`` likewise. Every rollout is ``r_E + T * step + tail + v / R``:
+when calls cost in proportion to their batch). ``a`` is a chunk step of the env batch on ``E``
+devices: ``e / E`` where the env computes in its worker, ``e`` where its simulators run in
+subprocesses (they step in parallel already, on the node's cores, however many env workers
+drive them); ``r_E`` likewise. Every rollout is ``r_E + T * step + tail + v / R``:
 
 - collocated (everything on all ``N``, ``E = R = N``): with ``S = 1`` env and inference take
   turns, ``step = a + b + o``; with ``S >= 2`` stages each device's env worker steps stage
