@@ -1,4 +1,4 @@
-"""The measurements a lent GPU machine is for, in order of value, stopped cleanly at a deadline.
+"""The measurements a GPU machine is for, in order of value, stopped cleanly at a deadline.
 
     python3 benchmarks/gpu_check.py --out "$OUT" --deadline-s 510   # on the GPU machine
     python benchmarks/gpu_check.py --out /tmp/gpu-check --dry-run-cpu   # the plumbing, on a CPU
