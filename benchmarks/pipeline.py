@@ -145,27 +145,29 @@ class Measured:
         self.ratios: dict[str, list[float]] = {}
         self.parts: dict[str, list[dict[str, float]]] = {}
         #: the mode measured since the last loop: (mode, rate, parts, loop before, repeat)
-        self.waiting: list[tuple[str, float, dict[str, float], int, int]] = []
+        self.waiting: tuple[str, float, dict[str, float], int, int] | None = None
 
     def add_mode(self, mode: str, rate: float, parts: dict[str, float], rep: int) -> None:
         """A mode measured after the last loop; its ratio waits for the next loop."""
-        self.waiting.append((mode, rate, parts, len(self.loops) - 1, rep))
+        self.waiting = (mode, rate, parts, len(self.loops) - 1, rep)
 
     def add_loop(self, loop: tuple[float, float, float, float]) -> None:
         """A loop measured; the mode before it (if any) gets its ratio."""
         self.loops.append(loop)
-        while self.waiting:
-            mode, rate, parts, k, rep = self.waiting.pop()
-            before, after = self.loops[k][0], self.loops[k + 1][0]
-            ratio = rate / ((before + after) / 2)
-            self.rates.setdefault(mode, []).append(rate)
-            self.ratios.setdefault(mode, []).append(ratio)
-            self.parts.setdefault(mode, []).append(parts)
-            print(
-                f"{self.label}[{rep + 1}/{self.repeats}] {mode} {rate:.1f} env steps/s, the "
-                f"loop before and after it {before:.1f} and {after:.1f} ({ratio:.2f}x)",
-                flush=True,
-            )
+        if self.waiting is None:
+            return
+        mode, rate, parts, k, rep = self.waiting
+        self.waiting = None
+        before, after = self.loops[k][0], self.loops[k + 1][0]
+        ratio = rate / ((before + after) / 2)
+        self.rates.setdefault(mode, []).append(rate)
+        self.ratios.setdefault(mode, []).append(ratio)
+        self.parts.setdefault(mode, []).append(parts)
+        print(
+            f"{self.label}[{rep + 1}/{self.repeats}] {mode} {rate:.1f} env steps/s, the "
+            f"loop before and after it {before:.1f} and {after:.1f} ({ratio:.2f}x)",
+            flush=True,
+        )
 
 
 #: The plan of ``placement=auto`` (mode, env devices, rollout devices, stages) each benchmark
@@ -525,7 +527,7 @@ def main() -> int:
                         print(f"{w.name}: {mode} skipped: {e}", flush=True)
                         continue
                 m.add_mode(mode, rate, parts, rep)
-        if m.waiting or not m.loops:  # the loop after the last mode (or alone: all skipped)
+        if m.waiting is not None or not m.loops:  # the loop after the last mode (or alone)
             m.add_loop(sync_loop(w, policy_args, w.chunks, rollouts=args.iterations))
         loops, rates, ratios, parts_of = m.loops, m.rates, m.ratios, m.parts
         sync = statistics.median(x[0] for x in loops)
