@@ -11,6 +11,7 @@ so several workers may share a device (collocated placement).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -58,6 +59,14 @@ class ClusterConfig:
             naming the workers that have not answered (``None``: calls have no deadline). A
             method's first call has none. See :mod:`rlinf_vla.runtime.stall`.
         stall_min_s: no call is stalled before this many seconds.
+        lean: a local instance runs its workers, and the simulator processes they start, at
+            the driver's CPU priority, where Ray's default (``worker_niceness`` 15) puts them
+            below its own daemons; runs its daemons other than the raylet (GCS, log monitor,
+            autoscaler monitor, dashboard and agents) at the lowest priority; and starts
+            without what a run never reads: Ray's metrics, the task events behind its state
+            API, idle workers started ahead of demand (:data:`LEAN_RAY_ENV`). On a small
+            machine the simulators and the policy then get the cores first. Only with
+            ``address=None``: the processes of a cluster one joins are not this run's.
     """
 
     address: str | None = None
@@ -70,6 +79,7 @@ class ClusterConfig:
     start_timeout_s: float | None = 600.0
     stall_factor: float | None = 5.0
     stall_min_s: float = 120.0
+    lean: bool = True
 
     def __post_init__(self) -> None:
         check_at_least(self, "cluster", ("num_nodes", "num_cpus", "devices_per_node"), 1)
@@ -91,6 +101,81 @@ class ClusterConfig:
                 "cluster.num_cpus / cluster.num_gpus size a local instance; "
                 "they cannot be set together with cluster.address"
             )
+
+
+#: The environment a lean local instance starts in (``ClusterConfig.lean``): workers at the
+#: driver's priority (Ray's default niceness for them is 15, below its daemons'); Ray's metrics
+#: collection, its task events (the state API and dashboard read them; nothing here does) and
+#: its idle workers started ahead of demand turned off. The daemons and workers take it from
+#: the driver while ``ray.init`` starts them; the driver's own environment is restored after.
+LEAN_RAY_ENV = {
+    "RAY_worker_niceness": "0",
+    "RAY_enable_metrics_collection": "0",
+    "RAY_task_events_report_interval_ms": "0",
+    "RAY_enable_worker_prestart": "0",
+    "RAY_prestart_worker_first_driver": "0",
+}
+
+#: The niceness of a lean local instance's daemons other than the raylet (the lowest priority).
+DAEMON_NICE = 19
+
+#: Ray's agents, which the raylet starts beside its workers: daemons too.
+_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+
+
+def _proc(pid: int, name: str) -> str:
+    """``/proc/<pid>/<name>`` as text, NULs as spaces (``""`` where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (``/proc``)."""
+    out = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        stat = _proc(int(entry), "stat") if entry.isdigit() else ""
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def lower_daemon_priority(pids: list[int], nice: int = DAEMON_NICE) -> list[int]:
+    """Give every thread of the local instance's daemons in ``pids`` (the processes
+    ``ray.init`` started) and of the agents the raylet started the niceness ``nice``; the
+    raylet keeps its own, since the workers it starts inherit it. Returns the process ids
+    reniced. Niceness is per thread on Linux (threads started later inherit their creator's);
+    without ``/proc`` and for processes gone already nothing happens."""
+    daemons = []
+    for pid in pids:
+        if _proc(pid, "comm") == "raylet":
+            daemons += [c for c in _children(pid) if _proc(c, "cmdline").startswith(_AGENTS)]
+        else:
+            daemons.append(pid)
+    done = []
+    for pid in daemons:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except OSError:  # gone, or not ours to renice
+            continue
+        done.append(pid)
+    return done
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``os.environ`` with ``values`` set (those already set keep theirs), restored after."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 #: Addresses ``ray.init`` resolves itself (``None`` starts a local instance).
@@ -268,8 +353,10 @@ class Cluster:
                 check_address(config.address)
                 kwargs["address"] = config.address
             sigterm = _main_thread_sigterm_handler()
+            lean = config.lean and config.address is None
             try:
-                ray.init(**kwargs)
+                with _environment(LEAN_RAY_ENV if lean else {}):
+                    ray.init(**kwargs)
             except Exception as e:  # Ray raises a bare Exception when its node times out
                 # Ray's own traceback says little; one line says what to try
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -284,6 +371,8 @@ class Cluster:
                     "(`ray stop`)"
                 ) from None
             self._owns_ray = True
+            if lean:
+                lower_daemon_priority(node_pids())
             if config.address is None:  # an instance of our own, not a cluster we joined
                 # a driver killed outright runs no exit code: this watcher stops its processes
                 self._reaper = watch(node_pids())
