@@ -50,6 +50,14 @@ object-store fetches, offload copies, the trajectories' hand-off, and the rest (
 waiting, bookkeeping; negative where parts overlapped), from the workers' ``time/rollout/*``
 metrics, medians over the timed iterations; the sync loop's beside them.
 
+A third table counts CPU seconds per iteration, read from ``/proc`` for every process below the
+benchmark's: the simulator processes, the run (the benchmark's process, which is the loop and
+a mode's driver, and the Ray workers: policy, transport, update) and Ray's daemons (raylet, GCS,
+log monitor, autoscaler monitor, dashboard, agents, idle workers). A mode's iteration is its
+rollout, update and weight sync (the iterations after the first), the loop's its rollout.
+Unlike the wall-clock ratios it hardly depends on how fast the machine is that minute: where the
+modes' simulators do the same work as the loop's, what a mode adds shows in the other columns.
+
 The toy workload adds a sleep per env step (``step_time_per_env_s``) that makes up the
 difference between the env's own compute and the inference time, both measured by the loop
 first, so that ``e == i`` (balanced; the sleep stands for a simulator running on its own
@@ -78,6 +86,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -97,6 +106,82 @@ from rlinf_vla.training.precision import autocast
 
 #: Where the sync loop runs the policy: where the Ray modes' devices are.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+#: The classes of the processes below the benchmark that :class:`CpuWindow` counts: the
+#: simulators (env processes, started with multiprocessing's ``spawn``), Ray's daemons (raylet,
+#: GCS, log monitor, autoscaler monitor, dashboard, agents, idle workers; and the run's process
+#: watcher), and the run itself (this process and the Ray workers: policy, transport, update).
+CPU_CLASSES = ("simulators", "run", "ray")
+_RAY_DAEMONS = (
+    "log_monitor.py",
+    "autoscaler/_private/monitor.py",
+    "dashboard/dashboard.py",
+    "ray::DashboardAgent",
+    "ray::RuntimeEnvAgent",
+    "ray::IDLE",
+    "import os, select, signal",  # rlinf_vla.runtime.reaper's watcher
+)
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc(pid: int, name: str) -> str:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _cpu_class(pid: int) -> str:
+    cmd = _proc(pid, "cmdline")
+    if "spawn_main" in cmd:
+        return "simulators"
+    if _proc(pid, "comm").strip() in ("raylet", "gcs_server") or any(
+        k in cmd for k in _RAY_DAEMONS
+    ):
+        return "ray"
+    return "run"
+
+
+class CpuWindow:
+    """CPU seconds (user + system) of this process and every process below it, per class
+    (:data:`CPU_CLASSES`), between the first and the latest :meth:`sample`. A process that
+    exits in between keeps the last CPU read of it; one that starts counts from zero. Linux
+    (``/proc``); elsewhere every count is 0."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, float] | None = None
+        self.last: dict[int, tuple[float, str]] = {}
+
+    def sample(self) -> None:
+        parents: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+            stat = _proc(int(entry), "stat") if entry.isdigit() else ""
+            if stat:
+                parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        now, todo = {}, [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            todo += parents.get(pid, [])
+            fields = _proc(pid, "stat").rsplit(")", 1)[-1].split()
+            if len(fields) > 12:
+                now[pid] = (int(fields[11]) + int(fields[12])) / _TICK
+        if self.first is None:
+            self.first = now
+        for pid, cpu in now.items():  # the class as first seen (a zombie has no cmdline)
+            self.last[pid] = (cpu, self.last[pid][1] if pid in self.last else _cpu_class(pid))
+
+    def totals(self) -> dict[str, float]:
+        out = dict.fromkeys(CPU_CLASSES, 0.0)
+        for pid, (cpu, cls) in self.last.items():
+            out[cls] += cpu - (self.first or {}).get(pid, 0.0)
+        return out
+
+
+#: What :func:`sync_loop` returns: the median rollout's env steps/s, its env and inference
+#: seconds per chunk step and its reset; and the CPU seconds per rollout of each class of
+#: process (:data:`CPU_CLASSES`), over all the timed rollouts.
+LoopResult = tuple[float, float, float, float, dict[str, float]]
 
 
 class Skipped(Exception):
@@ -130,6 +215,9 @@ class Row:
     #: and of the ratio to the loop: the estimate over its estimate of local S=1, the plan
     #: that runs the loop (it does not depend on how fast the machine was while profiling)
     estimate_x: float | None = None
+    #: CPU seconds of each class of process (:data:`CPU_CLASSES`) per iteration (a mode's
+    #: rollout, update and weight sync; the loop's rollout), medians over the repeats
+    cpu: dict[str, float] | None = None
 
 
 class Measured:
@@ -140,29 +228,33 @@ class Measured:
 
     def __init__(self, label: str, repeats: int) -> None:
         self.label, self.repeats = label, repeats
-        self.loops: list[tuple[float, float, float, float]] = []  # sync_loop's results
+        self.loops: list[LoopResult] = []  # sync_loop's results
         self.rates: dict[str, list[float]] = {}
         self.ratios: dict[str, list[float]] = {}
         self.parts: dict[str, list[dict[str, float]]] = {}
-        #: the mode measured since the last loop: (mode, rate, parts, loop before, repeat)
-        self.waiting: tuple[str, float, dict[str, float], int, int] | None = None
+        self.cpu: dict[str, list[dict[str, float]]] = {}
+        #: the mode measured since the last loop: (mode, rate, parts, CPU, loop before, repeat)
+        self.waiting: tuple[str, float, dict[str, float], dict[str, float], int, int] | None = None
 
-    def add_mode(self, mode: str, rate: float, parts: dict[str, float], rep: int) -> None:
+    def add_mode(
+        self, mode: str, rate: float, parts: dict[str, float], cpu: dict[str, float], rep: int
+    ) -> None:
         """A mode measured after the last loop; its ratio waits for the next loop."""
-        self.waiting = (mode, rate, parts, len(self.loops) - 1, rep)
+        self.waiting = (mode, rate, parts, cpu, len(self.loops) - 1, rep)
 
-    def add_loop(self, loop: tuple[float, float, float, float]) -> None:
+    def add_loop(self, loop: LoopResult) -> None:
         """A loop measured; the mode before it (if any) gets its ratio."""
         self.loops.append(loop)
         if self.waiting is None:
             return
-        mode, rate, parts, k, rep = self.waiting
+        mode, rate, parts, cpu, k, rep = self.waiting
         self.waiting = None
         before, after = self.loops[k][0], self.loops[k + 1][0]
         ratio = rate / ((before + after) / 2)
         self.rates.setdefault(mode, []).append(rate)
         self.ratios.setdefault(mode, []).append(ratio)
         self.parts.setdefault(mode, []).append(parts)
+        self.cpu.setdefault(mode, []).append(cpu)
         print(
             f"{self.label}[{rep + 1}/{self.repeats}] {mode} {rate:.1f} env steps/s, the "
             f"loop before and after it {before:.1f} and {after:.1f} ({ratio:.2f}x)",
@@ -267,9 +359,7 @@ def policy_overrides(policy: str, preset: str, chunk_size: int, extra: list[str]
     ]
 
 
-def sync_loop(
-    w: Workload, policy_args: list[str], chunks: int, rollouts: int = 1
-) -> tuple[float, float, float, float]:
+def sync_loop(w: Workload, policy_args: list[str], chunks: int, rollouts: int = 1) -> LoopResult:
     """The synchronous loop in this process, ``rollouts`` rollouts of ``chunks`` chunk steps,
     each starting with a reset (as every rollout of ``rlinf-vla train`` starts fresh episodes,
     inside its time). It computes what a PPO rollout needs, as a single-file PPO script's
@@ -277,7 +367,8 @@ def sync_loop(
     values of the final observations of episodes cut by the time limit, and after the last
     step the value of the observation the rollout stopped in. Returns the median rollout's
     (env steps/s, e, i, r): e and i per chunk step (i with those values), r its reset (the
-    median, like the modes' rates, is robust to one slow rollout)."""
+    median, like the modes' rates, is robust to one slow rollout), and the CPU seconds per
+    rollout of each class of process."""
     # Env and policy exactly as `rlinf-vla train` builds them: the groups' defaults, then ours.
     # (no evaluation: its video check would refuse a machine without FFmpeg for nothing)
     job = validate(
@@ -315,6 +406,8 @@ def sync_loop(
         obs = env.reset()
         for _ in range(2):  # warm-up
             obs = env.chunk_step(act(obs)).obs
+        cpu = CpuWindow()
+        cpu.sample()
         for _ in range(rollouts):
             t0 = time.perf_counter()
             obs = env.reset()
@@ -334,16 +427,33 @@ def sync_loop(
             values(obs)  # bootstrap
             i += time.perf_counter() - t0
             timed.append((steps / (r + e + i), e / chunks, i / chunks, r))
+        cpu.sample()
     finally:
         env.close()
-    return sorted(timed)[len(timed) // 2]
+    per_rollout = {k: v / rollouts for k, v in cpu.totals().items()}
+    return (*sorted(timed)[len(timed) // 2], per_rollout)
+
+
+def _count_cpu(window: CpuWindow, metrics: Path, rows: int, done: threading.Event) -> None:
+    """Sample ``window`` when the run writes its first metrics row, every 2 s after (a process
+    that exits keeps its last count), and when it writes its ``rows``-th."""
+    last = 0.0
+    while not done.is_set():
+        seen = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if seen >= 1 and (window.first is None or seen >= rows or time.monotonic() - last > 2):
+            window.sample()
+            last = time.monotonic()
+            if seen >= rows:
+                return
+        done.wait(0.1)
 
 
 def mode_rate(
     w: Workload, mode: list[str], policy_args: list[str], devices: int, iterations: int, out: Path
-) -> tuple[float, dict[str, float]]:
+) -> tuple[float, dict[str, float], dict[str, float]]:
     """Median rollout env steps/s of ``rlinf-vla train`` in ``mode`` (iterations after the
-    first), and the median of each part of the rollout's time (:data:`PARTS`)."""
+    first), the median of each part of the rollout's time (:data:`PARTS`), and the CPU seconds
+    per iteration of each class of process (:data:`CPU_CLASSES`) over those iterations."""
     args = [
         "train",
         *env_overrides(w),
@@ -362,11 +472,22 @@ def mode_rate(
         validate(cli.compose(args[0], args[1:]))
     except ConfigError as e:
         raise Skipped(str(e)) from None
-    if cli.main(args) != 0:
-        raise RuntimeError(f"train failed: {' '.join(args)}")
+    cpu, done = CpuWindow(), threading.Event()
+    counter = threading.Thread(
+        target=_count_cpu, args=(cpu, out / "metrics.jsonl", iterations, done), daemon=True
+    )
+    counter.start()
+    try:
+        if cli.main(args) != 0:
+            raise RuntimeError(f"train failed: {' '.join(args)}")
+    finally:
+        done.set()
+        counter.join()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     parts = {name: statistics.median(r[key] for r in rows) for name, key in PARTS.items()}
-    return statistics.median(r["throughput/env_steps_per_s"] for r in rows), with_rest(parts)
+    per_iteration = {k: v / max(len(rows), 1) for k, v in cpu.totals().items()}
+    rate = statistics.median(r["throughput/env_steps_per_s"] for r in rows)
+    return rate, with_rest(parts), per_iteration
 
 
 def main() -> int:
@@ -493,7 +614,7 @@ def main() -> int:
             # Balance: pick the per-env sleep so that a chunk step of the envs, sleep and the
             # env's own compute together, costs what inference does (both measured as the
             # timed loop measures them: whole rollouts, their median)
-            _, e0, i, _ = sync_loop(w, policy_args, w.chunks, rollouts=3)
+            _, e0, i, _, _ = sync_loop(w, policy_args, w.chunks, rollouts=3)
             sleep = max(i - e0, 0.0) / (args.chunk_size * w.num_envs)
             w.env_config["step_time_per_env_s"] = round(sleep, 6)
         estimates: dict[str, float] = {}
@@ -519,17 +640,21 @@ def main() -> int:
                     torch.cuda.empty_cache()  # the loop's policy is gone; the workers need it
                 with tempfile.TemporaryDirectory() as tmp:
                     try:
-                        rate, parts = mode_rate(
+                        rate, parts, cpu = mode_rate(
                             w, overrides, policy_args, devices, args.iterations, Path(tmp)
                         )
                     except Skipped as e:
                         skipped[f"{w.name}: {mode}"] = str(e)
                         print(f"{w.name}: {mode} skipped: {e}", flush=True)
                         continue
-                m.add_mode(mode, rate, parts, rep)
+                m.add_mode(mode, rate, parts, cpu, rep)
         if m.waiting is not None or not m.loops:  # the loop after the last mode (or alone)
             m.add_loop(sync_loop(w, policy_args, w.chunks, rollouts=args.iterations))
         loops, rates, ratios, parts_of = m.loops, m.rates, m.ratios, m.parts
+
+        def median_cpu(counts: list[dict[str, float]]) -> dict[str, float]:
+            return {k: round(statistics.median(c[k] for c in counts), 3) for k in CPU_CLASSES}
+
         sync = statistics.median(x[0] for x in loops)
         e, i, reset = (statistics.median(x[k] for x in loops) for k in (1, 2, 3))
         # perfect overlap of env and inference after the rollout's reset
@@ -563,6 +688,7 @@ def main() -> int:
                 1.0,
                 round(sync / bound, 3),
                 {k: round(v, 4) for k, v in loop_parts.items()},
+                cpu=median_cpu([x[4] for x in loops]),
             )
         )
         for mode, measured_rates in rates.items():
@@ -581,6 +707,7 @@ def main() -> int:
                     round(estimates[mode] / estimates["local S=1"], 2)
                     if mode in estimates and "local S=1" in estimates
                     else None,
+                    median_cpu(m.cpu[mode]),
                 )
             )
         results.append(Row(w.name, "overlap bound", round(bound, 1), round(bound / sync, 2), 1.0))
@@ -612,6 +739,19 @@ def main() -> int:
             print(
                 f"{r.workload:<20} {r.mode:<15}"
                 + "".join(f" {r.breakdown[n]:>9.3f}" for n in names)
+            )
+    print(
+        "\nCPU seconds per iteration (a mode's rollout, update and weight sync; the loop's "
+        "rollout): the simulator processes, the run (this process and the Ray workers) and "
+        "Ray's daemons"
+    )
+    print(f"{'workload':<20} {'mode':<15}" + "".join(f" {n:>10}" for n in (*CPU_CLASSES, "all")))
+    for r in results:
+        if r.cpu is not None:
+            counts = [r.cpu[k] for k in CPU_CLASSES]
+            print(
+                f"{r.workload:<20} {r.mode:<15}"
+                + "".join(f" {c:>10.2f}" for c in (*counts, sum(counts)))
             )
     for name, m in meta.items():
         print(
