@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,8 +168,9 @@ def lower_daemon_priority(pids: list[int], nice: int = DAEMON_NICE) -> list[int]
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """``os.environ`` with ``values`` set (those already set keep theirs), restored after."""
+def added_environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` added for the block (variables already set keep their
+    value); the added ones are removed after it."""
     added = {k: v for k, v in values.items() if k not in os.environ}
     os.environ.update(added)
     try:
@@ -355,7 +357,7 @@ class Cluster:
             sigterm = _main_thread_sigterm_handler()
             lean = config.lean and config.address is None
             try:
-                with _environment(LEAN_RAY_ENV if lean else {}):
+                with added_environment(LEAN_RAY_ENV if lean else {}):
                     ray.init(**kwargs)
             except Exception as e:  # Ray raises a bare Exception when its node times out
                 # Ray's own traceback says little; one line says what to try

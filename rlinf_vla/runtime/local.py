@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from rlinf_vla.runtime.channel import DEFAULT_KEY, check_batch
-from rlinf_vla.runtime.cluster import ClusterConfig, Device, node_devices
+from rlinf_vla.runtime.cluster import ClusterConfig, Device, added_environment, node_devices
 from rlinf_vla.runtime.stall import Process, StallPolicy
 from rlinf_vla.runtime.worker import (
     GroupBase,
@@ -124,13 +124,8 @@ def worker_environment() -> Iterator[None]:
     where the caller has not set the variable), so that simulator subprocesses started in the
     block compute as they would under a Ray worker; restored after it. It changes neither this
     process's torch threads (``torch_threads`` sets those) nor subprocesses already running."""
-    added = {k: v for k, v in WORKER_ENVIRONMENT.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
+    with added_environment(WORKER_ENVIRONMENT):
         yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
 
 
 class ChannelClosed(RuntimeError):
