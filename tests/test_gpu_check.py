@@ -128,9 +128,10 @@ def test_the_parsers_read_what_the_measured_commands_print(gpu_check, tmp_path, 
     # benchmarks/pipeline.py's line for a mode, printed by its own Measured
     pipeline = _load("pipeline")
     m = pipeline.Measured("libero spatial: ", 1)
-    m.add_loop((10.0, 0.1, 0.1, 0.5))
-    m.add_mode("collocated S=2", 12.0, {}, 0)
-    m.add_loop((14.0, 0.1, 0.1, 0.5))
+    cpu = dict.fromkeys(pipeline.CPU_CLASSES, 0.0)
+    m.add_loop((10.0, 0.1, 0.1, 0.5, cpu))
+    m.add_mode("collocated S=2", 12.0, {}, cpu, 0)
+    m.add_loop((14.0, 0.1, 0.1, 0.5, cpu))
     (row,) = gpu_check.ratio_lines(capsys.readouterr().out)
     assert row["workload"] == "libero spatial" and row["mode"] == "collocated S=2"
     assert (row["rate"], row["before"], row["after"], row["ratio"]) == (12.0, 10.0, 14.0, 1.0)
