@@ -100,7 +100,7 @@ from rlinf_vla.config import ConfigError
 from rlinf_vla.envs import make_env
 from rlinf_vla.pipelines.config import validate
 from rlinf_vla.policies import make_policy
-from rlinf_vla.runtime.cluster import node_devices
+from rlinf_vla.runtime.cluster import child_processes, node_devices, proc_text
 from rlinf_vla.runtime.local import worker_environment
 from rlinf_vla.training.precision import autocast
 
@@ -124,21 +124,11 @@ _RAY_DAEMONS = (
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _proc(pid: int, name: str) -> str:
-    try:
-        with open(f"/proc/{pid}/{name}", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _cpu_class(pid: int) -> str:
-    cmd = _proc(pid, "cmdline")
+    cmd = proc_text(pid, "cmdline")
     if "spawn_main" in cmd:
         return "simulators"
-    if _proc(pid, "comm").strip() in ("raylet", "gcs_server") or any(
-        k in cmd for k in _RAY_DAEMONS
-    ):
+    if proc_text(pid, "comm") in ("raylet", "gcs_server") or any(k in cmd for k in _RAY_DAEMONS):
         return "ray"
     return "run"
 
@@ -154,16 +144,12 @@ class CpuWindow:
         self.last: dict[int, tuple[float, str]] = {}
 
     def sample(self) -> None:
-        parents: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-            stat = _proc(int(entry), "stat") if entry.isdigit() else ""
-            if stat:
-                parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        children = child_processes()
         now, todo = {}, [os.getpid()]
         while todo:
             pid = todo.pop()
-            todo += parents.get(pid, [])
-            fields = _proc(pid, "stat").rsplit(")", 1)[-1].split()
+            todo += children.get(pid, [])
+            fields = proc_text(pid, "stat").rsplit(")", 1)[-1].split()
             if len(fields) > 12:
                 now[pid] = (int(fields[11]) + int(fields[12])) / _TICK
         if self.first is None:

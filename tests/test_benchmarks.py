@@ -51,40 +51,48 @@ def test_every_benchmark_script_imports_and_prints_its_usage() -> None:
     assert not quiet, f"no usage line from --help: {quiet}"
 
 
-#: A process that burns this much CPU, then exits (``exec`` is picklable by reference, so it
-#: needs no module of the test suite in the child).
-_BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end:\n    pass\n"
+#: In a fresh interpreter (no Ray instance of the suite's below it): a child started as the
+#: env processes are, burning 0.8 s of CPU (``exec`` is picklable by reference, so the child
+#: needs no module of the suite), while this process burns 0.4 s; the counts as JSON.
+_CPU_PROBE = r"""
+import importlib.util, json, multiprocessing as mp, sys, time
+from pathlib import Path
 
+BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end:\n    pass\n"
 
-def test_the_pipeline_benchmark_counts_cpu_per_class_of_process() -> None:
-    """``benchmarks/pipeline.py``'s CPU count: a child started as the env processes are
-    (multiprocessing's ``spawn``) is a simulator, and its CPU counts after it exits; this
-    process is the run; no Ray daemon runs here."""
-    import importlib.util
-    import multiprocessing as mp
-    import time
-
-    spec = importlib.util.spec_from_file_location("_bench_pipeline", BENCHMARKS / "pipeline.py")
+if __name__ == "__main__":
+    path = Path(sys.argv[1])
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("_bench_pipeline", path)
     pipeline = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = pipeline  # its dataclasses look their module up there
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec.loader.exec_module(pipeline)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop(spec.name, None)
-
+    sys.modules[spec.name] = pipeline
+    spec.loader.exec_module(pipeline)
     window = pipeline.CpuWindow()
     window.sample()
-    child = mp.get_context("spawn").Process(target=exec, args=(_BURN.format(s=0.8),))
+    child = mp.get_context("spawn").Process(target=exec, args=(BURN.format(s=0.8),))
     child.start()
-    exec(_BURN.format(s=0.4))  # the run's own work
+    exec(BURN.format(s=0.4))
     while child.is_alive():
         window.sample()
         time.sleep(0.02)
     child.join()
     window.sample()
-    counts = window.totals()
+    print(json.dumps(window.totals()))
+"""
+
+
+def test_the_pipeline_benchmark_counts_cpu_per_class_of_process() -> None:
+    """``benchmarks/pipeline.py``'s CPU count: a child started as the env processes are
+    (multiprocessing's ``spawn``) is a simulator, and its CPU counts after it exits; the
+    process itself is the run; no Ray daemon runs there."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CPU_PROBE, str(BENCHMARKS / "pipeline.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(counts) == {"simulators", "run", "ray"}
     assert 0.75 <= counts["simulators"] <= 1.6, counts  # 0.8 s, its start-up and the last 20 ms
     assert 0.38 <= counts["run"] <= 1.0, counts

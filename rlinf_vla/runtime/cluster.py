@@ -124,7 +124,7 @@ DAEMON_NICE = 19
 _AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 
 
-def _proc(pid: int, name: str) -> str:
+def proc_text(pid: int, name: str) -> str:
     """``/proc/<pid>/<name>`` as text, NULs as spaces (``""`` where unreadable)."""
     try:
         with open(f"/proc/{pid}/{name}", "rb") as f:
@@ -133,38 +133,38 @@ def _proc(pid: int, name: str) -> str:
         return ""
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (``/proc``)."""
-    out = []
+def child_processes() -> dict[int, list[int]]:
+    """Every process's children, by parent id, from ``/proc`` (``{}`` without it)."""
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        stat = _proc(int(entry), "stat") if entry.isdigit() else ""
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry))
-    return out
+        stat = proc_text(int(entry), "stat") if entry.isdigit() else ""
+        if stat:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    return children
 
 
-def lower_daemon_priority(pids: list[int], nice: int = DAEMON_NICE) -> list[int]:
+def lower_daemon_priority(pids: list[int], nice: int = DAEMON_NICE) -> None:
     """Give every thread of the local instance's daemons in ``pids`` (the processes
     ``ray.init`` started) and of the agents the raylet started the niceness ``nice``; the
-    raylet keeps its own, since the workers it starts inherit it. Returns the process ids
-    reniced. Niceness is per thread on Linux (threads started later inherit their creator's);
-    without ``/proc`` and for processes gone already nothing happens."""
+    raylet keeps its own, since the workers it starts inherit it. Niceness is per thread on
+    Linux (threads started later inherit their creator's); without ``/proc`` and for
+    processes gone already nothing happens."""
     daemons = []
     for pid in pids:
-        if _proc(pid, "comm") == "raylet":
-            daemons += [c for c in _children(pid) if _proc(c, "cmdline").startswith(_AGENTS)]
+        if proc_text(pid, "comm") == "raylet":
+            daemons += [
+                c
+                for c in child_processes().get(pid, [])
+                if proc_text(c, "cmdline").startswith(_AGENTS)
+            ]
         else:
             daemons.append(pid)
-    done = []
     for pid in daemons:
         try:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)
         except OSError:  # gone, or not ours to renice
             continue
-        done.append(pid)
-    return done
 
 
 @contextlib.contextmanager
