@@ -132,7 +132,7 @@ class Record:
 RATIO_LINE = re.compile(
     r"^(?P<workload>[^\n:]+): \[(?P<rep>\d+)/(?P<reps>\d+)\] (?P<mode>.+?) (?P<rate>[\d.]+) "
     r"env steps/s, the loop before and after it (?P<before>[\d.]+) and (?P<after>[\d.]+) "
-    r"\((?P<ratio>[\d.]+)x\)",
+    r"\((?P<ratio>[\d.]+)x(?:, (?P<of_bound>\d+)% of the bound (?P<bound>[\d.]+) they give)?\)",
     re.M,
 )
 CHECKPOINT_LINE = re.compile(
@@ -149,12 +149,15 @@ METRIC_KEYS = ("iteration", "step", "train/samples", "train/update_steps", "trai
 
 
 def ratio_lines(text: str) -> list[dict[str, Any]]:
-    """``benchmarks/pipeline.py``'s line per measured mode: its rate and ratio to the loops."""
+    """``benchmarks/pipeline.py``'s line per measured mode: its rate, its ratio to the loops
+    and, where printed, the overlap bound the loops give and the mode's fraction of it."""
     rows = []
     for m in RATIO_LINE.finditer(text):
         row: dict[str, Any] = {"workload": m["workload"].strip(), "mode": m["mode"]}
         row.update({k: float(m[k]) for k in ("rate", "before", "after", "ratio")})
         row["repeat"] = int(m["rep"])
+        if m["bound"]:  # the overlap bound of the mode's two loops, and its fraction of it
+            row.update(bound=float(m["bound"]), of_bound=int(m["of_bound"]) / 100)
         rows.append(row)
     return rows
 

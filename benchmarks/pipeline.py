@@ -61,7 +61,10 @@ modes' simulators do the same work as the loop's, what a mode adds shows in the 
 The toy workload adds a sleep per env step (``step_time_per_env_s``) that makes up the
 difference between the env's own compute and the inference time, both measured by the loop
 first, so that ``e == i`` (balanced; the sleep stands for a simulator running on its own
-hardware). ManiSkill PickCube runs its CPU simulator in one subprocess per env, LIBERO
+hardware). The machine's speed moves within minutes, and the inference time with it, so the
+sleep is chosen again before each mode from the loop just after the mode before (the mode and
+its two loops share one sleep; the JSON lists every sleep chosen). Each mode's fraction of the
+overlap bound is taken against the bound its own two loops give. ManiSkill PickCube runs its CPU simulator in one subprocess per env, LIBERO
 (``libero_spatial`` task 0, the cameras the policy reads: agentview for OpenVLA; scenes seeded by
 reset id) and MetaWorld (MT1 ``pick-place-v3``,
 the ``corner2`` camera) likewise. ``--modes`` picks some of the modes (each ``rlinf-vla train``
@@ -80,6 +83,7 @@ skipped. GPU simulation and the published model sizes (random weights)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -88,6 +92,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -212,11 +217,17 @@ class Measured:
     before and just after it, so that a machine whose speed drifts over the minutes a mode
     takes favours neither side."""
 
-    def __init__(self, label: str, repeats: int) -> None:
+    def __init__(
+        self, label: str, repeats: int, bound: Callable[[LoopResult], float] | None = None
+    ) -> None:
         self.label, self.repeats = label, repeats
+        #: the overlap bound a loop's timings give (env steps/s); a mode's fraction of it is
+        #: taken against the mean of its two loops' bounds
+        self.bound = bound
         self.loops: list[LoopResult] = []  # sync_loop's results
         self.rates: dict[str, list[float]] = {}
         self.ratios: dict[str, list[float]] = {}
+        self.of_bound: dict[str, list[float]] = {}
         self.parts: dict[str, list[dict[str, float]]] = {}
         self.cpu: dict[str, list[dict[str, float]]] = {}
         #: the mode measured since the last loop: (mode, rate, parts, CPU, loop before, repeat)
@@ -239,11 +250,16 @@ class Measured:
         ratio = rate / ((before + after) / 2)
         self.rates.setdefault(mode, []).append(rate)
         self.ratios.setdefault(mode, []).append(ratio)
+        of_bound = ""
+        if self.bound is not None:
+            bound = (self.bound(self.loops[k]) + self.bound(self.loops[k + 1])) / 2
+            self.of_bound.setdefault(mode, []).append(rate / bound)
+            of_bound = f", {rate / bound:.0%} of the bound {bound:.1f} they give"
         self.parts.setdefault(mode, []).append(parts)
         self.cpu.setdefault(mode, []).append(cpu)
         print(
             f"{self.label}[{rep + 1}/{self.repeats}] {mode} {rate:.1f} env steps/s, the "
-            f"loop before and after it {before:.1f} and {after:.1f} ({ratio:.2f}x)",
+            f"loop before and after it {before:.1f} and {after:.1f} ({ratio:.2f}x{of_bound})",
             flush=True,
         )
 
@@ -317,6 +333,22 @@ PARTS = {
     "copies": "time/rollout/copy_s",
     "hand-off": "time/rollout/finish_s",
 }
+
+
+def overlap_bound(w: Workload, chunk_size: int, loop: LoopResult) -> float:
+    """The rate (env steps/s) of perfect overlap of env and inference after the rollout's
+    reset, from a loop's timings."""
+    _, e, i, reset, _ = loop
+    return w.num_envs * chunk_size * w.chunks / (reset + w.chunks * max(e, i))
+
+
+def balanced_sleep(w: Workload, chunk_size: int, loop: LoopResult) -> float:
+    """The toy's per-env sleep (``step_time_per_env_s``) that makes a chunk step of the envs
+    (their own compute and the sleep) cost what inference does, from the timings of a loop
+    run with the sleep ``w`` has: its env time less that sleep is the env's own compute."""
+    per_chunk = chunk_size * w.num_envs
+    own = loop[1] - w.env_config.get("step_time_per_env_s", 0.0) * per_chunk
+    return round(max(loop[2] - own, 0.0) / per_chunk, 6)
 
 
 def with_rest(parts: dict[str, float]) -> dict[str, float]:
@@ -596,18 +628,21 @@ def main() -> int:
         )
 
     for w in workloads:
-        if w.env == "toy":
-            # Balance: pick the per-env sleep so that a chunk step of the envs, sleep and the
-            # env's own compute together, costs what inference does (both measured as the
-            # timed loop measures them: whole rollouts, their median)
-            _, e0, i, _, _ = sync_loop(w, policy_args, w.chunks, rollouts=3)
-            sleep = max(i - e0, 0.0) / (args.chunk_size * w.num_envs)
-            w.env_config["step_time_per_env_s"] = round(sleep, 6)
+        balanced = w.env == "toy"
+        sleeps: list[float] = []  # the sleep each balancing chose
+
+        def balance(loop: LoopResult, w: Workload = w, sleeps: list[float] = sleeps) -> None:
+            w.env_config["step_time_per_env_s"] = balanced_sleep(w, args.chunk_size, loop)
+            sleeps.append(w.env_config["step_time_per_env_s"])
+
+        if balanced:  # both measured as the timed loop measures them: whole rollouts, median
+            balance(sync_loop(w, policy_args, w.chunks, rollouts=3))
         estimates: dict[str, float] = {}
         if not args.no_estimates:
             estimates, pick, measured = auto_estimates(w, policy_args, d)
             print(f"{w.name}: placement=auto {measured}; it picks {pick}", flush=True)
-        m = Measured(f"{w.name}: ", args.repeats)
+        bound_of = functools.partial(overlap_bound, w, args.chunk_size)
+        m = Measured(f"{w.name}: ", args.repeats, bound_of)
         for rep in range(args.repeats):
             # every other repeat in the reverse order: a machine that slows down (or speeds up)
             # over the run does not always favour the same modes
@@ -620,6 +655,13 @@ def main() -> int:
                     skipped[mode] = f"needs {devices} GPUs, the machine has {gpus}"
                 if mode in skipped or f"{w.name}: {mode}" in skipped:
                     continue
+                if balanced and m.waiting is not None:
+                    # the machine's speed moves within minutes, and with it the inference time
+                    # the sleep was chosen for: the mode before gets its loop after it, then
+                    # the sleep is chosen again from that loop for this mode and its two loops
+                    after = sync_loop(w, policy_args, w.chunks, rollouts=args.iterations)
+                    m.add_loop(after)
+                    balance(after)
                 # the loop just before the mode (and after the one before it)
                 m.add_loop(sync_loop(w, policy_args, w.chunks, rollouts=args.iterations))
                 if DEVICE == "cuda":
@@ -643,15 +685,17 @@ def main() -> int:
 
         sync = statistics.median(x[0] for x in loops)
         e, i, reset = (statistics.median(x[k] for x in loops) for k in (1, 2, 3))
-        # perfect overlap of env and inference after the rollout's reset
-        bound = w.num_envs * args.chunk_size * w.chunks / (reset + w.chunks * max(e, i))
+        bound = statistics.median(bound_of(x) for x in loops)
         meta[w.name] = {
             "env_chunk_s": e,
             "infer_chunk_s": i,
             "env_reset_s": reset,
             "config": w.env_config,
             "loop_rates": [round(x[0], 2) for x in loops],
+            "loop_bounds": [round(bound_of(x), 2) for x in loops],
         }
+        if balanced:  # the sleep each balancing chose, the first before any loop
+            meta[w.name]["step_time_per_env_s"] = sleeps
         if estimates:
             meta[w.name]["auto_pick"] = pick
             meta[w.name]["auto_costs"] = measured
@@ -672,7 +716,7 @@ def main() -> int:
                 "sync loop",
                 round(sync, 1),
                 1.0,
-                round(sync / bound, 3),
+                round(statistics.median(x[0] / bound_of(x) for x in loops), 3),
                 {k: round(v, 4) for k, v in loop_parts.items()},
                 cpu=median_cpu([x[4] for x in loops]),
             )
@@ -686,7 +730,7 @@ def main() -> int:
                     mode,
                     round(rate, 1),
                     round(statistics.median(ratios[mode]), 2),
-                    round(rate / bound, 3),
+                    round(statistics.median(m.of_bound[mode]), 3),
                     {k: round(v, 4) for k, v in parts.items()},
                     [round(x, 3) for x in ratios[mode]],
                     round(estimates[mode], 1) if mode in estimates else None,

@@ -4,6 +4,7 @@ measured commands print (made here by the code that prints them)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -135,6 +136,24 @@ def test_the_parsers_read_what_the_measured_commands_print(gpu_check, tmp_path, 
     (row,) = gpu_check.ratio_lines(capsys.readouterr().out)
     assert row["workload"] == "libero spatial" and row["mode"] == "collocated S=2"
     assert (row["rate"], row["before"], row["after"], row["ratio"]) == (12.0, 10.0, 14.0, 1.0)
+    assert "bound" not in row
+    # with the loops' overlap bound (a toy run): 16 envs x 2 steps x 4 chunks in
+    # 0.5 s + 4 x max(env, inference) s -> 128 / 0.9 = 142.2 and 128 / 1.3 = 98.5 env steps/s
+    toy = pipeline.Workload("toy", "toy", {}, 16, 4)
+    m = pipeline.Measured("toy: ", 1, functools.partial(pipeline.overlap_bound, toy, 2))
+    m.add_loop((80.0, 0.1, 0.05, 0.5, cpu))
+    m.add_mode("collocated S=2", 108.0, {}, cpu, 0)
+    m.add_loop((60.0, 0.2, 0.05, 0.5, cpu))
+    (row,) = gpu_check.ratio_lines(capsys.readouterr().out)
+    assert row["ratio"] == pytest.approx(1.54)
+    assert row["bound"] == pytest.approx((128 / 0.9 + 128 / 1.3) / 2, abs=0.05)
+    assert row["of_bound"] == pytest.approx(108.0 / row["bound"], abs=0.005)
+    assert m.of_bound["collocated S=2"] == [pytest.approx(108.0 / ((128 / 0.9 + 128 / 1.3) / 2))]
+    # the toy's sleep that balances a loop: env 0.1 s per chunk of 32 env steps with a sleep of
+    # 2 ms each is 0.036 s of the env's own compute; inference 0.15 s -> (0.15 - 0.036) / 32
+    toy.env_config["step_time_per_env_s"] = 0.002
+    assert pipeline.balanced_sleep(toy, 2, (80.0, 0.1, 0.15, 0.5, cpu)) == 0.003562
+    assert pipeline.balanced_sleep(toy, 2, (80.0, 0.1, 0.01, 0.5, cpu)) == 0.0  # env alone slower
 
     # a run's checkpoint line, as the run loop writes it
     folder = tmp_path / "iter_1"
