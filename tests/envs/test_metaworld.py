@@ -85,6 +85,44 @@ def test_interleaved_reset_ids_spread_an_evaluation_block_over_the_tasks() -> No
         MetaWorldEnvConfig(reset_id_layout="random")
 
 
+def test_task_per_env_keeps_the_drawn_configuration_in_the_envs_own_task() -> None:
+    # 6 envs from global env 4 in groups of 2: tasks (4 + i) // 2 % 10 = 2, 2, 3, 3, 4, 4
+    cfg = MetaWorldEnvConfig(task_set="MT10", num_envs=6, group_size=2, env_offset=4)
+    ids = torch.tensor([123, 123, 7, 7, 499, 499])  # by task: (2, 23), (0, 7), (9, 49)
+    assert torch.equal(cfg.pin_task(torch.arange(6), ids), ids)  # off: as drawn
+    cfg = MetaWorldEnvConfig(
+        task_set="MT10", num_envs=6, group_size=2, env_offset=4, task_per_env=True
+    )
+    pinned = cfg.pin_task(torch.arange(6), ids)
+    assert pinned.tolist() == [123, 123, 157, 157, 249, 249]  # 50 t + configuration
+    assert [cfg.task_variation(r) for r in pinned.tolist()][::2] == [(2, 23), (3, 7), (4, 49)]
+    cfg = MetaWorldEnvConfig(task_set="MT10", reset_id_layout="interleaved", task_per_env=True)
+    # interleaved: id 123 is task 3, configuration 12 -> in task 1: 10 x 12 + 1
+    assert cfg.pin_task(torch.tensor([1]), torch.tensor([123])).tolist() == [121]
+
+
+@pytest.mark.sim
+def test_task_per_env_plays_each_envs_task_in_every_episode() -> None:
+    _require_metaworld()
+    env = make_env(
+        "metaworld", task_set="MT10", num_envs=2, task_per_env=True, max_episode_steps=2, **FAST
+    )
+    try:
+        env.reset()
+        tasks, configurations = [], set()
+        for _ in range(4):  # each chunk of 2 steps ends every episode; the next ones start
+            tasks.append(env.task_of(env.reset_ids))
+            configurations |= {
+                MetaWorldEnvConfig(task_set="MT10").task_variation(int(r))[1] for r in env.reset_ids
+            }
+            res = env.chunk_step(torch.zeros(2, 2, 4))
+            assert (res.terminated | res.truncated).any(dim=1).all()
+        assert tasks == [list(MT10[:2])] * 4
+        assert len(configurations) > 2  # the configurations are still drawn
+    finally:
+        env.close()
+
+
 @pytest.mark.sim
 def test_task_lists_match_metaworld() -> None:
     _require_metaworld()

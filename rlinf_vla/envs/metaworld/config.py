@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rlinf_vla.envs.base import EnvConfig, EnvSpec, check_field
 
 #: The MT10 tasks, in MetaWorld's order (``metaworld.env_dict.MT10_V3``).
@@ -131,6 +133,14 @@ class MetaWorldEnvConfig(EnvConfig):
             task's configurations one after another); ``"interleaved"``: task ``r % n``,
             configuration ``(r // n) % 50``, so that any ``k n`` consecutive ids (the
             evaluation blocks of ``train`` and ``sft``) hold ``k`` scenes of every task.
+        task_per_env: every episode the env's own cursor starts (training's episodes, a
+            ``reset()`` without ids) in env ``i`` of the batch plays task
+            ``((env_offset + i) // group_size) % n`` in the configuration its reset id draws
+            (:meth:`pin_task`): the envs of a GRPO group share their task, no env rebuilds its
+            simulator for another task between episodes (about 1 s each), and with a multiple
+            of ``n`` groups every task gets the same share of the episodes. Off (default):
+            each episode's reset id draws its task too, as any id does. Explicit reset ids
+            (evaluation blocks, ``reset(reset_ids)``) are played as given either way.
         render_backend: MuJoCo offscreen backend, ``"egl"`` or ``"osmesa"``.
         envs_per_process: envs simulated by each worker subprocess, one after another
             (subprocesses run in parallel); more than one saves the memory of the simulator's
@@ -149,6 +159,7 @@ class MetaWorldEnvConfig(EnvConfig):
     reward_mode: str = "sparse"
     scene_seed: int = 0
     reset_id_layout: str = "by_task"
+    task_per_env: bool = False
     render_backend: str = "egl"
     worker_timeout_s: float = 600.0
     envs_per_process: int = 1
@@ -187,6 +198,19 @@ class MetaWorldEnvConfig(EnvConfig):
         if self.reset_id_layout == "interleaved":
             return len(self.tasks) * variation + task_pos
         return VARIATIONS_PER_TASK * task_pos + variation
+
+    def pin_task(self, env_ids: torch.Tensor, reset_ids: torch.Tensor) -> torch.Tensor:
+        """``task_per_env``: the reset ids of the configurations ``reset_ids`` draw, in the
+        task of each env of ``env_ids`` (``((env_offset + i) // group_size) % n``); the ids
+        unchanged when it is off."""
+        if not self.task_per_env:
+            return reset_ids
+        tasks = ((self.env_offset + env_ids) // self.group_size) % len(self.tasks)
+        pinned = [
+            self.reset_id(int(t), self.task_variation(int(r))[1])
+            for t, r in zip(tasks.tolist(), reset_ids.tolist(), strict=True)
+        ]
+        return torch.tensor(pinned, dtype=torch.long)
 
     def episode_steps(self) -> int:
         """``max_episode_steps``, else MetaWorld's ``max_path_length`` (500) for every task."""

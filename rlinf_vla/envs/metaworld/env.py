@@ -196,7 +196,8 @@ class MetaWorldEnv(VectorEnv):
       (``metaworld.policies``), run in the worker on the full observation.
     - **Processes.** One subprocess per env; a task switch builds the task's simulator (about
       1 s; the first time a worker meets a task, a few seconds more to generate its
-      configurations). A crashed subprocess is restarted and its episode reported invalid. Images are rendered only at steps whose observation is used;
+      configurations); ``task_per_env`` keeps each env on one task between the episodes its
+      cursor starts. A crashed subprocess is restarted and its episode reported invalid. Images are rendered only at steps whose observation is used;
       ``fast_render`` turns shadows, reflections and multisampling off.
     """
 
@@ -234,6 +235,13 @@ class MetaWorldEnv(VectorEnv):
     def workers(self) -> SubprocEnvs:
         """The subprocess pool (one MetaWorld simulator per env)."""
         return self._batch.envs
+
+    def next_reset_ids(self, env_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The cursor's ids (:meth:`VectorEnv.next_reset_ids`), each in its env's own task
+        with ``task_per_env`` (:meth:`MetaWorldEnvConfig.pin_task`)."""
+        if env_ids is None:
+            env_ids = torch.arange(self.num_envs)
+        return self.cfg.pin_task(env_ids, super().next_reset_ids(env_ids))
 
     def task_of(self, reset_ids: torch.Tensor | list[int]) -> list[str]:
         """The task each reset id selects."""
