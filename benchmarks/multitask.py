@@ -61,17 +61,17 @@ ends with the episode at success, so an episode that hovers near the goal withou
 the success test collects more of it than one that succeeds early.
 
 Time on the 2-core machine, measured with ``--seeds 0`` (67 minutes in all): collecting 3.7
-minutes, behaviour cloning 42.2 (3000 steps of about 0.8 s, three 40-scene validations),
-a PPO run of 30 iterations of 10 envs x 38 chunks 14.6 (25-45 s an iteration; every new
-episode rebuilds its worker's simulator for the task it draws), scoring a checkpoint on
-2 x 50 scenes about 3 minutes. ``--set ppo.env.task_per_env=true`` keeps each PPO env on one
-task and draws only its configuration (no simulator rebuilt between episodes: rollouts about
-2.5x faster, docs/envs.md; give it a ``--work`` of its own, since finished stages are reused
-by name); the figures in docs/demonstrations.md were measured without it. The default command (one SFT seed, two PPO seeds) takes about
-85 minutes, the full grid (2 SFT seeds x 3 PPO seeds: 2 warm starts, 6 PPO runs, 8 scored
-checkpoints) about 3.5-4 hours; it can be run in parts, finished stages being reused.
-Whether 30 iterations of 10 envs (about 30 episodes per task) are enough for PPO to gain on
-every task is what the study measures, not a given.
+minutes, behaviour cloning 42.2 (3000 steps of about 0.8 s, three 40-scene validations), a PPO run
+of 30 iterations of 10 envs x 38 chunks 14.6 (25-45 s an iteration; every new episode rebuilds its
+worker's simulator for the task it draws), scoring a checkpoint on 2 x 50 scenes about 3 minutes.
+``--set ppo.env.task_per_env=true`` keeps each PPO env on one task and draws only its configuration
+(no simulator rebuilt between episodes: rollouts about 2.5x faster, docs/envs.md; give it a
+``--work`` of its own, since finished stages are reused by name); the figures in
+docs/demonstrations.md were measured without it. The default command (one SFT seed, two PPO seeds)
+takes about 85 minutes, the full grid (2 SFT seeds x 3 PPO seeds: 2 warm starts, 6 PPO runs, 8
+scored checkpoints) about 3.5-4 hours; it can be run in parts, finished stages being reused.
+Whether 30 iterations of 10 envs (about 30 episodes per task) are enough for PPO to gain on every
+task is what the study measures, not a given.
 """
 
 from __future__ import annotations

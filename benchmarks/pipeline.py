@@ -64,13 +64,13 @@ first, so that ``e == i`` (balanced; the sleep stands for a simulator running on
 hardware). The machine's speed moves within minutes, and the inference time with it, so the
 sleep is chosen again before each mode from the loop just after the mode before (the mode and
 its two loops share one sleep; the JSON lists every sleep chosen). Each mode's fraction of the
-overlap bound is taken against the bound its own two loops give. ManiSkill PickCube runs its CPU simulator in one subprocess per env, LIBERO
-(``libero_spatial`` task 0, the cameras the policy reads: agentview for OpenVLA; scenes seeded by
-reset id) and MetaWorld (MT1 ``pick-place-v3``,
+overlap bound is taken against the bound its own two loops give. ManiSkill PickCube runs its CPU
+simulator in one subprocess per env, LIBERO (``libero_spatial`` task 0, the cameras the policy
+reads: agentview for OpenVLA; scenes seeded by reset id) and MetaWorld (MT1 ``pick-place-v3``,
 the ``corner2`` camera) likewise. ``--modes`` picks some of the modes (each ``rlinf-vla train``
-run ends with a checkpoint: at full size that is the policy's whole weights). ``--policy`` picks OpenVLA or
-OpenVLA-OFT; ``--set`` adds ``rlinf-vla train`` overrides to every run (e.g. LoRA and bf16
-weights for the full-size policy on one GPU).
+run ends with a checkpoint: at full size that is the policy's whole weights). ``--policy`` picks
+OpenVLA or OpenVLA-OFT; ``--set`` adds ``rlinf-vla train`` overrides to every run (e.g. LoRA and
+bf16 weights for the full-size policy on one GPU).
 
 On a CUDA machine the devices are GPUs: the sync loop runs the policy there under
 ``algo.autocast`` (bf16), and a mode that needs more GPUs than the machine has is listed as

@@ -197,8 +197,9 @@ class MetaWorldEnv(VectorEnv):
     - **Processes.** One subprocess per env; a task switch builds the task's simulator (about
       1 s; the first time a worker meets a task, a few seconds more to generate its
       configurations); ``task_per_env`` keeps each env on one task between the episodes its
-      cursor starts. A crashed subprocess is restarted and its episode reported invalid. Images are rendered only at steps whose observation is used;
-      ``fast_render`` turns shadows, reflections and multisampling off.
+      cursor starts. A crashed subprocess is restarted and its episode reported invalid.
+      Images are rendered only at steps whose observation is used; ``fast_render`` turns
+      shadows, reflections and multisampling off.
     """
 
     config_cls = MetaWorldEnvConfig
