@@ -150,13 +150,11 @@ def lower_daemon_priority(pids: list[int], nice: int = DAEMON_NICE) -> None:
     Linux (threads started later inherit their creator's); without ``/proc`` and for
     processes gone already nothing happens."""
     daemons = []
+    children = child_processes()
     for pid in pids:
         if proc_text(pid, "comm") == "raylet":
-            daemons += [
-                c
-                for c in child_processes().get(pid, [])
-                if proc_text(c, "cmdline").startswith(_AGENTS)
-            ]
+            agents = children.get(pid, [])
+            daemons += [c for c in agents if proc_text(c, "cmdline").startswith(_AGENTS)]
         else:
             daemons.append(pid)
     for pid in daemons:

@@ -12,25 +12,11 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rlinf_vla.runtime.cluster import child_processes
+
 __all__ = ["group_memory_metrics", "process_tree_rss", "with_memory_hint", "worker_memory"]
 
 _GIB = 2**30
-
-
-def _children_of() -> dict[int, list[int]]:
-    """Parent pid -> child pids, from ``/proc/<pid>/stat`` (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # the process ended meanwhile
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after it.
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    return children
 
 
 def _rss(pid: int) -> int:
@@ -60,7 +46,7 @@ def process_tree_rss(pid: int | None = None) -> float | None:
     if not Path("/proc/self/statm").exists():
         return None
     pid = os.getpid() if pid is None else pid
-    children = _children_of()
+    children = child_processes()
     tree, todo = [], [pid]
     while todo:
         p = todo.pop()

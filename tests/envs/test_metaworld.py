@@ -112,9 +112,7 @@ def test_task_per_env_plays_each_envs_task_in_every_episode() -> None:
         tasks, configurations = [], set()
         for _ in range(4):  # each chunk of 2 steps ends every episode; the next ones start
             tasks.append(env.task_of(env.reset_ids))
-            configurations |= {
-                MetaWorldEnvConfig(task_set="MT10").task_variation(int(r))[1] for r in env.reset_ids
-            }
+            configurations |= {env.config.task_variation(int(r))[1] for r in env.reset_ids}
             res = env.chunk_step(torch.zeros(2, 2, 4))
             assert (res.terminated | res.truncated).any(dim=1).all()
         assert tasks == [list(MT10[:2])] * 4
