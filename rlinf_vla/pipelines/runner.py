@@ -51,7 +51,7 @@ from rlinf_vla.runtime.local import (
     LocalGroup,
     worker_environment,
 )
-from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
+from rlinf_vla.runtime.memory import group_memory_metrics, read_memory, with_memory_hint
 from rlinf_vla.runtime.threads import torch_threads
 from rlinf_vla.training.objective import merge_ranks
 
@@ -300,8 +300,7 @@ class EmbodiedRunner:
         )
         t3 = time.perf_counter()
         groups = {"env": self.env, "rollout": self.rollout, "actor": self.actor}
-        memory = wait_all([g.memory() for g in groups.values()])
-        self._memory = dict(zip(groups, memory, strict=True))
+        self._memory = read_memory(groups)
         # every rank takes the same optimizer steps (and skips): their counts are one rank's
         train_metrics = merge_ranks(
             [result[0] for result in train],

@@ -62,7 +62,7 @@ from rlinf_vla.runtime import (
     wait_all,
     wait_started,
 )
-from rlinf_vla.runtime.memory import group_memory_metrics, with_memory_hint
+from rlinf_vla.runtime.memory import group_memory_metrics, read_memory, with_memory_hint
 from rlinf_vla.training.objective import Counts, LossSettings, merge_ranks
 
 WEIGHTS = "math-weights"
@@ -377,8 +377,7 @@ class MathGrpoRunner:
         )
         metrics["train/groups"] = float(len(groups))
         workers = {"rollout": self.rollout, "reward": self.reward, "actor": self.actor}
-        memory = wait_all([g.memory() for g in workers.values()])
-        self._memory = dict(zip(workers, memory, strict=True))
+        self._memory = read_memory(workers)
         metrics.update(group_memory_metrics(self._memory))
         return metrics
 

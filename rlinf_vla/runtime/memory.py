@@ -11,10 +11,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from rlinf_vla.runtime.cluster import child_processes
 
-__all__ = ["group_memory_metrics", "process_tree_rss", "with_memory_hint", "worker_memory"]
+__all__ = [
+    "group_memory_metrics",
+    "process_tree_rss",
+    "read_memory",
+    "with_memory_hint",
+    "worker_memory",
+]
 
 _GIB = 2**30
 
@@ -71,6 +78,37 @@ def worker_memory(device: object) -> dict[str, float]:
         out["gpu_peak"] = torch.cuda.max_memory_allocated(device) / _GIB
         torch.cuda.reset_peak_memory_stats(device)
     return out
+
+
+def read_memory(groups: Mapping[str, Any]) -> dict[str, list[dict[str, float]]]:
+    """The :meth:`~rlinf_vla.runtime.Worker.memory` of every rank of ``groups`` (name ->
+    worker group), read once per process: ranks that share a process (every group of
+    ``placement=local``) get that process's one reading. Read again in the same process, the
+    peak GPU memory would cover only the time since the first reading (which resets it), and
+    the same process tree would be read once more."""
+    from rlinf_vla.runtime.worker import wait_all
+
+    first: dict[tuple[Any, Any], tuple[str, int]] = {}  # process -> the rank that reads it
+    reader: dict[tuple[str, int], tuple[str, int]] = {}
+    calls, asked = [], []
+    for name, group in groups.items():
+        mine = []
+        for rank in range(group.world_size):
+            process = group.process(rank)
+            where = (process.host, process.pid) if process is not None else (name, rank)
+            reader[name, rank] = first.setdefault(where, (name, rank))
+            if reader[name, rank] == (name, rank):
+                mine.append(rank)
+        if mine:
+            calls.append(group.memory(ranks=mine))
+            asked.append((name, mine))
+    readings: dict[tuple[str, int], dict[str, float]] = {}
+    for (name, ranks), values in zip(asked, wait_all(calls), strict=True):
+        readings.update({(name, r): v for r, v in zip(ranks, values, strict=True)})
+    return {
+        name: [readings[reader[name, r]] for r in range(group.world_size)]
+        for name, group in groups.items()
+    }
 
 
 def group_memory_metrics(groups: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[str, float]:

@@ -174,3 +174,59 @@ def test_a_dead_workers_error_gets_its_last_memory_reading():
     env_died = WorkerError("env", 0, "10.0.0.2", "interact", "...", died=True)
     assert with_memory_hint(env_died, memory, 3) is env_died
     assert with_memory_hint(died, {}, 0) is died  # before the first iteration's reading
+
+
+class CountedReadings(Worker):
+    """Its ``memory`` answers the process id, how many readings the workers of this class in
+    this process have made, and how many this worker has."""
+
+    readings = 0
+
+    def __init__(self):
+        self.calls = 0
+
+    def memory(self):
+        CountedReadings.readings += 1
+        self.calls += 1
+        return {"pid": os.getpid(), "reading": CountedReadings.readings, "calls": self.calls}
+
+
+def test_groups_that_share_a_process_read_its_memory_once():
+    """placement=local: every group in one process, so one reading (a second one would reset
+    the GPU peak the first reported and read the same process tree again); each rank of each
+    group gets it."""
+    from rlinf_vla.runtime import ClusterConfig
+    from rlinf_vla.runtime.local import LocalCluster, LocalGroup
+    from rlinf_vla.runtime.memory import read_memory
+
+    cluster = LocalCluster(ClusterConfig(devices_per_node=2))
+    groups = {
+        name: LocalGroup(cluster, CountedReadings, name, devices)
+        for name, devices in (("env", [0, 1]), ("rollout", [1]), ("actor", [0, 1]))
+    }
+    try:
+        before = CountedReadings.readings
+        memory = read_memory(groups)
+        assert CountedReadings.readings == before + 1
+        one = {"pid": os.getpid(), "reading": before + 1, "calls": 1}
+        assert memory == {"env": [one, one], "rollout": [one], "actor": [one, one]}
+    finally:
+        for group in groups.values():
+            group.shutdown()
+
+
+def test_groups_in_processes_of_their_own_read_each_process(cluster):
+    from rlinf_vla.runtime.memory import read_memory
+
+    groups = {
+        name: WorkerGroup(cluster, CountedReadings, f"counted-{name}", devices=[0])
+        for name in ("env", "actor")
+    }
+    try:
+        memory = read_memory(groups)
+        pids = {name: [r["pid"] for r in readings] for name, readings in memory.items()}
+        assert len({pids["env"][0], pids["actor"][0], os.getpid()}) == 3
+        assert [r["calls"] for rs in memory.values() for r in rs] == [1, 1]  # none skipped
+    finally:
+        for group in groups.values():
+            group.shutdown()
