@@ -480,10 +480,21 @@ def _unwrap(result: GroupResult, rank: int, ref: Any) -> Any:
             raise WorkerError(group.name, rank, node, value.method, value.traceback)
         return value
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
     try:
         value = ray.get(ref)
+    except OutOfMemoryError as e:  # Ray's memory monitor killed the process
+        said = str(e).strip().splitlines()
+        raise WorkerError(
+            group.name,
+            rank,
+            node,
+            result.method,
+            "the worker process was killed for lack of memory on its node"
+            + (f": {said[0]}" if said else ""),
+            died=True,
+        ) from None
     except RayActorError as e:
         raise WorkerError(
             group.name, rank, node, result.method, f"the worker process died: {e}", died=True

@@ -230,3 +230,38 @@ def test_groups_in_processes_of_their_own_read_each_process(cluster):
     finally:
         for group in groups.values():
             group.shutdown()
+
+
+def test_a_worker_killed_by_rays_memory_monitor_is_named_as_such(cluster, monkeypatch):
+    """Ray's memory monitor kills a process with an OutOfMemoryError from ``ray.get``, not the
+    died-actor error: the driver names the worker, says what killed it and, with a reading,
+    adds its last memory."""
+    import ray
+
+    from rlinf_vla.runtime import WorkerError, wait_all
+    from rlinf_vla.runtime.memory import with_memory_hint
+
+    group = WorkerGroup(cluster, Holder, "oom-holder", devices=[0])
+    try:
+        said = (
+            "1 worker(s) were killed due to the node running low on memory. Memory on the node "
+            "was 22.41GB used / 23.59GB limit (0.950238)\nTop 10 memory users: ..."
+        )
+
+        def killed(*args, **kwargs):
+            raise ray.exceptions.OutOfMemoryError(said)
+
+        call = group.hold(1)
+        monkeypatch.setattr(ray, "get", killed)
+        with pytest.raises(WorkerError) as raised:
+            wait_all([call])
+        monkeypatch.undo()
+        e = raised.value
+        assert (e.group, e.rank, e.method, e.died) == ("oom-holder", 0, "hold", True)
+        assert str(e).startswith("worker oom-holder[0] on node")
+        assert "killed for lack of memory on its node: 1 worker(s) were killed" in str(e)
+        assert "22.41GB used / 23.59GB limit" in str(e) and "Top 10" not in str(e)
+        hinted = with_memory_hint(e, {"oom-holder": [{"rss": 21.5}]}, 4)
+        assert "after iteration 4 this worker held 21.5 GiB resident" in str(hinted)
+    finally:
+        group.shutdown()
