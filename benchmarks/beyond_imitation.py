@@ -167,6 +167,32 @@ def sft_stage(args: argparse.Namespace, demos: Path, seed: int) -> dict[str, Any
     return warm | scores(args, Path(warm["checkpoint"]), out / "chosen")
 
 
+def check_reuse(out: Path, settings: dict[str, Any]) -> None:
+    """Refuse a stage folder that was made with other ``settings`` (dotted keys of the run's
+    ``config.yaml`` -> this command's values). A finished stage is reused by its folder's
+    name, and a stopped one resumed, but the name does not hold every setting (the PPO
+    stage's has neither the envs nor the iterations): without this, a command with
+    ``--envs 40`` would report the 10-env run found under the same name."""
+    import yaml
+
+    config = out / "config.yaml"
+    if not config.exists():
+        return
+    made = yaml.safe_load(config.read_text())
+    differ = []
+    for key, want in settings.items():
+        got: Any = made
+        for part in key.split("."):
+            got = got.get(part) if isinstance(got, dict) else None
+        if str(got) != str(want):
+            differ.append(f"{key}={got} there, {want} here")
+    if differ:
+        raise SystemExit(
+            f"{out} was made with other settings ({'; '.join(differ)}): give this study a "
+            "--work of its own, or remove that folder"
+        )
+
+
 def rl_run(
     args: argparse.Namespace,
     algo: str,
@@ -188,6 +214,16 @@ def rl_run(
         extra = [f"algo.group_size={args.group}", f"env.group_size={args.group}"]
     minibatch = 64 if algo == "dagger" else envs * chunks // 2  # RL: two per iteration
     epochs = 4 if algo == "dagger" else args.epochs
+    check_reuse(
+        out,
+        {
+            "env.num_envs": envs,
+            "runner.max_iterations": iterations,
+            "runner.rollout_chunks": chunks,
+            "algo.update_epochs": epochs,
+            "algo.minibatch_size": minibatch,
+        },
+    )
     wall = None
     if not last.exists():
         wall = run(

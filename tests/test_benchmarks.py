@@ -97,3 +97,28 @@ def test_the_pipeline_benchmark_counts_cpu_per_class_of_process() -> None:
     assert 0.75 <= counts["simulators"] <= 1.6, counts  # 0.8 s, its start-up and the last 20 ms
     assert 0.38 <= counts["run"] <= 1.0, counts
     assert counts["ray"] == 0, counts
+
+
+def test_a_study_refuses_a_stage_folder_made_with_other_settings(tmp_path, monkeypatch) -> None:
+    """benchmarks/beyond_imitation.py (and multitask.py, which uses its runs) reuse a finished
+    stage by its folder's name, which does not hold the envs or the iterations: a folder made
+    with other values is refused, naming them, instead of being reported as this command's."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from beyond_imitation import check_reuse
+
+    run = tmp_path / "MT10-demos5-sft3000-seed0-ppo0"
+    check_reuse(run, {"env.num_envs": 40})  # nothing there yet: a new stage
+    run.mkdir()
+    (run / "config.yaml").write_text(
+        "env:\n  num_envs: 10\nrunner:\n  max_iterations: 60\n  rollout_chunks: 38\n"
+    )
+    check_reuse(run, {"env.num_envs": 10, "runner.max_iterations": 60})  # the same: reused
+    try:
+        check_reuse(run, {"env.num_envs": 40, "runner.max_iterations": 60, "algo.lr": 1})
+    except SystemExit as e:
+        said = str(e)
+    else:
+        raise AssertionError("a folder of 10 envs was taken for a run of 40")
+    assert "env.num_envs=10 there, 40 here" in said
+    assert "algo.lr=None there, 1 here" in said
+    assert "max_iterations" not in said and "--work of its own" in said
