@@ -54,6 +54,7 @@ from maniskill_learning import (
 
 from rlinf_vla import cli
 from rlinf_vla.pipelines.evaluation import EVAL_RESET_ID_BASE, best_checkpoint
+from rlinf_vla.run.checkpoints import latest_config
 
 ALGOS = ("ppo", "grpo", "dagger")
 
@@ -173,13 +174,10 @@ def check_reuse(out: Path, settings: dict[str, Any]) -> None:
     name, and a stopped one resumed, but the name does not hold every setting (the PPO
     stage's has neither the envs nor the iterations): without this, a command with
     ``--envs 40`` would report the 10-env run found under the same name."""
-    import yaml
-
-    config = out / "config.yaml"
-    if not config.exists():
+    found = latest_config(out)  # the config of the run's last start, if it started
+    if found is None:
         return
-    made = yaml.safe_load(config.read_text())
-    differ = []
+    made, differ = found[1], []
     for key, want in settings.items():
         got: Any = made
         for part in key.split("."):
