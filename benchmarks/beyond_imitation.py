@@ -212,16 +212,16 @@ def rl_run(
         extra = [f"algo.group_size={args.group}", f"env.group_size={args.group}"]
     minibatch = 64 if algo == "dagger" else envs * chunks // 2  # RL: two per iteration
     epochs = 4 if algo == "dagger" else args.epochs
-    check_reuse(
-        out,
-        {
-            "env.num_envs": envs,
-            "runner.max_iterations": iterations,
-            "runner.rollout_chunks": chunks,
-            "algo.update_epochs": epochs,
-            "algo.minibatch_size": minibatch,
-        },
-    )
+    settings = {
+        "env.num_envs": envs,
+        "runner.max_iterations": iterations,
+        "runner.rollout_chunks": chunks,
+        "algo.update_epochs": epochs,
+        "algo.minibatch_size": minibatch,
+    }
+    if algo == "grpo":
+        settings["algo.group_size"] = args.group
+    check_reuse(out, settings)
     wall = None
     if not last.exists():
         wall = run(

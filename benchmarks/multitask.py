@@ -1,5 +1,6 @@
 """Beyond imitation on many tasks: one instruction-conditioned policy for MetaWorld's MT10,
-behaviour cloning from a few demonstrations of each task, then PPO, scored per task.
+behaviour cloning from a few demonstrations of each task, then RL (PPO or GRPO), scored per
+task.
 
 The multi-task part of the study "RL beats imitation" (``benchmarks/beyond_imitation.py`` is
 the one-task part, on ManiSkill). One command runs it with the package's own commands (in
@@ -20,17 +21,21 @@ this process), prints a per-task table and writes JSON (default
    ``--sft-steps`` steps, evaluated every ``--sft-eval-every`` steps on ``--val-episodes``
    validation scenes (``runner.eval_scenes=validation``); the warm start is the checkpoint
    with the best validation success (``best_checkpoint``).
-3. ``rlinf-vla train algo=ppo`` from each warm start at each ``--seeds`` on all ten tasks at
-   once (beyond_imitation's PPO recipe, the whole policy trained), ``--envs`` envs,
-   ``--max-steps`` steps per episode (150: the expert needs 45-105 on average).
+3. ``rlinf-vla train`` with each of ``--algos`` (``ppo``, the default, and ``grpo``) from each
+   warm start at each ``--seeds`` on all ten tasks at once (beyond_imitation's RL recipe, the
+   whole policy trained), ``--envs`` envs, ``--max-steps`` steps per episode (150: the expert
+   needs 45-105 on average). GRPO scores each env's first episode in groups of ``--group``
+   envs that share a scene (with ``--set grpo.env.task_per_env=true`` each group keeps one
+   task, so ``--envs 40 --group 4`` gives every task one group an iteration).
 
-Every checkpoint in the table (each warm start, each PPO run's last one) is scored by
+Every checkpoint in the table (each warm start, each RL run's last one) is scored by
 ``rlinf-vla eval`` on ``--trials`` scenes of every task, twice: ``held-out`` and ``check``
 scenes. The table gives, per task and averaged over the ten, the mean +- standard deviation
-over runs of behaviour cloning and of PPO, and PPO's gain over its own warm start (paired by
-SFT seed, in points). Finished stages are reused from ``--work``, so a second command with
-other seeds adds runs to the same study. ``--set stage.section.key=value`` changes one
-stage's setting (``collect``, ``sft``, ``ppo``).
+over runs of behaviour cloning and of each algorithm, and each run's gain over its own warm
+start (paired by SFT seed, in points). Finished stages are reused from ``--work``, so a second
+command with other seeds or algorithms adds runs to the same study (a stage folder made with
+other envs, iterations, epochs or group size is refused). ``--set stage.section.key=value``
+changes one stage's setting (``collect``, ``sft``, ``ppo``, ``grpo``).
 
 Scenes. A MetaWorld task has only 50 configurations (goal and object positions) per
 ``env.scene_seed``, and reset id ``r`` picks one of them, so the package's scene blocks
@@ -61,7 +66,8 @@ ends with the episode at success, so an episode that hovers near the goal withou
 the success test collects more of it than one that succeeds early.
 
 Time on the 2-core machine, measured with ``--seeds 0`` (67 minutes in all): collecting 3.7
-minutes, behaviour cloning 42.2 (3000 steps of about 0.8 s, three 40-scene validations), a PPO run
+minutes, behaviour cloning 42.2 (3000 steps of about 0.8 s, three 40-scene validations; 17.7 in a
+later run from an empty folder on a faster minute of the same machine), a PPO run
 of 30 iterations of 10 envs x 38 chunks 14.6 (25-45 s an iteration; every new episode rebuilds its
 worker's simulator for the task it draws), scoring a checkpoint on 2 x 50 scenes about 3 minutes.
 ``--set ppo.env.task_per_env=true`` keeps each PPO env on one task and draws only its configuration
@@ -179,24 +185,28 @@ def sft_stage(args: argparse.Namespace, demos: list[Path], seed: int) -> dict[st
     return warm_start(args, demos, out, seed, keys)
 
 
-def ppo_stage(args: argparse.Namespace, warm: dict[str, Any], seed: int) -> dict[str, Any]:
-    """One PPO run from the warm start ``warm`` at seed ``seed`` (the training scenes)."""
+def rl_stage(
+    args: argparse.Namespace, algo: str, warm: dict[str, Any], seed: int
+) -> dict[str, Any]:
+    """One run of ``algo`` from the warm start ``warm`` at seed ``seed`` (the training scenes)."""
     chunks = math.ceil(args.max_steps / args.chunk)  # one episode's chunk steps per rollout
     env = env_args(args, args.envs, "demos")
-    return rl_run(args, "ppo", warm, seed, env, args.envs, chunks)
+    return rl_run(args, algo, warm, seed, env, args.envs, chunks)
 
 
 def row(task: str, warm: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One task's (or the average's) summaries: BC and PPO over their runs, PPO's gain in
-    points over each run's own warm start."""
+    """One task's (or the average's) summaries: BC and each algorithm over their runs, and
+    each algorithm's gain in points over each run's own warm start (``ppo_held_out``,
+    ``gain_ppo_held_out``, ...)."""
     start = {w["seed"]: w for w in warm}
     out: dict[str, Any] = {"task": task}
     for m in MEASURES:
         out[f"bc_{m}"] = summary([w[m][task] for w in warm])
-        if runs:
-            out[f"ppo_{m}"] = summary([r[m][task] for r in runs])
-            gains = [100 * (r[m][task] - start[r["sft_seed"]][m][task]) for r in runs]
-            out[f"gain_{m}"] = summary(gains)
+        for algo in dict.fromkeys(r["algo"] for r in runs):
+            mine = [r for r in runs if r["algo"] == algo]
+            out[f"{algo}_{m}"] = summary([r[m][task] for r in mine])
+            gains = [100 * (r[m][task] - start[r["sft_seed"]][m][task]) for r in mine]
+            out[f"gain_{algo}_{m}"] = summary(gains)
     return out
 
 
@@ -210,18 +220,21 @@ def show(rows: list[dict[str, Any]], args: argparse.Namespace, runs: int, warms:
     print(
         f"\nMetaWorld MT10, one policy from pixels + proprio, {args.demos_per_task} demos per "
         f"task: greedy success on {args.trials} held-out and {args.trials} check scenes per "
-        f"task; mean +- sd over {warms} BC and {runs} PPO run(s), gain in points (paired)"
+        f"task; mean +- sd over {warms} BC and {runs} RL run(s) ({len(args.seeds)} seed(s) "
+        f"of {', '.join(args.algos)}), gain in points (paired)"
     )
-    head = f"{'task':<26}"
-    for m in ("held-out", "check"):
-        head += f"{'BC ' + m:<16}{'PPO ' + m:<16}{'gain':<16}"
-    print(head)
-    for r in rows:
-        line = f"{r['task']:<26}"
-        for m in MEASURES:
-            line += f"{_cell(r[f'bc_{m}']):<16}{_cell(r.get(f'ppo_{m}')):<16}"
-            line += f"{_cell(r.get(f'gain_{m}'), points=True):<16}"
-        print(line)
+    for algo in args.algos:
+        print(f"\n{algo.upper()}")
+        head = f"{'task':<26}"
+        for m in ("held-out", "check"):
+            head += f"{'BC ' + m:<16}{algo.upper() + ' ' + m:<16}{'gain':<16}"
+        print(head)
+        for r in rows:
+            line = f"{r['task']:<26}"
+            for m in MEASURES:
+                line += f"{_cell(r[f'bc_{m}']):<16}{_cell(r.get(f'{algo}_{m}')):<16}"
+                line += f"{_cell(r.get(f'gain_{algo}_{m}'), points=True):<16}"
+            print(line)
 
 
 @contextlib.contextmanager
@@ -237,10 +250,18 @@ def parse() -> argparse.Namespace:
     p.add_argument("--sft-steps", type=int, default=3000)
     p.add_argument("--sft-eval-every", type=int, default=1000, help="SFT steps between evaluations")
     p.add_argument("--sft-seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="PPO seeds")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="RL seeds")
+    p.add_argument("--algos", nargs="+", default=["ppo"], choices=("ppo", "grpo"))
     p.add_argument("--ppo-iterations", type=int, default=30)
-    p.add_argument("--envs", type=int, default=10, help="PPO's training envs")
-    p.add_argument("--epochs", type=int, default=2, help="PPO update epochs per iteration")
+    p.add_argument("--grpo-iterations", type=int, default=30)
+    p.add_argument(
+        "--group",
+        type=int,
+        default=4,
+        help="GRPO: envs per group (with env.task_per_env a group's envs share their task)",
+    )
+    p.add_argument("--envs", type=int, default=10, help="RL's training envs")
+    p.add_argument("--epochs", type=int, default=2, help="RL update epochs per iteration")
     p.add_argument("--max-steps", type=int, default=150, help="env steps per episode")
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--chunk", type=int, default=4, help="actions per policy call")
@@ -275,8 +296,8 @@ def main() -> None:
         demos = collect_demos(args)
     with timed(times, "sft"):
         warm = [sft_stage(args, demos, s) for s in args.sft_seeds]
-    with timed(times, "ppo"):
-        runs = [ppo_stage(args, w, seed) for w in warm for seed in args.seeds]
+    with timed(times, "rl"):
+        runs = [rl_stage(args, a, w, seed) for a in args.algos for w in warm for seed in args.seeds]
     with timed(times, "eval"):
         for w in warm:
             w |= scores(args, Path(w["checkpoint"]), Path(w["run_dir"]) / "chosen")

@@ -122,3 +122,30 @@ def test_a_study_refuses_a_stage_folder_made_with_other_settings(tmp_path, monke
     assert "env.num_envs=10 there, 40 here" in said
     assert "algo.lr=None there, 1 here" in said
     assert "max_iterations" not in said and "--work of its own" in said
+
+
+def test_the_multitask_table_gives_each_algorithm_its_runs_and_paired_gains(monkeypatch) -> None:
+    """benchmarks/multitask.py's rows: BC over the warm starts, and per algorithm the mean of its
+    own runs and each run's gain over the warm start of its SFT seed (hand-computed here)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from multitask import row
+
+    warm = [
+        {"seed": 0, "held_out": {"reach": 0.2}, "check": {"reach": 0.0}},
+        {"seed": 1, "held_out": {"reach": 0.6}, "check": {"reach": 0.4}},
+    ]
+    runs = [
+        {"algo": "ppo", "sft_seed": 0, "held_out": {"reach": 0.4}, "check": {"reach": 0.2}},
+        {"algo": "ppo", "sft_seed": 1, "held_out": {"reach": 0.6}, "check": {"reach": 0.8}},
+        {"algo": "grpo", "sft_seed": 1, "held_out": {"reach": 0.2}, "check": {"reach": 0.4}},
+    ]
+    r = row("reach", warm, runs)
+    assert abs(r["bc_held_out"]["mean"] - 0.4) < 1e-9
+    assert abs(r["ppo_held_out"]["mean"] - 0.5) < 1e-9
+    # PPO: +20 over seed 0's warm start, +0 over seed 1's; check: +20, +40
+    assert abs(r["gain_ppo_held_out"]["mean"] - 10.0) < 1e-9
+    assert abs(r["gain_ppo_check"]["mean"] - 30.0) < 1e-9
+    # GRPO's one run is paired with SFT seed 1 (0.6 -> 0.2), not with the mean warm start
+    assert abs(r["gain_grpo_held_out"]["mean"] + 40.0) < 1e-9
+    assert abs(r["gain_grpo_check"]["mean"] - 0.0) < 1e-9
+    assert row("reach", warm, []).keys() == {"task", "bc_held_out", "bc_check"}
