@@ -66,8 +66,8 @@ ends with the episode at success, so an episode that hovers near the goal withou
 the success test collects more of it than one that succeeds early.
 
 Time on the 2-core machine, measured with ``--seeds 0`` (67 minutes in all): collecting 3.7
-minutes, behaviour cloning 42.2 (3000 steps of about 0.8 s, three 40-scene validations; 17.7 in a
-later run from an empty folder on a faster minute of the same machine), a PPO run
+minutes, behaviour cloning 42.2 (3000 steps of about 0.8 s, three 40-scene validations, beside
+other work; 17.7 alone on the machine), a PPO run
 of 30 iterations of 10 envs x 38 chunks 14.6 (25-45 s an iteration; every new episode rebuilds its
 worker's simulator for the task it draws), scoring a checkpoint on 2 x 50 scenes about 3 minutes.
 ``--set ppo.env.task_per_env=true`` keeps each PPO env on one task and draws only its configuration
