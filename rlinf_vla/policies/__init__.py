@@ -1,5 +1,5 @@
-"""VLA policies behind one ``act`` / ``evaluate`` contract: ``openvla``, ``openvla_oft``, ``pi0``
-and ``pi05``.
+"""VLA policies behind one ``act`` / ``evaluate`` contract: ``openvla``, ``openvla_oft``, ``pi0``,
+``pi05`` and ``smolvla``.
 
 ``make_policy(name, **overrides)`` builds a registered policy from its typed config: ``preset``
 (``tiny`` for tests, ``full`` for the published sizes), ``checkpoint=PATH`` to load weights in
@@ -20,7 +20,8 @@ from typing import Any
 # timm/transformers lazily, inside the constructors.
 import rlinf_vla.policies.openvla.model
 import rlinf_vla.policies.openvla_oft.model
-import rlinf_vla.policies.pi0.model  # noqa: F401
+import rlinf_vla.policies.pi0.model
+import rlinf_vla.policies.smolvla.model  # noqa: F401
 from rlinf_vla.policies.base import (
     POLICIES,
     CheckpointMismatchError,
@@ -59,7 +60,7 @@ def make_policy(name: str, config: PolicyConfig | None = None, **overrides: Any)
     """Build policy ``name``.
 
     Args:
-        name: a registered name (``openvla``, ``openvla_oft``, ``pi0``, ``pi05``).
+        name: a registered name (``openvla``, ``openvla_oft``, ``pi0``, ``pi05``, ``smolvla``).
         config: the policy's typed config as the job's validation built it
             (:func:`~rlinf_vla.policies.resolve.policy_config_for`: with a ``checkpoint``, the
             checkpoint's own config with the command line's keys on top); its ``checkpoint``

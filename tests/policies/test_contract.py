@@ -17,11 +17,12 @@ FAMILIES: dict[str, tuple[dict, tuple[str, ...], int | None]] = {
     "openvla_oft": ({}, ("main", "wrist"), 8),
     "pi0": ({"noise_method": "flow_sde"}, ("main", "wrist"), 8),
     "pi05": ({"noise_method": "flow_noise"}, ("main", "wrist"), 8),
+    "smolvla": ({"noise_method": "flow_sde"}, ("main", "wrist"), 6),
 }
 
 
 def stats_for(name: str) -> dict:
-    if name.startswith("pi0"):
+    if name.startswith("pi0") or name == "smolvla":
         return {
             "actions": {
                 "mean": [0.5] * A,
@@ -60,7 +61,7 @@ def family(request):
 
 
 def test_registry_names():
-    assert set(POLICIES) == {"openvla", "openvla_oft", "pi0", "pi05"}
+    assert set(POLICIES) == {"openvla", "openvla_oft", "pi0", "pi05", "smolvla"}
     assert POLICIES["pi05"].cls is POLICIES["pi0"].cls  # one folder, a config flag
 
 

@@ -331,3 +331,28 @@ def test_sentencepiece_tokenizer_model_loads(tmp_path):
     sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
     text = "pick up the red block"
     assert tok(text, add_special_tokens=False).input_ids == sp.encode(text)
+
+
+@pytest.mark.parametrize("layout", ["openpi", "lerobot"])
+def test_a_foreign_folder_is_read_at_the_published_sizes(weights, tmp_path, layout):
+    """An openpi or lerobot config.json records the Gemma variants but neither the vision tower
+    nor this package's heads: those are the published model's (the full preset), not the tiny
+    preset's, which is only the default of a policy built without a checkpoint."""
+    from rlinf_vla.policies.pi0.config import GEMMA_VARIANTS, SIGLIP_SO400M
+    from rlinf_vla.policies.pi0.model import Pi0Policy
+
+    if layout == "openpi":
+        folder = openpi_folder(weights, "pi0", tmp_path / "pi0_base")
+        write_openpi_stats(folder, "x", {"mean": MEAN, "std": STD})
+    else:
+        folder = lerobot_processor_folder(weights, "pi0", tmp_path / "pi0_lerobot", "MEAN_STD")
+        config = json.loads((folder / "config.json").read_text())
+        config |= {"paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m"}
+        (folder / "config.json").write_text(json.dumps(config))
+    cfg = Pi0Policy.config_from_dir(folder, chunk_size=2)  # the fixture horizon is 4
+    assert cfg.preset == "full"
+    assert cfg.text_config["hidden_size"] == GEMMA_VARIANTS["gemma_2b"]["hidden_size"] == 2048
+    assert cfg.expert_config["hidden_size"] == GEMMA_VARIANTS["gemma_300m"]["hidden_size"]
+    assert cfg.vision_config["hidden_size"] == SIGLIP_SO400M["hidden_size"]
+    # a tiny folder of this package's own keeps its sizes (its config records them)
+    assert Pi0Policy.config_from_dir(weights["pi0"]).text_config["hidden_size"] == 64

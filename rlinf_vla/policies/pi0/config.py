@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from rlinf_vla.policies.base import PolicyConfig, PolicyNeeds, check
 
-__all__ = ["GEMMA_VARIANTS", "SIGLIP_SO400M", "Pi0Config"]
+__all__ = ["GEMMA_VARIANTS", "SIGLIP_SO400M", "FlowMatchingConfig", "Pi0Config"]
 
 #: openpi ``gemma.get_config`` variants as ``GemmaConfig`` keyword arguments.
 GEMMA_VARIANTS: dict[str, dict[str, Any]] = {
@@ -83,39 +83,16 @@ TINY_PI0: dict[str, Any] = {
 
 
 @dataclass
-class Pi0Config(PolicyConfig):
-    """π0 / π0.5 settings (plus the shared :class:`PolicyConfig`); defaults are openpi's.
+class FlowMatchingConfig(PolicyConfig):
+    """Settings of the flow-matching policies (π0 / π0.5 and SmolVLA): the action chunk, the
+    denoising chain and its RL log-probabilities (plus the shared :class:`PolicyConfig`).
 
-    Architecture:
-        pi05: π0.5 (adaRMS time conditioning of the expert, no state token, quantile
-            normalisation, value from the VLM prefix) instead of π0.
-        paligemma_variant / action_expert_variant: openpi names (``gemma_2b`` / ``gemma_300m``)
-            or ``custom`` (then ``text_config`` / ``expert_config`` give the sizes).
-        vision_config: SigLIP sizes (``SiglipVisionConfig`` arguments).
-        text_config / expert_config: ``GemmaConfig`` arguments of the VLM and of the expert
-            (filled from the variants); both must share depth, heads, kv heads and head dim.
-        action_horizon: ``H``, actions per denoised chunk (50; ``pi05_libero``: 10).
-        max_action_dim / max_state_dim: the padded action / state size of the model (32).
-        max_token_len: prompt length in tokens (``None``: 48 for π0, 200 for π0.5).
+    Sizes and inputs:
+        action_horizon: ``H``, actions per denoised chunk.
+        max_action_dim / max_state_dim: the padded action / state size of the model.
         min_period / max_period: the shortest and longest period of the sinusoidal embedding of
-            the flow-matching time (openpi: 0.004 and 4.0).
-
-    Inputs:
-        image_keys: cameras in slot order (``base_0_rgb``, ``left_wrist_0_rgb``, ...).
-        num_empty_cameras: extra all-black, masked-out slots (LIBERO: the right wrist).
-        discrete_state_input: write the discretised state into the prompt (``None``: π0.5,
-            openpi's ``Pi0Config`` default). A checkpoint's own record wins over the default;
-            openpi's converted checkpoints keep none, and ``pi05_libero`` was trained with
-            ``False``: set it for that checkpoint.
-        normalization: ``zscore`` (π0) or ``quantile`` (π0.5); ``auto`` picks by model (or
-            by the mode a lerobot checkpoint records).
-        norm_stats: openpi ``norm_stats.json`` content ``{"state": {...}, "actions": {...}}``
-            (``mean``, ``std``, ``q01``, ``q99``), or the path of such a file or of a folder
-            holding statistics in a layout a checkpoint uses (read at construction). Loading a
-            checkpoint finds its own when this is unset, and fails when it has none.
-        asset_id: which ``assets/<asset_id>/norm_stats.json`` of an openpi checkpoint to read
-            (openpi's ``AssetsConfig.asset_id``, e.g. ``physical-intelligence/libero``); needed
-            only when the checkpoint holds several.
+            the flow-matching time (openpi and lerobot: 0.004 and 4.0).
+        image_keys: cameras in slot order.
 
     Flow matching and RL:
         chunk_size: ``K``, the executed actions (the first ``K`` of ``H``).
@@ -133,8 +110,8 @@ class Pi0Config(PolicyConfig):
             chain's. Flow-Noise always scores the whole chain.
         noise_std_range: the range of the learned std (Flow-Noise).
         noise_hidden_sizes: hidden sizes of the noise-std network.
-        value_source: ``expert`` (mean of the expert's action outputs, π0) or ``prefix``
-            (mean of the VLM prefix outputs, π0.5); ``auto`` picks by model.
+        value_source: ``expert`` (mean of the expert's action outputs) or ``prefix`` (mean of
+            the VLM prefix outputs); ``auto`` lets the family pick.
         time_beta: ``(alpha, beta)`` of the training time distribution.
 
     Greedy actions (``act(obs, greedy=True)``: the ODE, no SDE step or learned noise):
@@ -146,25 +123,11 @@ class Pi0Config(PolicyConfig):
         greedy_seed: the seed of ``sample``; another seed gives other noise.
     """
 
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": TINY_PI0, "full": {}}
-
-    pi05: bool = False
-    paligemma_variant: str = "gemma_2b"
-    action_expert_variant: str = "gemma_300m"
-    vision_config: dict[str, Any] = field(default_factory=lambda: dict(SIGLIP_SO400M))
-    text_config: dict[str, Any] = field(default_factory=dict)
-    expert_config: dict[str, Any] = field(default_factory=dict)
     action_horizon: int = 50
     max_action_dim: int = 32
     max_state_dim: int = 32
-    max_token_len: int | None = None
     chunk_size: int = 5
     image_keys: tuple[str, ...] = ("main", "wrist")
-    num_empty_cameras: int = 1
-    discrete_state_input: bool | None = None
-    normalization: Literal["auto", "zscore", "quantile"] = "auto"
-    norm_stats: dict[str, Any] | str | None = None
-    asset_id: str | None = None
     num_steps: int = 10
     noise_method: Literal["flow_sde", "flow_noise"] = "flow_sde"
     noise_level: float = 0.5
@@ -190,38 +153,16 @@ class Pi0Config(PolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name, variant in (
-            ("text_config", self.paligemma_variant),
-            ("expert_config", self.action_expert_variant),
-        ):
-            if variant != "custom":
-                check(
-                    self,
-                    name,
-                    variant in GEMMA_VARIANTS,
-                    f"variant {variant!r} unknown (known: {sorted(GEMMA_VARIANTS)} or 'custom')",
-                )
-                setattr(self, name, {**GEMMA_VARIANTS[variant], **getattr(self, name)})
         self.image_keys = tuple(self.image_keys)
         self.noise_std_range = tuple(float(x) for x in self.noise_std_range)
         self.noise_hidden_sizes = tuple(int(x) for x in self.noise_hidden_sizes)
         self.time_beta = tuple(float(x) for x in self.time_beta)
-        if self.max_token_len is None:
-            self.max_token_len = 200 if self.pi05 else 48
-        if self.discrete_state_input is None:
-            self.discrete_state_input = self.pi05
-        if self.normalization == "auto":
-            self.normalization = "quantile" if self.pi05 else "zscore"
-        if self.value_source == "auto":
-            self.value_source = "prefix" if self.pi05 else "expert"
-        t, e = self.text_config, self.expert_config
-        for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            check(
-                self,
-                "expert_config",
-                key in t and key in e and t[key] == e[key],
-                f"must share {key} with text_config (attention is computed jointly)",
-            )
+        check(
+            self,
+            "value_source",
+            self.value_source in ("auto", "expert", "prefix"),
+            "must be 'auto', 'expert' or 'prefix'",
+        )
         check(
             self, "action_dim", self.action_dim <= self.max_action_dim, "must be <= max_action_dim"
         )
@@ -263,6 +204,94 @@ class Pi0Config(PolicyConfig):
         lo, hi = self.noise_std_range
         check(self, "noise_std_range", 0 < lo < hi, "must be (low, high) with 0 < low < high")
         check(self, "image_keys", len(self.image_keys) >= 1, "must name at least one camera")
+
+    @property
+    def one_sde_step(self) -> bool:
+        """Flow-SDE with one stochastic (and scored) step per sample, the rest ODE."""
+        return self.noise_method == "flow_sde" and not self.joint_logprob
+
+
+@dataclass
+class Pi0Config(FlowMatchingConfig):
+    """π0 / π0.5 settings (plus the shared :class:`FlowMatchingConfig`); defaults are openpi's.
+
+    Architecture:
+        pi05: π0.5 (adaRMS time conditioning of the expert, no state token, quantile
+            normalisation, value from the VLM prefix) instead of π0.
+        paligemma_variant / action_expert_variant: openpi names (``gemma_2b`` / ``gemma_300m``)
+            or ``custom`` (then ``text_config`` / ``expert_config`` give the sizes).
+        vision_config: SigLIP sizes (``SiglipVisionConfig`` arguments).
+        text_config / expert_config: ``GemmaConfig`` arguments of the VLM and of the expert
+            (filled from the variants); both must share depth, heads, kv heads and head dim.
+        action_horizon: ``H`` (50; ``pi05_libero``: 10); ``max_action_dim`` /
+            ``max_state_dim``: 32.
+        max_token_len: prompt length in tokens (``None``: 48 for π0, 200 for π0.5).
+
+    Inputs:
+        image_keys: cameras in slot order (``base_0_rgb``, ``left_wrist_0_rgb``, ...).
+        num_empty_cameras: extra all-black, masked-out slots (LIBERO: the right wrist).
+        discrete_state_input: write the discretised state into the prompt (``None``: π0.5,
+            openpi's ``Pi0Config`` default). A checkpoint's own record wins over the default;
+            openpi's converted checkpoints keep none, and ``pi05_libero`` was trained with
+            ``False``: set it for that checkpoint.
+        normalization: ``zscore`` (π0) or ``quantile`` (π0.5); ``auto`` picks by model (or
+            by the mode a lerobot checkpoint records).
+        norm_stats: openpi ``norm_stats.json`` content ``{"state": {...}, "actions": {...}}``
+            (``mean``, ``std``, ``q01``, ``q99``), or the path of such a file or of a folder
+            holding statistics in a layout a checkpoint uses (read at construction). Loading a
+            checkpoint finds its own when this is unset, and fails when it has none.
+        asset_id: which ``assets/<asset_id>/norm_stats.json`` of an openpi checkpoint to read
+            (openpi's ``AssetsConfig.asset_id``, e.g. ``physical-intelligence/libero``); needed
+            only when the checkpoint holds several.
+
+    RL: ``value_source`` ``auto`` is ``expert`` for π0 and ``prefix`` for π0.5.
+    """
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": TINY_PI0, "full": {}}
+
+    pi05: bool = False
+    paligemma_variant: str = "gemma_2b"
+    action_expert_variant: str = "gemma_300m"
+    vision_config: dict[str, Any] = field(default_factory=lambda: dict(SIGLIP_SO400M))
+    text_config: dict[str, Any] = field(default_factory=dict)
+    expert_config: dict[str, Any] = field(default_factory=dict)
+    max_token_len: int | None = None
+    num_empty_cameras: int = 1
+    discrete_state_input: bool | None = None
+    normalization: Literal["auto", "zscore", "quantile"] = "auto"
+    norm_stats: dict[str, Any] | str | None = None
+    asset_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.value_source == "auto":
+            self.value_source = "prefix" if self.pi05 else "expert"
+        super().__post_init__()
+        for name, variant in (
+            ("text_config", self.paligemma_variant),
+            ("expert_config", self.action_expert_variant),
+        ):
+            if variant != "custom":
+                check(
+                    self,
+                    name,
+                    variant in GEMMA_VARIANTS,
+                    f"variant {variant!r} unknown (known: {sorted(GEMMA_VARIANTS)} or 'custom')",
+                )
+                setattr(self, name, {**GEMMA_VARIANTS[variant], **getattr(self, name)})
+        if self.max_token_len is None:
+            self.max_token_len = 200 if self.pi05 else 48
+        if self.discrete_state_input is None:
+            self.discrete_state_input = self.pi05
+        if self.normalization == "auto":
+            self.normalization = "quantile" if self.pi05 else "zscore"
+        t, e = self.text_config, self.expert_config
+        for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            check(
+                self,
+                "expert_config",
+                key in t and key in e and t[key] == e[key],
+                f"must share {key} with text_config (attention is computed jointly)",
+            )
         check(self, "num_empty_cameras", self.num_empty_cameras >= 0, "must be >= 0")
         if isinstance(self.norm_stats, str | Path):
             self.norm_stats = _read_norm_stats(Path(self.norm_stats).expanduser(), self.asset_id)
@@ -273,11 +302,6 @@ class Pi0Config(PolicyConfig):
                 "actions" in self.norm_stats,
                 "needs an 'actions' entry (openpi norm_stats.json layout)",
             )
-
-    @property
-    def one_sde_step(self) -> bool:
-        """Flow-SDE with one stochastic (and scored) step per sample, the rest ODE."""
-        return self.noise_method == "flow_sde" and not self.joint_logprob
 
     @property
     def image_size(self) -> int:

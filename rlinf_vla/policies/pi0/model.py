@@ -51,6 +51,7 @@ import json
 import logging
 import math
 import re
+from abc import abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,7 @@ from rlinf_vla.policies.base import (
     seeded,
 )
 from rlinf_vla.policies.heads import ValueHead, gaussian_entropy, gaussian_logprob
-from rlinf_vla.policies.pi0.config import Pi0Config
+from rlinf_vla.policies.pi0.config import FlowMatchingConfig, Pi0Config
 from rlinf_vla.policies.pi0.processor import (
     LEROBOT_BUFFER_PREFIXES,
     NORM_STATS_LOCATIONS,
@@ -86,6 +87,7 @@ from rlinf_vla.types import ActOutput, EvalOutput, Observation
 __all__ = [
     "AdaRMSNorm",
     "ExploreNoiseNet",
+    "FlowMatchingPolicy",
     "PaliGemmaWithExpert",
     "Pi0Policy",
     "make_att_2d_masks",
@@ -355,129 +357,46 @@ LORA_TARGETS = (
 )
 
 
-@register_policy("pi05", pi05=True)
-@register_policy("pi0", pi05=False)
-class Pi0Policy(Policy):
-    """π0 (``pi05=False``) and π0.5 (``pi05=True``) as RL policies (see the module docstring)."""
+class FlowMatchingPolicy(Policy):
+    """The flow-matching RL machinery shared by π0 / π0.5 and SmolVLA: the denoising chain,
+    Flow-SDE / Flow-Noise log-probabilities, values and the flow-matching loss.
 
-    config_cls = Pi0Config
-    config: Pi0Config
-    _rl_heads = ("value_head", "noise_head")
+    A family provides ``processor`` (called on an observation; ``normalize_actions`` /
+    ``unnormalize_actions``), ``action_out_proj``, ``value_head``, ``noise_head`` and three
+    passes: :meth:`_prefix_pass` (``{"pad", "cache", "out"}``), :meth:`_suffix_pass` (the
+    expert's action outputs against the cached prefix) and :meth:`_joint_pass` (both at once,
+    for the loss).
+    """
 
-    def __init__(
-        self,
-        config: Pi0Config,
-        tokenizer: Any = None,
-        checkpoint_dir: str | Path | None = None,
-    ) -> None:
-        super().__init__(config)
-        ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        cfg = config
-        with torch.device(cfg.device), seeded(cfg.seed):
-            self.paligemma_with_expert = PaliGemmaWithExpert(cfg)
-            width = int(cfg.expert_config["hidden_size"])
-            self.action_in_proj = nn.Linear(cfg.max_action_dim, width)
-            self.action_out_proj = nn.Linear(width, cfg.max_action_dim)
-            if cfg.pi05:
-                self.time_mlp_in = nn.Linear(width, width)
-                self.time_mlp_out = nn.Linear(width, width)
-            else:
-                self.state_proj = nn.Linear(cfg.max_state_dim, width)
-                self.action_time_mlp_in = nn.Linear(2 * width, width)
-                self.action_time_mlp_out = nn.Linear(width, width)
-            value_dim = (
-                width if cfg.value_source == "expert" else int(cfg.text_config["hidden_size"])
-            )
-            self.value_head = (
-                ValueHead(value_dim, cfg.value_hidden_sizes, 1, "relu") if cfg.value_head else None
-            )
-            self.noise_head = (
-                ExploreNoiseNet(
-                    width, cfg.max_action_dim, cfg.noise_hidden_sizes, cfg.noise_std_range
-                )
-                if cfg.noise_method == "flow_noise"
-                else None
-            )
-        if tokenizer is None:
-            tokenizer = Pi0Processor.make_tokenizer(cfg, ckpt)
-        self.processor = Pi0Processor(cfg, tokenizer)
-        if ckpt is not None:
-            self._load_weights(ckpt)
-        self._finish_init()
-        if cfg.gradient_checkpointing:
-            self.enable_gradient_checkpointing()
+    config: FlowMatchingConfig
 
-    def lora_root(self) -> nn.Module:
-        return self.paligemma_with_expert
-
-    def lora_target_modules(self) -> str:
-        return LORA_TARGETS
-
-    def enable_gradient_checkpointing(self) -> None:
-        self.paligemma_with_expert.gradient_checkpointing = True
-
-    # -- embeddings --------------------------------------------------------------------------
-    def _prefix(self, inputs: Pi0Inputs) -> tuple[Tensor, Tensor]:
-        """Prefix embeddings ``[B, Np, D]`` (images then language) and pad mask ``[B, Np]``."""
-        pwe = self.paligemma_with_expert
-        device = self.device
-        embs, pads = [], []
-        for slot in range(inputs.images.shape[1]):
-            img = pwe.embed_image(inputs.images[:, slot].to(device))
-            embs.append(img)
-            pads.append(inputs.image_masks[:, slot, None].to(device).expand(-1, img.shape[1]))
-        lang = pwe.embed_language(inputs.tokens.to(device))
-        embs.append(lang.to(embs[0].dtype))
-        pads.append(inputs.token_mask.to(device))
-        return torch.cat(embs, dim=1), torch.cat(pads, dim=1)
-
-    def _suffix(
-        self, inputs: Pi0Inputs, x: Tensor, t: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Suffix embeddings, its autoregressive-block flags and π0.5's adaRMS condition."""
+    def _make_rl_heads(self, expert_width: int, prefix_width: int) -> None:
+        """The value head (on the expert's or the prefix's outputs, ``value_source``) and, for
+        Flow-Noise, the noise-std net on the expert's outputs."""
         cfg = self.config
-        width = int(cfg.expert_config["hidden_size"])
-        dtype = self.action_in_proj.weight.dtype
-        time_emb = posemb_sincos(t, width, cfg.min_period, cfg.max_period).to(dtype)
-        actions = self.action_in_proj(x.to(dtype))
-        b, h = x.shape[:2]
-        if cfg.pi05:
-            cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_emb))))
-            ar = torch.zeros(b, h, dtype=torch.long, device=x.device)
-            ar[:, 0] = 1
-            return actions, ar, cond
-        state = self.state_proj(inputs.state.to(x.device, dtype))[:, None]
-        at = torch.cat([actions, time_emb[:, None].expand(-1, h, -1)], dim=-1)
-        at = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(at)))
-        ar = torch.zeros(b, h + 1, dtype=torch.long, device=x.device)
-        ar[:, :2] = 1
-        return torch.cat([state, at], dim=1), ar, None
-
-    # -- model passes ------------------------------------------------------------------------
-    def _prefix_pass(self, inputs: Pi0Inputs) -> dict[str, Any]:
-        embs, pad = self._prefix(inputs)
-        ar = torch.zeros_like(pad, dtype=torch.long)
-        mask = make_att_2d_masks(pad, ar)
-        positions = pad.long().cumsum(1) - 1
-        (out, _), cache = self.paligemma_with_expert([embs, None], mask, positions)
-        return {"pad": pad, "cache": cache, "out": out}
-
-    def _suffix_pass(
-        self, inputs: Pi0Inputs, prefix: dict[str, Any], x: Tensor, t: Tensor
-    ) -> Tensor:
-        """The expert's outputs at the ``H`` action tokens ``[B, H, D_expert]`` for states
-        ``x [B, H, D]`` at times ``t [B]``, attending to the cached prefix."""
-        embs, ar, cond = self._suffix(inputs, x, t)
-        pad_p = prefix["pad"]
-        pad_s = torch.ones(embs.shape[:2], dtype=torch.bool, device=embs.device)
-        full_pad = torch.cat([pad_p, pad_s], dim=1)
-        full_ar = torch.cat([torch.zeros_like(pad_p, dtype=torch.long), ar], dim=1)
-        mask = make_att_2d_masks(full_pad, full_ar)[:, pad_p.shape[1] :]
-        positions = pad_p.long().sum(1, keepdim=True) + pad_s.long().cumsum(1) - 1
-        (_, out), _ = self.paligemma_with_expert(
-            [None, embs], mask, positions, past=prefix["cache"], cond=cond
+        value_dim = expert_width if cfg.value_source == "expert" else prefix_width
+        self.value_head = (
+            ValueHead(value_dim, cfg.value_hidden_sizes, 1, "relu") if cfg.value_head else None
         )
-        return out[:, -x.shape[1] :]
+        self.noise_head = (
+            ExploreNoiseNet(
+                expert_width, cfg.max_action_dim, cfg.noise_hidden_sizes, cfg.noise_std_range
+            )
+            if cfg.noise_method == "flow_noise"
+            else None
+        )
+
+    @abstractmethod
+    def _prefix_pass(self, inputs: Any) -> dict[str, Any]:
+        """The observation prefix: ``pad [B, Np]``, the per-layer ``cache`` and ``out``."""
+
+    @abstractmethod
+    def _suffix_pass(self, inputs: Any, prefix: dict[str, Any], x: Tensor, t: Tensor) -> Tensor:
+        """The expert's outputs at the ``H`` action tokens ``[B, H, D_expert]``."""
+
+    @abstractmethod
+    def _joint_pass(self, inputs: Any, x: Tensor, t: Tensor) -> Tensor:
+        """:meth:`_suffix_pass`'s outputs from one pass over prefix and suffix (training)."""
 
     def velocity(self, obs: Observation, x: Tensor, t: Tensor) -> Tensor:
         """``v_θ(x, t)`` ``float32 [B, H, D]`` for model-space states ``x`` and times ``t [B]``."""
@@ -608,7 +527,7 @@ class Pi0Policy(Policy):
         )
 
     def _transition(
-        self, inputs: Pi0Inputs, prefix: dict[str, Any], x: Tensor, k: Tensor, stochastic: Tensor
+        self, inputs: Any, prefix: dict[str, Any], x: Tensor, k: Tensor, stochastic: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Mean and std of ``x_{k+1}`` from ``x_k = x`` (``[B, H, D]``) at steps ``k [B]``, and
         the expert's action outputs."""
@@ -619,7 +538,7 @@ class Pi0Policy(Policy):
 
     def _score(
         self,
-        inputs: Pi0Inputs,
+        inputs: Any,
         prefix: dict[str, Any],
         replay: dict[str, Tensor],
         steps: list[tuple[Tensor, Tensor, Tensor]] | None = None,
@@ -672,23 +591,6 @@ class Pi0Policy(Policy):
         inputs = self.processor(obs, self.device)
         return self._score(inputs, self._prefix_pass(inputs), replay)
 
-    @classmethod
-    def statistics_config(
-        cls,
-        name: str,
-        action: Mapping[str, Any],
-        state: Mapping[str, Any] | None,
-        counts: Mapping[str, int],
-    ) -> dict[str, Any]:
-        """openpi's ``norm_stats.json`` layout: ``{"actions": ..., "state": ...}`` with
-        ``mean``, ``std``, ``q01``, ``q99`` (π0 normalises by mean/std, π0.5 by quantiles); the
-        dataset's name is the asset id they are exported under (openpi's are dataset ids)."""
-        keys = ("mean", "std", "q01", "q99")
-        stats = {"actions": {k: list(action[k]) for k in keys}}
-        if state is not None:
-            stats["state"] = {k: list(state[k]) for k in keys}
-        return {"norm_stats": stats, "asset_id": name}
-
     def loss(
         self,
         obs: Observation,
@@ -714,9 +616,128 @@ class Pi0Policy(Policy):
         tt = t[:, None, None]
         x_t = tt * noise + (1 - tt) * a
         u = noise - a
+        v = self.action_out_proj(self._joint_pass(inputs, x_t, t)).float()
+        return F.mse_loss(v[:, :k], u[:, :k])
+
+
+@register_policy("pi05", pi05=True)
+@register_policy("pi0", pi05=False)
+class Pi0Policy(FlowMatchingPolicy):
+    """π0 (``pi05=False``) and π0.5 (``pi05=True``) as RL policies (see the module docstring)."""
+
+    config_cls = Pi0Config
+    config: Pi0Config
+    _rl_heads = ("value_head", "noise_head")
+
+    def __init__(
+        self,
+        config: Pi0Config,
+        tokenizer: Any = None,
+        checkpoint_dir: str | Path | None = None,
+    ) -> None:
+        super().__init__(config)
+        ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        cfg = config
+        with torch.device(cfg.device), seeded(cfg.seed):
+            self.paligemma_with_expert = PaliGemmaWithExpert(cfg)
+            width = int(cfg.expert_config["hidden_size"])
+            self.action_in_proj = nn.Linear(cfg.max_action_dim, width)
+            self.action_out_proj = nn.Linear(width, cfg.max_action_dim)
+            if cfg.pi05:
+                self.time_mlp_in = nn.Linear(width, width)
+                self.time_mlp_out = nn.Linear(width, width)
+            else:
+                self.state_proj = nn.Linear(cfg.max_state_dim, width)
+                self.action_time_mlp_in = nn.Linear(2 * width, width)
+                self.action_time_mlp_out = nn.Linear(width, width)
+            self._make_rl_heads(width, int(cfg.text_config["hidden_size"]))
+        if tokenizer is None:
+            tokenizer = Pi0Processor.make_tokenizer(cfg, ckpt)
+        self.processor = Pi0Processor(cfg, tokenizer)
+        if ckpt is not None:
+            self._load_weights(ckpt)
+        self._finish_init()
+        if cfg.gradient_checkpointing:
+            self.enable_gradient_checkpointing()
+
+    def lora_root(self) -> nn.Module:
+        return self.paligemma_with_expert
+
+    def lora_target_modules(self) -> str:
+        return LORA_TARGETS
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.paligemma_with_expert.gradient_checkpointing = True
+
+    # -- embeddings --------------------------------------------------------------------------
+    def _prefix(self, inputs: Pi0Inputs) -> tuple[Tensor, Tensor]:
+        """Prefix embeddings ``[B, Np, D]`` (images then language) and pad mask ``[B, Np]``."""
+        pwe = self.paligemma_with_expert
+        device = self.device
+        embs, pads = [], []
+        for slot in range(inputs.images.shape[1]):
+            img = pwe.embed_image(inputs.images[:, slot].to(device))
+            embs.append(img)
+            pads.append(inputs.image_masks[:, slot, None].to(device).expand(-1, img.shape[1]))
+        lang = pwe.embed_language(inputs.tokens.to(device))
+        embs.append(lang.to(embs[0].dtype))
+        pads.append(inputs.token_mask.to(device))
+        return torch.cat(embs, dim=1), torch.cat(pads, dim=1)
+
+    def _suffix(
+        self, inputs: Pi0Inputs, x: Tensor, t: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Suffix embeddings, its autoregressive-block flags and π0.5's adaRMS condition."""
+        cfg = self.config
+        width = int(cfg.expert_config["hidden_size"])
+        dtype = self.action_in_proj.weight.dtype
+        time_emb = posemb_sincos(t, width, cfg.min_period, cfg.max_period).to(dtype)
+        actions = self.action_in_proj(x.to(dtype))
+        b, h = x.shape[:2]
+        if cfg.pi05:
+            cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_emb))))
+            ar = torch.zeros(b, h, dtype=torch.long, device=x.device)
+            ar[:, 0] = 1
+            return actions, ar, cond
+        state = self.state_proj(inputs.state.to(x.device, dtype))[:, None]
+        at = torch.cat([actions, time_emb[:, None].expand(-1, h, -1)], dim=-1)
+        at = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(at)))
+        ar = torch.zeros(b, h + 1, dtype=torch.long, device=x.device)
+        ar[:, :2] = 1
+        return torch.cat([state, at], dim=1), ar, None
+
+    # -- model passes ------------------------------------------------------------------------
+    def _prefix_pass(self, inputs: Pi0Inputs) -> dict[str, Any]:
+        embs, pad = self._prefix(inputs)
+        ar = torch.zeros_like(pad, dtype=torch.long)
+        mask = make_att_2d_masks(pad, ar)
+        positions = pad.long().cumsum(1) - 1
+        (out, _), cache = self.paligemma_with_expert([embs, None], mask, positions)
+        return {"pad": pad, "cache": cache, "out": out}
+
+    def _suffix_pass(
+        self, inputs: Pi0Inputs, prefix: dict[str, Any], x: Tensor, t: Tensor
+    ) -> Tensor:
+        """The expert's outputs at the ``H`` action tokens ``[B, H, D_expert]`` for states
+        ``x [B, H, D]`` at times ``t [B]``, attending to the cached prefix."""
+        embs, ar, cond = self._suffix(inputs, x, t)
+        pad_p = prefix["pad"]
+        pad_s = torch.ones(embs.shape[:2], dtype=torch.bool, device=embs.device)
+        full_pad = torch.cat([pad_p, pad_s], dim=1)
+        full_ar = torch.cat([torch.zeros_like(pad_p, dtype=torch.long), ar], dim=1)
+        mask = make_att_2d_masks(full_pad, full_ar)[:, pad_p.shape[1] :]
+        positions = pad_p.long().sum(1, keepdim=True) + pad_s.long().cumsum(1) - 1
+        (_, out), _ = self.paligemma_with_expert(
+            [None, embs], mask, positions, past=prefix["cache"], cond=cond
+        )
+        return out[:, -x.shape[1] :]
+
+    def _joint_pass(self, inputs: Pi0Inputs, x: Tensor, t: Tensor) -> Tensor:
+        """The expert's outputs at the ``H`` action tokens for ``x`` at ``t``, prefix and suffix
+        in one pass (training)."""
         prefix_embs, prefix_pad = self._prefix(inputs)
-        suffix_embs, suffix_ar, cond = self._suffix(inputs, x_t, t)
-        suffix_pad = torch.ones(suffix_embs.shape[:2], dtype=torch.bool, device=device)
+        suffix_embs, suffix_ar, cond = self._suffix(inputs, x, t)
+        suffix_pad = torch.ones(suffix_embs.shape[:2], dtype=torch.bool, device=x.device)
         pad = torch.cat([prefix_pad, suffix_pad], dim=1)
         ar = torch.cat([torch.zeros_like(prefix_pad, dtype=torch.long), suffix_ar], dim=1)
         mask = make_att_2d_masks(pad, ar)
@@ -724,8 +745,24 @@ class Pi0Policy(Policy):
         (_, out), _ = self.paligemma_with_expert(
             [prefix_embs, suffix_embs], mask, positions, cond=cond
         )
-        v = self.action_out_proj(out[:, -cfg.action_horizon :]).float()
-        return F.mse_loss(v[:, :k], u[:, :k])
+        return out[:, -x.shape[1] :]
+
+    @classmethod
+    def statistics_config(
+        cls,
+        name: str,
+        action: Mapping[str, Any],
+        state: Mapping[str, Any] | None,
+        counts: Mapping[str, int],
+    ) -> dict[str, Any]:
+        """openpi's ``norm_stats.json`` layout: ``{"actions": ..., "state": ...}`` with
+        ``mean``, ``std``, ``q01``, ``q99`` (π0 normalises by mean/std, π0.5 by quantiles); the
+        dataset's name is the asset id they are exported under (openpi's are dataset ids)."""
+        keys = ("mean", "std", "q01", "q99")
+        stats = {"actions": {k: list(action[k]) for k in keys}}
+        if state is not None:
+            stats["state"] = {k: list(state[k]) for k in keys}
+        return {"norm_stats": stats, "asset_id": name}
 
     # -- checkpoints -------------------------------------------------------------------------
     def official_state_dict(self) -> dict[str, Tensor]:
@@ -848,6 +885,10 @@ class Pi0Policy(Policy):
                     kwargs[ours_key] = data[theirs]
         kwargs.update(data.get("rlinf_vla") or {})
         kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_SAVED}
+        if not ours:
+            # an openpi or lerobot folder holds the published model: the sizes its config does
+            # not record (the vision tower, the value head) are the full preset's, not tiny's
+            kwargs["preset"] = "full"
         if "pi05" in overrides and "pi05" in kwargs and overrides["pi05"] != kwargs["pi05"]:
             have = "pi05" if kwargs["pi05"] else "pi0"
             raise CheckpointMismatchError(f"{path} holds a {have} checkpoint; use policy={have}")
