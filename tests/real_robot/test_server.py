@@ -367,3 +367,24 @@ def test_server_config_accepts_addresses_and_host_names(host: str) -> None:
 def test_server_config_refuses_malformed_hosts(host: str) -> None:
     with pytest.raises(ValueError, match=r"server\.host"):
         ServerConfig(host=host)
+
+
+@pytest.mark.parametrize("name", ["pi0", "smolvla"])
+def test_the_flow_matching_families_are_served_their_greedy_actions(name):
+    """π0 and SmolVLA behind the same server: the client gets the policy's own greedy chunk
+    (the ODE from the noise its greedy seed draws for the observation), and the metadata the
+    family's config advertises."""
+    from rlinf_vla.policies import make_policy
+
+    policy = make_policy(name, preset="tiny", seed=0).eval()
+    srv = PolicyServer(policy, name, ServerConfig(port=0, token=TOKEN, auth_failure_delay_s=0))
+    obs = good_obs(seed=3)
+    obs["state"] = obs["state"][: policy.config.max_state_dim]
+    with srv.run_in_thread() as url, PolicyClient(url, TOKEN) as c:
+        assert c.metadata.policy == name and c.metadata.chunk_size == policy.config.chunk_size
+        actions, _ = c.infer(obs["images"], obs["state"], obs["instruction"])
+        again, _ = c.infer(obs["images"], obs["state"], obs["instruction"])
+    want = reference_actions(policy, obs)
+    assert actions.shape == (policy.config.chunk_size, policy.config.action_dim)
+    np.testing.assert_allclose(actions, want, atol=1e-5)
+    np.testing.assert_array_equal(actions, again)
