@@ -23,8 +23,8 @@ a checkpoint by (the two measures of the same checkpoint differ by up to +-0.1 o
     .venv/bin/python benchmarks/maniskill_learning.py --policy smolvla   # the tiny SmolVLA
 
 The policy is a tiny preset (``--policy``: OpenVLA-OFT by default, 0.48 M parameters, whose
-RL stages train its Gaussian action head, the value head and the log-std; or π0, 0.17 M, or
-SmolVLA, with Flow-SDE sampling); it sees one 64 x 64 camera and a privileged state
+RL stages train its Gaussian action head, the value head and the log-std; or π0 (0.17 M) or
+SmolVLA (0.44 M), with Flow-SDE sampling); it sees one 64 x 64 camera and a privileged state
 (``env.state_mode=privileged``: the robot's joints and TCP pose followed by the task's object
 and goal poses, ManiSkill's own state observation), which keeps it small enough to learn on a
 2-core CPU. The SFT length and the RL settings of each policy are in ``RECIPES``
