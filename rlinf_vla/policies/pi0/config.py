@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from rlinf_vla.policies.base import PolicyConfig, PolicyNeeds, check
 
-__all__ = ["GEMMA_VARIANTS", "SIGLIP_SO400M", "FlowMatchingConfig", "Pi0Config"]
+__all__ = ["GEMMA_VARIANTS", "RUN_FIELDS", "SIGLIP_SO400M", "FlowMatchingConfig", "Pi0Config"]
 
 #: openpi ``gemma.get_config`` variants as ``GemmaConfig`` keyword arguments.
 GEMMA_VARIANTS: dict[str, dict[str, Any]] = {
@@ -80,6 +80,22 @@ TINY_PI0: dict[str, Any] = {
     "value_hidden_sizes": (32,),
     "noise_hidden_sizes": (16,),
 }
+
+
+#: Fields of a flow-matching config that belong to the run, never written to or read from a
+#: checkpoint's own config section.
+RUN_FIELDS = (
+    "checkpoint",
+    "lora_rank",
+    "lora_adapter",
+    "device",
+    "dtype",
+    "tokenizer",
+    "seed",
+    "norm_stats",
+    "greedy_noise",
+    "greedy_seed",
+)
 
 
 @dataclass

@@ -73,7 +73,7 @@ from rlinf_vla.policies.base import (
     seeded,
 )
 from rlinf_vla.policies.heads import ValueHead, gaussian_entropy, gaussian_logprob
-from rlinf_vla.policies.pi0.config import FlowMatchingConfig, Pi0Config
+from rlinf_vla.policies.pi0.config import RUN_FIELDS, FlowMatchingConfig, Pi0Config
 from rlinf_vla.policies.pi0.processor import (
     LEROBOT_BUFFER_PREFIXES,
     NORM_STATS_LOCATIONS,
@@ -984,16 +984,4 @@ class Pi0Policy(FlowMatchingPolicy):
 
 
 #: Config fields never written to or read from a checkpoint's ``rlinf_vla`` section.
-_NOT_SAVED = (
-    "checkpoint",
-    "lora_rank",
-    "lora_adapter",
-    "device",
-    "dtype",
-    "tokenizer",
-    "seed",
-    "norm_stats",
-    "asset_id",
-    "greedy_noise",
-    "greedy_seed",
-)
+_NOT_SAVED = (*RUN_FIELDS, "asset_id")

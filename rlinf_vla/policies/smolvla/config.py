@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from rlinf_vla.policies.base import check
-from rlinf_vla.policies.pi0.config import FlowMatchingConfig
+from rlinf_vla.policies.pi0.config import RUN_FIELDS, FlowMatchingConfig
 
 __all__ = ["KNOWN_VLMS", "NOT_SAVED", "TINY_VLM", "SmolVLAConfig", "read_vlm_config"]
 
@@ -95,18 +95,7 @@ TINY_SMOLVLA: dict[str, Any] = {
 }
 
 #: Config fields never written to or read from a checkpoint (they belong to the run).
-NOT_SAVED = (
-    "checkpoint",
-    "lora_rank",
-    "lora_adapter",
-    "device",
-    "dtype",
-    "tokenizer",
-    "seed",
-    "norm_stats",
-    "greedy_noise",
-    "greedy_seed",
-)
+NOT_SAVED = RUN_FIELDS
 
 #: The parts of a ``SmolVLMConfig`` dict this port builds from (others take their defaults).
 _VLM_KEYS = ("scale_factor", "vision_config", "text_config", "tie_word_embeddings", "vocab_size")
