@@ -182,13 +182,30 @@ def check_reuse(out: Path, settings: dict[str, Any]) -> None:
         got: Any = made
         for part in key.split("."):
             got = got.get(part) if isinstance(got, dict) else None
-        if str(got) != str(want):
+        if not _same(got, want):
             differ.append(f"{key}={got} there, {want} here")
     if differ:
         raise SystemExit(
             f"{out} was made with other settings ({'; '.join(differ)}): give this study a "
             "--work of its own, or remove that folder"
         )
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Whether a run's config value ``got`` is this command's ``want`` (a value, or the text
+    of a ``--set``: ``1e-4`` is 0.0001, ``true`` is True)."""
+    if str(got) == str(want) or str(got).lower() == str(want).lower():
+        return True
+    try:
+        return float(got) == float(want)
+    except (TypeError, ValueError):
+        return False
+
+
+def set_settings(args: argparse.Namespace, stage: str) -> dict[str, str]:
+    """The ``--set`` values of ``stage``, by dotted key: a stage folder made without them (a
+    sparse-reward run reused by a dense-reward study) is not this command's."""
+    return dict(s.split("=", 1) for s in stage_sets(args, stage))
 
 
 def rl_run(
@@ -221,7 +238,7 @@ def rl_run(
     }
     if algo == "grpo":
         settings["algo.group_size"] = args.group
-    check_reuse(out, settings)
+    check_reuse(out, settings | set_settings(args, algo))
     wall = None
     if not last.exists():
         wall = run(

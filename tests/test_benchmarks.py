@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 # Runs each script as ``python benchmarks/<name>.py --help`` would (its folder on the path, run
@@ -57,6 +59,8 @@ def test_every_benchmark_script_imports_and_prints_its_usage() -> None:
 _CPU_PROBE = r"""
 import importlib.util, json, multiprocessing as mp, sys, time
 from pathlib import Path
+
+import pytest
 
 BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end:\n    pass\n"
 
@@ -122,6 +126,30 @@ def test_a_study_refuses_a_stage_folder_made_with_other_settings(tmp_path, monke
     assert "env.num_envs=10 there, 40 here" in said
     assert "algo.lr=None there, 1 here" in said
     assert "max_iterations" not in said and "--work of its own" in said
+
+
+def test_a_stage_folder_made_without_this_commands_set_values_is_refused(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """A `--set ppo.env.reward_mode=normalized_dense` study in the folder of a sparse one would
+    otherwise report the sparse runs as its own: the stage's --set values are compared too,
+    as values (`true` is True, `1e-4` is 0.0001)."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from beyond_imitation import check_reuse, set_settings
+
+    run = tmp_path / "PushCube-v1-proprio-demos20-sft3000-seed0-ppo0"
+    run.mkdir()
+    (run / "config.yaml").write_text(
+        "env:\n  reward_mode: sparse\n  ignore_terminations: true\nalgo:\n  lr: 0.0001\n"
+    )
+    sets = ["ppo.env.ignore_terminations=true", "ppo.algo.lr=1e-4", "sft.sft.lr=1"]
+    check_reuse(run, set_settings(argparse.Namespace(set=sets), "ppo"))  # the same values
+    dense = argparse.Namespace(set=[*sets, "ppo.env.reward_mode=normalized_dense"])
+    assert set_settings(dense, "ppo")["env.reward_mode"] == "normalized_dense"
+    with pytest.raises(SystemExit, match=r"env\.reward_mode=sparse there, normalized_dense here"):
+        check_reuse(run, set_settings(dense, "ppo"))
 
 
 def test_the_multitask_table_gives_each_algorithm_its_runs_and_paired_gains(monkeypatch) -> None:
