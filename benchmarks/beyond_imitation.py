@@ -6,16 +6,18 @@ a table (JSON too, default ``benchmarks/results/beyond_imitation.json``)::
 
     .venv/bin/python benchmarks/beyond_imitation.py                       # PushCube, 20 demos
     .venv/bin/python benchmarks/beyond_imitation.py --task PickCube-v1 --demos 50
+    .venv/bin/python benchmarks/beyond_imitation.py --demos 5 10 20 50 --algos   # BC alone
 
 1. ``rlinf-vla collect``: ``--demos`` successful episodes of the task's scripted expert (reset
-   ids from 0);
+   ids from 0; several numbers run the study once for each, and a last table gives behaviour
+   cloning's success against the number of demonstrations);
 2. ``rlinf-vla sft`` at each ``--sft-seeds``: behaviour cloning for ``--sft-steps`` steps at a
    constant rate, evaluated every ``--sft-eval-every`` steps on ``--eval-episodes`` validation
    scenes (``runner.eval_scenes=validation``); the warm start is the checkpoint with the best
    validation success (``best_checkpoint``), so neither its length nor its choice looks at the
    scenes it is scored on;
 3. ``rlinf-vla train`` with each of ``--algos`` (``ppo``, ``grpo``, ``dagger``) from each warm
-   start at each of ``--seeds``.
+   start at each of ``--seeds`` (``--algos`` with none: behaviour cloning alone).
 
 Every checkpoint that enters the table (each warm start, each run's last one) is scored by
 ``rlinf-vla eval`` on two sets of scenes no choice was made on: ``held-out`` (reset ids from
@@ -159,10 +161,10 @@ def warm_start(
     }
 
 
-def sft_stage(args: argparse.Namespace, demos: Path, seed: int) -> dict[str, Any]:
-    """The warm start at SFT seed ``seed``: its run, its validation curve, the chosen
-    checkpoint and its scores."""
-    name = f"{args.task}-{args.state}-demos{args.demos}-sft{args.sft_steps}-seed{seed}"
+def sft_stage(args: argparse.Namespace, demos: Path, n: int, seed: int) -> dict[str, Any]:
+    """The warm start at SFT seed ``seed`` on the ``n`` demonstrations in ``demos``: its run,
+    its validation curve, the chosen checkpoint and its scores."""
+    name = f"{args.task}-{args.state}-demos{n}-sft{args.sft_steps}-seed{seed}"
     out = args.work / name
     warm = warm_start(args, [demos], out, seed, env_args(args, 8))
     return warm | scores(args, Path(warm["checkpoint"]), out / "chosen")
@@ -325,10 +327,10 @@ def _gain(row: dict[str, Any], m: str) -> str:
     return "" if g is None else f"{g['mean']:+.1f} ({g['min']:+.1f})"
 
 
-def show(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+def show(rows: list[dict[str, Any]], args: argparse.Namespace, demos: int) -> None:
     n = args.eval_episodes
     print(
-        f"\n{args.task} from {args.state} state, {args.demos} demonstrations: greedy success on "
+        f"\n{args.task} from {args.state} state, {demos} demonstrations: greedy success on "
         f"{n} held-out scenes and {n} check scenes, mean +- sd [min, max] over runs"
     )
     print(f"{'stage':<8}{'runs':>5}  {'held-out':<26}{'gain (min)':<18}{'check':<26}gain (min)")
@@ -343,12 +345,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--task", default="PushCube-v1")
     p.add_argument("--state", default="proprio", choices=["proprio", "privileged"])
-    p.add_argument("--demos", type=int, default=20, help="successful expert episodes")
+    p.add_argument(
+        "--demos", type=int, nargs="+", default=[20], help="successful expert episodes (each)"
+    )
     p.add_argument("--sft-steps", type=int, default=3000)
     p.add_argument("--sft-eval-every", type=int, default=500, help="SFT steps between evaluations")
     p.add_argument("--sft-seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL / DAgger seeds")
-    p.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
+    p.add_argument("--algos", nargs="*", default=list(ALGOS), choices=ALGOS)
     p.add_argument("--ppo-iterations", type=int, default=40)
     p.add_argument("--grpo-iterations", type=int, default=40)
     p.add_argument("--dagger-iterations", type=int, default=20)
@@ -373,39 +377,64 @@ def main() -> None:
     args = p.parse_args()
 
     t0 = time.perf_counter()
-    demos = args.work / f"{args.task}-demos{args.demos}"
+    studies = [study(args, n) for n in args.demos]
+    if len(studies) > 1:
+        show_by_demos(studies, args)
+    minutes = (time.perf_counter() - t0) / 60
+    print(f"total {minutes:.1f} minutes")
+    results = {
+        "config": vars(args) | {"work": str(args.work), "out": str(args.out)},
+        "studies": studies,
+        "minutes": minutes,
+    }
+    write_results(args.out, results)
+
+
+def study(args: argparse.Namespace, n: int) -> dict[str, Any]:
+    """The study with ``n`` demonstrations: collect, the warm starts, the runs, their table."""
+    demos = args.work / f"{args.task}-demos{n}"
     if not (demos / "meta" / "info.json").exists():
         run(
             [
                 "collect",
                 *env_args(args, 2),
-                f"collect.episodes={args.demos}",
+                f"collect.episodes={n}",
                 f"collect.output_dir={demos}",
                 *stage_sets(args, "collect"),
             ]
         )
-    warm = [sft_stage(args, demos, s) for s in args.sft_seeds]
+    warm = [sft_stage(args, demos, n, s) for s in args.sft_seeds]
     runs = [
         train_stage(args, algo, w, seed) for w in warm for algo in args.algos for seed in args.seeds
     ]
     rows = table(warm, runs, args.head_only)
-    show(rows, args)
+    show(rows, args, n)
     for w in warm:
         curve = " ".join(f"{r:.2f}@{s}" for s, r in w["validation_curve"])
         print(f"bc seed {w['seed']}: validation {curve}; chose step {w['chosen_step']}")
     if args.plot:
         for r in [*warm, *runs]:
             cli.main(["plot", r["run_dir"]])
-    minutes = (time.perf_counter() - t0) / 60
-    print(f"total {minutes:.1f} minutes")
-    results = {
-        "config": vars(args) | {"work": str(args.work), "out": str(args.out)},
-        "table": rows,
-        "warm_starts": warm,
-        "runs": runs,
-        "minutes": minutes,
-    }
-    write_results(args.out, results)
+    return {"demos": n, "table": rows, "warm_starts": warm, "runs": runs}
+
+
+def show_by_demos(studies: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Behaviour cloning's success against the number of demonstrations: its best validation
+    point and its held-out and check scores, mean +- sd over the SFT seeds."""
+    print(
+        f"\n{args.task}: behaviour cloning against the number of demonstrations "
+        f"({len(args.sft_seeds)} SFT seed(s), {args.sft_steps} steps, the best of its "
+        "validation points)"
+    )
+    print(f"{'demos':>5}  {'best validation':<18}{'held-out':<26}check")
+    for st in studies:
+        warm = st["warm_starts"]
+        best = summary([max(r for _, r in w["validation_curve"]) for w in warm])
+        bc = st["table"][0]
+        print(
+            f"{st['demos']:>5}  {best['mean']:.3f} +- {best['std']:.3f}    "
+            f"{_cell(bc, 'held_out'):<26}{_cell(bc, 'check')}"
+        )
 
 
 if __name__ == "__main__":

@@ -177,3 +177,27 @@ def test_the_multitask_table_gives_each_algorithm_its_runs_and_paired_gains(monk
     assert abs(r["gain_grpo_held_out"]["mean"] + 40.0) < 1e-9
     assert abs(r["gain_grpo_check"]["mean"] - 0.0) < 1e-9
     assert row("reach", warm, []).keys() == {"task", "bc_held_out", "bc_check"}
+
+
+def test_behaviour_cloning_against_the_number_of_demonstrations(monkeypatch, capsys) -> None:
+    """`--demos 5 20 --algos` (no RL) ends with BC's best validation point and its scores per
+    number of demonstrations, mean +- sd over the SFT seeds."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from beyond_imitation import show_by_demos, table
+
+    def warm(seed: int, curve: list[float], held_out: float) -> dict:
+        points = [(500 * (k + 1), r) for k, r in enumerate(curve)]
+        return {"seed": seed, "validation_curve": points, "held_out": held_out, "check": 0.5}
+
+    studies = []
+    for n, warms in ((5, [warm(0, [0.1, 0.2], 0.2), warm(1, [0.3, 0.1], 0.4)]),
+                     (20, [warm(0, [0.4, 0.5], 0.5), warm(1, [0.5, 0.7], 0.6)])):  # fmt: skip
+        studies.append({"demos": n, "warm_starts": warms, "table": table(warms, [], False)})
+    args = argparse.Namespace(task="PushCube-v1", sft_seeds=[0, 1], sft_steps=3000)
+    show_by_demos(studies, args)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].split()[:4] == ["5", "0.250", "+-", "0.071"]  # best points 0.2 and 0.3
+    assert lines[-2].split()[4:8] == ["0.300", "+-", "0.141", "[0.20,"]
+    assert lines[-1].split()[:4] == ["20", "0.600", "+-", "0.141"]  # 0.5 and 0.7
