@@ -426,14 +426,14 @@ def show_by_demos(studies: list[dict[str, Any]], args: argparse.Namespace) -> No
         f"({len(args.sft_seeds)} SFT seed(s), {args.sft_steps} steps, the best of its "
         "validation points)"
     )
-    print(f"{'demos':>5}  {'best validation':<18}{'held-out':<26}check")
+    print(f"{'demos':>5}  {'best validation':<18}{'held-out':<30}check")
     for st in studies:
         warm = st["warm_starts"]
         best = summary([max(r for _, r in w["validation_curve"]) for w in warm])
         bc = st["table"][0]
         print(
             f"{st['demos']:>5}  {best['mean']:.3f} +- {best['std']:.3f}    "
-            f"{_cell(bc, 'held_out'):<26}{_cell(bc, 'check')}"
+            f"{_cell(bc, 'held_out'):<30}{_cell(bc, 'check')}"
         )
 
 
