@@ -196,7 +196,7 @@ def check_reuse(out: Path, settings: dict[str, Any]) -> None:
 def _same(got: Any, want: Any) -> bool:
     """Whether a run's config value ``got`` is this command's ``want`` (a value, or the text
     of a ``--set``: ``1e-4`` is 0.0001, ``true`` is True)."""
-    if str(got) == str(want) or str(got).lower() == str(want).lower():
+    if str(got).lower() == str(want).lower():
         return True
     try:
         return float(got) == float(want)
