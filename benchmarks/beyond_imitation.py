@@ -229,7 +229,7 @@ def rl_run(
     extra = []
     if algo == "grpo":  # GRPO scores each env's first episode: groups of --group envs
         extra = [f"algo.group_size={args.group}", f"env.group_size={args.group}"]
-    minibatch = 64 if algo == "dagger" else envs * chunks // 2  # RL: two per iteration
+    minibatch = 64 if algo == "dagger" else envs * chunks // args.minibatches
     epochs = 4 if algo == "dagger" else args.epochs
     settings = {
         "env.num_envs": envs,
@@ -358,6 +358,9 @@ def main() -> None:
     p.add_argument("--dagger-iterations", type=int, default=20)
     p.add_argument("--group", type=int, default=5, help="GRPO: envs per group")
     p.add_argument("--epochs", type=int, default=2, help="RL update epochs per iteration")
+    p.add_argument(
+        "--minibatches", type=int, default=2, help="RL minibatches per epoch (of one rollout)"
+    )
     p.add_argument(
         "--head-only",
         action="store_true",
