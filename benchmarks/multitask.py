@@ -262,6 +262,9 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--envs", type=int, default=10, help="RL's training envs")
     p.add_argument("--epochs", type=int, default=2, help="RL update epochs per iteration")
+    p.add_argument(
+        "--minibatches", type=int, default=2, help="RL minibatches per epoch (of one rollout)"
+    )
     p.add_argument("--max-steps", type=int, default=150, help="env steps per episode")
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--chunk", type=int, default=4, help="actions per policy call")
