@@ -165,6 +165,34 @@ def test_mt10_tasks_and_instructions(mt10) -> None:
 
 
 @pytest.mark.sim
+def test_normalized_dense_reward_is_metaworlds_own_over_ten() -> None:
+    _require_metaworld()
+    import metaworld
+
+    actions = np.linspace(-0.8, 0.8, 3 * 4, dtype=np.float32).reshape(3, 4)
+    env = make_env(
+        "metaworld",
+        task="reach-v3",
+        num_envs=1,
+        auto_reset=False,
+        reward_mode="normalized_dense",
+        **FAST,
+    )
+    try:
+        env.reset(torch.tensor([7]))  # configuration 7 of scene seed 0
+        got = env.chunk_step(torch.from_numpy(actions)[None]).reward[0].tolist()
+    finally:
+        env.close()
+    # the same configuration and actions in MetaWorld itself
+    raw = metaworld.env_dict.ALL_V3_ENVIRONMENTS["reach-v3"]()
+    raw.set_task(list(metaworld.MT1("reach-v3", seed=0).train_tasks)[7])
+    raw.reset()
+    expected = [raw.step(a)[1] / 10 for a in actions]
+    assert 0 < max(expected) < 1
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.sim
 def test_full_state_is_the_spec_state_size(mt10) -> None:
     assert mt10.reset(torch.tensor([0, 1])).state.shape[-1] == mt10.config.spec().state_dim
 

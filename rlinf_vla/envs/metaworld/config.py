@@ -99,7 +99,9 @@ CAMERAS: tuple[str, ...] = (
     "gripperPOV",
 )
 STATE_MODES = ("proprio", "full")
-REWARD_MODES = ("sparse", "dense")
+REWARD_MODES = ("sparse", "dense", "normalized_dense")
+#: The largest value of MetaWorld's shaped reward (v3 tasks: 10 at success).
+MAX_REWARD = 10.0
 #: ``reset_id_layout`` values: how reset ids enumerate (task, configuration) pairs.
 RESET_ID_LAYOUTS = ("by_task", "interleaved")
 RENDER_BACKENDS = ("egl", "osmesa")
@@ -125,7 +127,8 @@ class MetaWorldEnvConfig(EnvConfig):
             (hand and gripper, object positions and quaternions, the previous frame of those,
             the goal position): privileged object state.
         reward_mode: ``"sparse"``: 1 at success, else 0; ``"dense"``: MetaWorld's shaped reward
-            (0 .. 10).
+            (0 .. 10); ``"normalized_dense"``: the shaped reward over its maximum (0 .. 1, as
+            ManiSkill's mode of that name).
         scene_seed: the 50 goal / object configurations of a task are those of
             ``metaworld.MT1(task, seed=scene_seed).train_tasks``, whatever the task set.
         reset_id_layout: how reset id ``r`` picks (task, configuration) among ``n`` tasks:

@@ -17,6 +17,7 @@ from rlinf_vla.envs.base import StepOutput, VectorEnv, register_env
 from rlinf_vla.envs.metaworld.config import (
     DEFAULT_MAX_STEPS,
     INSTRUCTIONS,
+    MAX_REWARD,
     VARIATIONS_PER_TASK,
     MetaWorldEnvConfig,
 )
@@ -124,6 +125,8 @@ class MetaWorldCore:
         success = bool(info["success"])
         if self.cfg.reward_mode == "sparse":
             reward = float(success)
+        elif self.cfg.reward_mode == "normalized_dense":
+            reward = reward / MAX_REWARD
         obs = self._obs(raw) if render or success else None
         return obs, float(reward), success, success
 
@@ -183,7 +186,8 @@ class MetaWorldEnv(VectorEnv):
       the same id gives the same scene in any process, whatever ran before.
     - **Success.** MetaWorld's ``info["success"]`` (the task's own distance / angle test); it
       terminates the episode. ``reward_mode="sparse"``: reward 1.0 at success, else 0;
-      ``"dense"``: MetaWorld's shaped reward (0 .. 10). Time limit: MetaWorld's
+      ``"dense"``: MetaWorld's shaped reward (0 .. 10); ``"normalized_dense"``: that over 10.
+      Time limit: MetaWorld's
       ``max_path_length``, 500 steps (``max_episode_steps`` overrides it).
     - **Observation.** ``images["main"]``: the ``camera`` view (``corner2`` by default), uint8
       ``[B, S, S, 3]``, turned by 180 degrees (MetaWorld's cameras render upside down);
