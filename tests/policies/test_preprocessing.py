@@ -85,7 +85,7 @@ def smooth_image(size: int, seed: int = 0) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # Both sides compute the sample positions in float32, in different orders of operations: they
 # agree to about 1e-6 pixel, which between neighbours up to 255 apart moves a sample by up to
-# ~3e-4 (CPUs with and without fused multiply-add round differently). 1e-5 pixel at the steepest
+# ~3e-4 (the CI machine's CPU rounded them otherwise than this one). 1e-5 pixel at the steepest
 # step bounds it; a grid off by any convention (half a pixel, H against H - 1) is off by units.
 SAMPLE_ATOL = 1e-5 * 255
 
