@@ -34,8 +34,8 @@ scenes. The table gives, per task and averaged over the ten, the mean +- standar
 over runs of behaviour cloning and of each algorithm, and each run's gain over its own warm
 start (paired by SFT seed, in points). Finished stages are reused from ``--work``, so a second
 command with other seeds or algorithms adds runs to the same study (a stage folder made with
-other envs, iterations, epochs or group size is refused). ``--set stage.section.key=value``
-changes one stage's setting (``collect``, ``sft``, ``ppo``, ``grpo``).
+other envs, iterations, epochs, minibatches or group size is refused). ``--set
+stage.section.key=value`` changes one stage's setting (``collect``, ``sft``, ``ppo``, ``grpo``).
 
 Scenes. A MetaWorld task has only 50 configurations (goal and object positions) per
 ``env.scene_seed``, and reset id ``r`` picks one of them, so the package's scene blocks

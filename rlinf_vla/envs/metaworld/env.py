@@ -187,8 +187,8 @@ class MetaWorldEnv(VectorEnv):
     - **Success.** MetaWorld's ``info["success"]`` (the task's own distance / angle test); it
       terminates the episode. ``reward_mode="sparse"``: reward 1.0 at success, else 0;
       ``"dense"``: MetaWorld's shaped reward (0 .. 10); ``"normalized_dense"``: that over 10.
-      Time limit: MetaWorld's
-      ``max_path_length``, 500 steps (``max_episode_steps`` overrides it).
+      Time limit: MetaWorld's ``max_path_length``, 500 steps (``max_episode_steps``
+      overrides it).
     - **Observation.** ``images["main"]``: the ``camera`` view (``corner2`` by default), uint8
       ``[B, S, S, 3]``, turned by 180 degrees (MetaWorld's cameras render upside down);
       ``state``: float32 ``[B, 4]`` = hand position (3) and gripper opening (0 closed .. 1 open)
