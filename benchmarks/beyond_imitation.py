@@ -30,7 +30,9 @@ camera; ``--state proprio`` (the default) gives it the robot's joint positions a
 a VLA sees the world, ``--state privileged`` adds the object and goal poses. Finished stages
 are reused from ``--work``, so a second command with other seeds adds runs to the same study.
 ``--set stage.section.key=value`` changes one stage's setting (``collect``, ``sft``, ``ppo``,
-``grpo``, ``dagger``).
+``grpo``, ``dagger``); with ``--variant NAME`` the RL runs go to folders of their own (ending in
+``-NAME``) beside the warm starts they start from, so that RL recipes are compared on the same
+warm starts in one work folder.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ RECIPE: dict[str, list[str]] = {
     "dagger": ["policy.clip_greedy=true", "algo.lr=3e-4"],
 }
 ENVS = {"ppo": 40, "grpo": 80, "dagger": 40}
+VARIANT_HELP = (
+    "a name for this command's RL settings (its --set values): the RL runs' folders end in "
+    "-NAME, so that a variant shares the demonstrations and warm starts of --work with the "
+    "study it departs from"
+)
 
 
 def eval_results(
@@ -223,7 +230,8 @@ def rl_run(
     (its keys, with ``envs`` training envs; ``chunks`` chunk steps per rollout), unless
     finished: its record and ``last``, the path of its last checkpoint."""
     recipe = RECIPE["rl"] + [HEAD_ONLY] * args.head_only if algo != "dagger" else []
-    out = Path(warm["run_dir"] + f"-{algo}{'-head' * args.head_only}{seed}")
+    variant = f"-{args.variant}" if args.variant else ""
+    out = Path(warm["run_dir"] + f"-{algo}{'-head' * args.head_only}{seed}{variant}")
     iterations = getattr(args, f"{algo}_iterations")
     last = out / "checkpoints" / f"iter_{iterations}" / "policy"
     extra = []
@@ -270,6 +278,7 @@ def rl_run(
         )
     return {
         "algo": algo,
+        "variant": args.variant,
         "head_only": args.head_only and algo != "dagger",
         "seed": seed,
         "sft_seed": warm["seed"],
@@ -376,6 +385,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("runs/beyond_imitation"))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/beyond_imitation.json"))
     p.add_argument("--set", action="append", default=[], help="stage.section.key=value")
+    p.add_argument("--variant", default="", help=VARIANT_HELP)
     p.add_argument("--plot", action="store_true", help="draw each run's curves (PNG)")
     args = p.parse_args()
 

@@ -92,7 +92,7 @@ from pathlib import Path
 from typing import Any
 
 # the helpers of the one-task study beside this file (run as a script, its folder is on the path)
-from beyond_imitation import eval_results, rl_run, summary, warm_start
+from beyond_imitation import VARIANT_HELP, eval_results, rl_run, summary, warm_start
 from maniskill_learning import run, stage_sets, write_results
 
 from rlinf_vla.envs.metaworld.config import MT10, VARIATIONS_PER_TASK
@@ -283,6 +283,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path("runs/multitask"))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/multitask.json"))
     p.add_argument("--set", action="append", default=[], help="stage.section.key=value")
+    p.add_argument("--variant", default="", help=VARIANT_HELP)
     args = p.parse_args()
     if args.eval_episodes % len(MT10) or not 1 <= args.trials <= VARIATIONS_PER_TASK:
         p.error("--val-episodes must be a multiple of 10 and --trials lie in [1, 50]")

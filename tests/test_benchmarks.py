@@ -152,6 +152,39 @@ def test_a_stage_folder_made_without_this_commands_set_values_is_refused(
         check_reuse(run, set_settings(dense, "ppo"))
 
 
+def test_a_variant_gets_rl_folders_of_its_own_beside_the_warm_start(monkeypatch, tmp_path) -> None:
+    """`--variant NAME` puts the RL runs in folders ending in -NAME next to the warm start (so
+    two recipes share one work folder's warm starts) and finds its own finished run there,
+    not the plain recipe's."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from beyond_imitation import rl_run
+
+    warm = {"run_dir": str(tmp_path / "PushCube-v1-proprio-demos20-sft3000-seed1"), "seed": 1}
+    for name in ("ppo0", "ppo0-boot"):  # the plain recipe's run and the variant's, finished
+        run = tmp_path / f"PushCube-v1-proprio-demos20-sft3000-seed1-{name}"
+        (run / "checkpoints" / "iter_40" / "policy").mkdir(parents=True)
+        gamma = 0.8 if "boot" in name else 0.99
+        (run / "config.yaml").write_text(
+            "env:\n  num_envs: 40\nrunner:\n  max_iterations: 40\n  rollout_chunks: 13\n"
+            f"algo:\n  update_epochs: 2\n  minibatch_size: 260\n  gamma: {gamma}\n"
+        )
+        metrics = {"iteration": 40, "eval/success_rate": gamma}
+        (run / "metrics.jsonl").write_text(json.dumps(metrics) + "\n")
+    args = argparse.Namespace(
+        head_only=False, ppo_iterations=40, minibatches=2, epochs=2, group=5, eval_every=20,
+        eval_episodes=64, eval_envs=4, set=["ppo.algo.gamma=0.8"], variant="boot",
+    )  # fmt: skip
+    record = rl_run(args, "ppo", warm, 0, [], 40, 13)  # finished: found, not run
+    assert record["run_dir"].endswith("-seed1-ppo0-boot") and record["variant"] == "boot"
+    assert record["last"].endswith("ppo0-boot/checkpoints/iter_40/policy")
+    assert record["curve"] == [(40, 0.8)]  # the variant's own evaluations
+    args.variant = ""  # the same --set without the name would be the plain run's folder
+    with pytest.raises(SystemExit, match=r"algo\.gamma=0\.99 there, 0\.8 here"):
+        rl_run(args, "ppo", warm, 0, [], 40, 13)
+
+
 def test_the_multitask_table_gives_each_algorithm_its_runs_and_paired_gains(monkeypatch) -> None:
     """benchmarks/multitask.py's rows: BC over the warm starts, and per algorithm the mean of its
     own runs and each run's gain over the warm start of its SFT seed (hand-computed here)."""
