@@ -28,7 +28,9 @@ and its gain over the warm start it started from (paired by SFT seed), mean and 
 The policy is the tiny OpenVLA-OFT (0.48 M parameters, a Gaussian action head) with one 64 x 64
 camera; ``--state proprio`` (the default) gives it the robot's joint positions and TCP pose, as
 a VLA sees the world, ``--state privileged`` adds the object and goal poses. Finished stages
-are reused from ``--work``, so a second command with other seeds adds runs to the same study.
+are reused from ``--work``, so a second command with other seeds adds runs to the same study;
+commands started at once wait for each other where they share a stage (the demonstrations, a
+warm start and its scores).
 ``--set stage.section.key=value`` changes one stage's setting (``collect``, ``sft``, ``ppo``,
 ``grpo``, ``dagger``); with ``--variant NAME`` the RL runs go to folders of their own (ending in
 ``-NAME``) beside the warm starts they start from, so that RL recipes are compared on the same
@@ -52,6 +54,7 @@ from maniskill_learning import (
     episode_chunks,
     evaluations,
     run,
+    stage_lock,
     stage_sets,
     write_results,
 )
@@ -96,20 +99,21 @@ def eval_results(
     task from seed ``first``, into ``out`` (an interrupted evaluation resumes, one with its
     ``total`` trials is read back): its ``results.json``."""
     done = out / "results.json"
-    if not done.exists() or json.loads(done.read_text())["overall"]["trials"] < total:
-        run(
-            [
-                "eval",
-                *env,
-                "policy=openvla_oft",
-                f"policy.checkpoint={checkpoint}",
-                "policy.clip_greedy=true",
-                f"eval.trials_per_task={trials}",
-                f"eval.seed={first}",
-                f"eval.output_dir={out}",
-                "eval.progress=false",
-            ]
-        )
+    with stage_lock(out):
+        if not done.exists() or json.loads(done.read_text())["overall"]["trials"] < total:
+            run(
+                [
+                    "eval",
+                    *env,
+                    "policy=openvla_oft",
+                    f"policy.checkpoint={checkpoint}",
+                    "policy.clip_greedy=true",
+                    f"eval.trials_per_task={trials}",
+                    f"eval.seed={first}",
+                    f"eval.output_dir={out}",
+                    "eval.progress=false",
+                ]
+            )
     return json.loads(done.read_text())
 
 
@@ -134,28 +138,29 @@ def warm_start(
     ``keys``, the env's and any others, on the env's validation scenes; a finished run is
     reused), its validation curve and the chosen checkpoint."""
     wall = None
-    if not (out / "checkpoints" / f"step_{args.sft_steps}").exists():
-        wall = run(
-            [
-                "sft",
-                *keys,
-                "policy=openvla_oft",
-                f"policy.chunk_size={args.chunk}",
-                f"data.paths=[{','.join(str(d) for d in demos)}]",
-                f"sft.steps={args.sft_steps}",
-                "sft.lr=3e-4",
-                "sft.batch_size=64",
-                "sft.micro_batch_size=64",
-                f"runner.eval_interval={args.sft_eval_every}",
-                "runner.eval_at_start=false",
-                f"runner.eval_episodes={args.eval_episodes}",
-                "runner.eval_scenes=validation",
-                "runner.eval_videos=false",
-                f"runner.save_interval={args.sft_eval_every}",
-                *common(out, seed),
-                *stage_sets(args, "sft"),
-            ]
-        )
+    with stage_lock(out):
+        if not (out / "checkpoints" / f"step_{args.sft_steps}").exists():
+            wall = run(
+                [
+                    "sft",
+                    *keys,
+                    "policy=openvla_oft",
+                    f"policy.chunk_size={args.chunk}",
+                    f"data.paths=[{','.join(str(d) for d in demos)}]",
+                    f"sft.steps={args.sft_steps}",
+                    "sft.lr=3e-4",
+                    "sft.batch_size=64",
+                    "sft.micro_batch_size=64",
+                    f"runner.eval_interval={args.sft_eval_every}",
+                    "runner.eval_at_start=false",
+                    f"runner.eval_episodes={args.eval_episodes}",
+                    "runner.eval_scenes=validation",
+                    "runner.eval_videos=false",
+                    f"runner.save_interval={args.sft_eval_every}",
+                    *common(out, seed),
+                    *stage_sets(args, "sft"),
+                ]
+            )
     chosen = best_checkpoint(out, "step")
     print(chosen.notes[0])
     return {
@@ -248,34 +253,35 @@ def rl_run(
     }
     if algo == "grpo":
         settings["algo.group_size"] = args.group
-    check_reuse(out, settings | set_settings(args, algo))
-    wall = None
-    if not last.exists():
-        wall = run(
-            [
-                "train",
-                *env,
-                "policy=openvla_oft",
-                f"policy.checkpoint={warm['checkpoint']}",
-                f"algo={algo}",
-                *recipe,
-                *extra,
-                f"algo.update_epochs={epochs}",
-                f"algo.minibatch_size={minibatch}",
-                f"algo.micro_batch_size={minibatch}",
-                *RECIPE[algo],
-                f"runner.rollout_chunks={chunks}",
-                f"runner.max_iterations={iterations}",
-                f"runner.eval_interval={args.eval_every}",
-                f"runner.eval_episodes={args.eval_episodes}",
-                f"runner.eval_num_envs={args.eval_envs}",
-                "runner.eval_videos=false",
-                # a stopped run resumes from it
-                f"runner.save_interval={args.eval_every or iterations}",
-                *common(out, seed),
-                *stage_sets(args, algo),
-            ]
-        )
+    with stage_lock(out):
+        check_reuse(out, settings | set_settings(args, algo))
+        wall = None
+        if not last.exists():
+            wall = run(
+                [
+                    "train",
+                    *env,
+                    "policy=openvla_oft",
+                    f"policy.checkpoint={warm['checkpoint']}",
+                    f"algo={algo}",
+                    *recipe,
+                    *extra,
+                    f"algo.update_epochs={epochs}",
+                    f"algo.minibatch_size={minibatch}",
+                    f"algo.micro_batch_size={minibatch}",
+                    *RECIPE[algo],
+                    f"runner.rollout_chunks={chunks}",
+                    f"runner.max_iterations={iterations}",
+                    f"runner.eval_interval={args.eval_every}",
+                    f"runner.eval_episodes={args.eval_episodes}",
+                    f"runner.eval_num_envs={args.eval_envs}",
+                    "runner.eval_videos=false",
+                    # a stopped run resumes from it
+                    f"runner.save_interval={args.eval_every or iterations}",
+                    *common(out, seed),
+                    *stage_sets(args, algo),
+                ]
+            )
     return {
         "algo": algo,
         "variant": args.variant,
@@ -406,16 +412,17 @@ def main() -> None:
 def study(args: argparse.Namespace, n: int) -> dict[str, Any]:
     """The study with ``n`` demonstrations: collect, the warm starts, the runs, their table."""
     demos = args.work / f"{args.task}-demos{n}"
-    if not (demos / "meta" / "info.json").exists():
-        run(
-            [
-                "collect",
-                *env_args(args, 2),
-                f"collect.episodes={n}",
-                f"collect.output_dir={demos}",
-                *stage_sets(args, "collect"),
-            ]
-        )
+    with stage_lock(demos):
+        if not (demos / "meta" / "info.json").exists():
+            run(
+                [
+                    "collect",
+                    *env_args(args, 2),
+                    f"collect.episodes={n}",
+                    f"collect.output_dir={demos}",
+                    *stage_sets(args, "collect"),
+                ]
+            )
     warm = [sft_stage(args, demos, n, s) for s in args.sft_seeds]
     runs = [
         train_stage(args, algo, w, seed) for w in warm for algo in args.algos for seed in args.seeds

@@ -37,11 +37,14 @@ folder.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +154,23 @@ def run(command: list[str]) -> float:
     if code != 0:
         raise SystemExit(f"rlinf-vla {command[0]} failed with exit code {code}")
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def stage_lock(folder: Path) -> Iterator[None]:
+    """Hold the stage that writes ``folder`` for this command: a second command that reaches the
+    same stage (two seeds' commands started at once both collect the demonstrations, or score
+    the same warm start) waits here, then finds the stage finished and reuses it, instead of
+    writing into the same folder at once. The lock is ``folder`` + ``.lock`` beside it, held
+    with ``flock``, so a command that dies lets go of it."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another command to finish {folder} ...", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def write_results(path: Path, results: dict[str, Any]) -> None:

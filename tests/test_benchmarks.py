@@ -185,6 +185,36 @@ def test_a_variant_gets_rl_folders_of_its_own_beside_the_warm_start(monkeypatch,
         rl_run(args, "ppo", warm, 0, [], 40, 13)
 
 
+def test_a_second_command_waits_for_a_stage_another_one_is_writing(
+    monkeypatch, tmp_path, capsys
+) -> None:
+    """Two commands of one study started at once (one per SFT seed) reach the same collect or
+    scoring stage: the second waits for the first's stage_lock and then finds its result,
+    instead of writing into the same folder at the same time."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from maniskill_learning import stage_lock
+
+    demos = tmp_path / "PushCube-v1-demos20"
+    holder = f"""
+import fcntl, sys, time
+from pathlib import Path
+with open({str(demos) + ".lock"!r}, "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    print("held", flush=True)
+    time.sleep(1.5)
+    Path({str(demos)!r}).mkdir()  # the stage's result, written while it holds the lock
+"""
+    other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    assert other.stdout is not None and other.stdout.readline() == "held\n"
+    with stage_lock(demos):
+        assert demos.is_dir()  # entered only once the other command's stage was written
+    assert other.wait(timeout=30) == 0
+    assert f"waiting for another command to finish {demos}" in capsys.readouterr().out
+    with stage_lock(demos):  # free again: no wait, nothing printed
+        pass
+    assert capsys.readouterr().out == ""
+
+
 def test_the_multitask_table_gives_each_algorithm_its_runs_and_paired_gains(monkeypatch) -> None:
     """benchmarks/multitask.py's rows: BC over the warm starts, and per algorithm the mean of its
     own runs and each run's gain over the warm start of its SFT seed (hand-computed here)."""
