@@ -308,6 +308,15 @@ def _squared(error: Tensor, delta: float | None) -> Tensor:
 
 
 @LOSSES.register("value", term="value")
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor | None = None) -> Tensor:
+    """How much of the returns' variance the values account for: 1 - Var(G - V) / Var(G) over
+    the valid entries (1: a perfect critic; 0: no better than the returns' mean; below 0:
+    worse), NaN when Var(G) = 0. Shapes: ``values``, ``returns``, ``mask`` ``[*S]`` -> 0-d."""
+    var_returns = masked_var(returns, mask)
+    explained = 1.0 - masked_var(returns - values, mask) / var_returns
+    return torch.where(var_returns > 0, explained, torch.full_like(explained, float("nan")))
+
+
 def value_loss(
     *,
     values: Tensor,
@@ -352,14 +361,10 @@ def value_loss(
     loss = aggregate(losses, mask, agg, denominator)
 
     with torch.no_grad():
-        var_returns = masked_var(returns, mask)
-        explained = 1.0 - masked_var(returns - old_values, mask) / var_returns
         metrics = {
             "value_loss": loss.detach(),
             "value_clip_fraction": masked_mean(value_clipped.float(), mask),
-            "explained_variance": torch.where(
-                var_returns > 0, explained, torch.full_like(explained, float("nan"))
-            ),
+            "explained_variance": explained_variance(old_values, returns, mask),
             "value_mean": masked_mean(values, mask),
             "return_mean": masked_mean(returns, mask),
         }

@@ -84,6 +84,7 @@ class PolicyUpdater:
         """The epochs over ``batch`` at iteration ``iteration`` of ``total_iterations`` (the
         learning-rate schedule); returns the ``train/`` metrics."""
         from rlinf_vla.algos import whiten
+        from rlinf_vla.algos.losses import explained_variance
 
         a = self.algo
         if estimator_kind(a.advantage) == "critic" and a.normalize_advantages and len(batch) > 1:
@@ -115,6 +116,10 @@ class PolicyUpdater:
         result["train/lr"] = lr
         result["train/advantage_mean"] = float(batch.advantages.mean())
         result["train/return_mean"] = float(batch.returns.mean())
+        if estimator_kind(a.advantage) == "critic":
+            # over the whole rollout, with the values it was played with (as CleanRL logs it)
+            ev = explained_variance(batch.old_value, batch.returns, batch.mask)
+            result["train/explained_variance"] = float(ev)
         result["train/samples"] = float(batch.mask.sum())
         result["train/frozen_features"] = float(features is not None)
         return result
