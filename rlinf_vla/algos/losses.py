@@ -307,7 +307,6 @@ def _squared(error: Tensor, delta: float | None) -> Tensor:
     return torch.where(abs_error <= delta, 0.5 * error**2, delta * (abs_error - 0.5 * delta))
 
 
-@LOSSES.register("value", term="value")
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor | None = None) -> Tensor:
     """How much of the returns' variance the values account for: 1 - Var(G - V) / Var(G) over
     the valid entries (1: a perfect critic; 0: no better than the returns' mean; below 0:
@@ -317,6 +316,7 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor | None = No
     return torch.where(var_returns > 0, explained, torch.full_like(explained, float("nan")))
 
 
+@LOSSES.register("value", term="value")
 def value_loss(
     *,
     values: Tensor,

@@ -118,8 +118,9 @@ class PolicyUpdater:
         result["train/return_mean"] = float(batch.returns.mean())
         if estimator_kind(a.advantage) == "critic":
             # over the whole rollout, with the values it was played with (as CleanRL logs it)
-            ev = explained_variance(batch.old_value, batch.returns, batch.mask)
-            result["train/explained_variance"] = float(ev)
+            ev = float(explained_variance(batch.old_value, batch.returns, batch.mask))
+            if ev == ev:  # not NaN: the returns vary over two or more valid samples
+                result["train/explained_variance"] = ev
         result["train/samples"] = float(batch.mask.sum())
         result["train/frozen_features"] = float(features is not None)
         return result
