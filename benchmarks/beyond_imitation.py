@@ -49,6 +49,7 @@ from typing import Any
 # the helpers of the privileged-state benchmark beside this file (run as a script, its folder
 # is on the path)
 from maniskill_learning import (
+    collect_once,
     common,
     env_args,
     episode_chunks,
@@ -412,17 +413,7 @@ def main() -> None:
 def study(args: argparse.Namespace, n: int) -> dict[str, Any]:
     """The study with ``n`` demonstrations: collect, the warm starts, the runs, their table."""
     demos = args.work / f"{args.task}-demos{n}"
-    with stage_lock(demos):
-        if not (demos / "meta" / "info.json").exists():
-            run(
-                [
-                    "collect",
-                    *env_args(args, 2),
-                    f"collect.episodes={n}",
-                    f"collect.output_dir={demos}",
-                    *stage_sets(args, "collect"),
-                ]
-            )
+    collect_once(demos, [*env_args(args, 2), f"collect.episodes={n}", *stage_sets(args, "collect")])
     warm = [sft_stage(args, demos, n, s) for s in args.sft_seeds]
     runs = [
         train_stage(args, algo, w, seed) for w in warm for algo in args.algos for seed in args.seeds

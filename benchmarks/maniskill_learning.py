@@ -173,6 +173,14 @@ def stage_lock(folder: Path) -> Iterator[None]:
         yield
 
 
+def collect_once(out: Path, keys: list[str]) -> None:
+    """``rlinf-vla collect`` with ``keys`` into ``out``, unless a finished dataset is there (a
+    command that reaches it while another collects waits, then reuses it)."""
+    with stage_lock(out):
+        if not (out / "meta" / "info.json").exists():
+            run(["collect", *keys, f"collect.output_dir={out}"])
+
+
 def write_results(path: Path, results: dict[str, Any]) -> None:
     """Write a study's ``results`` as JSON to ``path``, with the machine it ran on."""
     results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform()}

@@ -93,7 +93,7 @@ from typing import Any
 
 # the helpers of the one-task study beside this file (run as a script, its folder is on the path)
 from beyond_imitation import VARIANT_HELP, eval_results, rl_run, summary, warm_start
-from maniskill_learning import run, stage_lock, stage_sets, write_results
+from maniskill_learning import collect_once, stage_sets, write_results
 
 from rlinf_vla.envs.metaworld.config import MT10, VARIATIONS_PER_TASK
 
@@ -127,20 +127,17 @@ def collect_demos(args: argparse.Namespace) -> list[Path]:
     folders = []
     for t, task in enumerate(MT10):
         out = args.work / f"demos{args.demos_per_task}" / task
-        with stage_lock(out):
-            if not (out / "meta" / "info.json").exists():
-                run(
-                    [
-                        "collect",
-                        *env_args(args, 2, "demos", layout="by_task"),
-                        f"collect.episodes={args.demos_per_task}",
-                        f"collect.first_reset_id={VARIATIONS_PER_TASK * t}",
-                        f"collect.max_attempts={args.demos_per_task + 5}",  # within the task's 50
-                        "collect.fps=80",
-                        f"collect.output_dir={out}",
-                        *stage_sets(args, "collect"),
-                    ]
-                )
+        collect_once(
+            out,
+            [
+                *env_args(args, 2, "demos", layout="by_task"),
+                f"collect.episodes={args.demos_per_task}",
+                f"collect.first_reset_id={VARIATIONS_PER_TASK * t}",
+                f"collect.max_attempts={args.demos_per_task + 5}",  # within the task's 50
+                "collect.fps=80",
+                *stage_sets(args, "collect"),
+            ],
+        )
         folders.append(out)
     return folders
 
