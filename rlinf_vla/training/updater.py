@@ -117,7 +117,7 @@ class PolicyUpdater:
         result["train/advantage_mean"] = float(batch.advantages.mean())
         result["train/return_mean"] = float(batch.returns.mean())
         if estimator_kind(a.advantage) == "critic":
-            # over the whole rollout, with the values it was played with (as CleanRL logs it)
+            # over the whole rollout, with the values it was played with
             ev = float(explained_variance(batch.old_value, batch.returns, batch.mask))
             if ev == ev:  # not NaN: the returns vary over two or more valid samples
                 result["train/explained_variance"] = ev
