@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from rlinf_vla.types import Observation
 
 if TYPE_CHECKING:
     from rlinf_vla.envs.base import EnvConfig
+    from rlinf_vla.pipelines.routing import Routing
     from rlinf_vla.policies.base import PolicyConfig
 
 
@@ -207,7 +209,12 @@ class EnvWorker(Worker):
         # envs still in the first episode of the rollout (set at each reset)
         self.in_first_episode = [torch.zeros(env.num_envs, dtype=torch.bool) for env in self.envs]
 
-    def interact(self, channel: Channel, num_chunks: int) -> dict[str, list[float]]:
+    def interact(
+        self,
+        channels: Channel | Sequence[Channel],
+        num_chunks: int,
+        routing: Routing | None = None,
+    ) -> dict[str, list[float]]:
         """Run ``num_chunks`` chunk steps of every stage; returns finished episodes' stats
         (``return``, ``success``, ``invalid``: one entry per episode; ``first_success``: one
         entry per valid episode that was its env's first of the rollout), each stage's
@@ -218,6 +225,9 @@ class EnvWorker(Worker):
         ``path_*``: the reset, step, wait and wall seconds of the worker's critical path (the
         longest stage when stages step at the same time, every stage when they take turns).
 
+        Stage ``s`` talks over ``channels[routing.rollout_of((rank, s))]``, the channel of
+        the rollout worker that serves it (one channel alone: every stage's).
+
         Stages whose simulators run in subprocesses (:attr:`VectorEnv.workers`: LIBERO,
         MetaWorld, ManiSkill's CPU backend) step at the same time, one thread each: while one
         stage's processes simulate, the next stage's observation can go to the rollout.
@@ -227,13 +237,20 @@ class EnvWorker(Worker):
         # Every rollout starts fresh episodes from the envs' reset-id cursors, so the state
         # of the envs between rollouts is just the cursors (see get_state / set_state).
         stages = range(len(self.envs))
+        if isinstance(channels, Sequence):
+            assert routing is not None, "several channels need the routing table"
+            chans = [channels[routing.rollout_of((self.rank, s))] for s in stages]
+        else:
+            chans = [channels for _ in stages]
+        used = list({id(c): c for c in chans}.values())
         stats: list[dict[str, list[float]]] = [{k: [] for k in self.STATS} for _ in stages]
-        channel.take_timers()  # from here on
+        for c in used:
+            c.take_timers()  # from here on
         concurrent = len(self.envs) > 1 and all(env.workers is not None for env in self.envs)
         if concurrent:
             pool = ThreadPoolExecutor(len(self.envs), thread_name_prefix="env-stage")
             futures = [
-                pool.submit(self._run_stage, channel, num_chunks, s, stats[s]) for s in stages
+                pool.submit(self._run_stage, chans[s], num_chunks, s, stats[s]) for s in stages
             ]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
             # A failed stage ends the call at once; the others may be waiting for actions the
@@ -243,10 +260,10 @@ class EnvWorker(Worker):
                 if f in done and f.exception() is not None:
                     raise f.exception()
         else:
-            self._take_turns(channel, num_chunks, stats)
-        timers = channel.take_timers()
-        stats[0]["send_s"].append(timers["send_s"])
-        stats[0]["fetch_s"].append(timers["fetch_s"])
+            self._take_turns(chans, num_chunks, stats)
+        timers = [c.take_timers() for c in used]
+        stats[0]["send_s"].append(sum(t["send_s"] for t in timers))
+        stats[0]["fetch_s"].append(sum(t["fetch_s"] for t in timers))
         out = {
             k: [v for st in stats for v in st[k]] for k in self.STATS if not k.startswith("path_")
         }
@@ -272,24 +289,34 @@ class EnvWorker(Worker):
         stats["wall_s"].append(time.perf_counter() - start)
 
     def _take_turns(
-        self, channel: Channel, num_chunks: int, stats: list[dict[str, list[float]]]
+        self, chans: list[Channel], num_chunks: int, stats: list[dict[str, list[float]]]
     ) -> None:
         """Every stage in turn. Each chunk step of a stage is a request/response: send the
         observation, receive the actions; the put of one stage and the get of the next go in
-        one channel call."""
+        one channel call where both stages use the same channel."""
         start = time.perf_counter()
         pending: tuple[str, EnvMessage] | None = None
         last = stats[-1]  # the stage whose message is pending when a channel call is made
+        via = chans[-1]  # the channel of the pending message
         for s in range(len(self.envs)):
             self._reset(s, stats[s])
             if pending is not None:
-                _timed(last, channel.put, *pending)
-            pending, last = (obs_key(self.rank, s), EnvMessage(obs=self.obs[s])), stats[s]
+                _timed(last, via.put, *pending)
+            pending, last, via = (
+                (obs_key(self.rank, s), EnvMessage(obs=self.obs[s])),
+                stats[s],
+                chans[s],
+            )
         for _ in range(num_chunks):
             for s in range(len(self.envs)):
-                actions = _timed(last, channel.exchange, *pending, act_key(self.rank, s))
+                if via is chans[s]:
+                    actions = _timed(last, via.exchange, *pending, act_key(self.rank, s))
+                else:
+                    _timed(last, via.put, *pending)
+                    actions = _timed(last, chans[s].get, act_key(self.rank, s))
                 pending, last = (obs_key(self.rank, s), self._step(s, actions, stats[s])), stats[s]
-        _timed(last, channel.put, *pending)
+                via = chans[s]
+        _timed(last, via.put, *pending)
         wall = time.perf_counter() - start  # the stages share one clock: each reports it
         for st in stats:
             st["wall_s"].append(wall)
@@ -476,11 +503,13 @@ class RolloutWorker(Worker):
         sources: list[tuple[int, int]],
         destinations: list[str],
         greedy: bool = False,
+        trajectories: Channel | None = None,
     ) -> dict[str, float]:
-        """Serve ``sources`` (``(env_rank, stage)`` pairs) for ``num_chunks`` chunk steps.
+        """Serve ``sources`` (``(env_rank, stage)`` pairs) for ``num_chunks`` chunk steps,
+        taking their observations from ``channel`` and answering there.
 
-        Puts the :class:`Trajectory` of ``sources[i]`` on ``channel`` under
-        ``destinations[i]``. Returns where the call's seconds went: ``wall_s`` in all,
+        Puts the :class:`Trajectory` of ``sources[i]`` on ``trajectories`` (default:
+        ``channel``) under ``destinations[i]``. Returns where the call's seconds went: ``wall_s`` in all,
         ``copy_s`` moving an offloaded policy to the device and back, ``policy_s`` computing
         actions and values, ``wait_s`` in channel calls for the observations (sending the
         previous actions, waiting, receiving), ``finish_s`` building and sending the
@@ -489,13 +518,17 @@ class RolloutWorker(Worker):
         ``finish_s``); ``trajectories``: how many it sent.
         """
         start = time.perf_counter()
-        channel.take_timers()
+        out = channel if trajectories is None else trajectories
+        used = [channel] if out is channel else [channel, out]
+        for c in used:
+            c.take_timers()
         times = dict.fromkeys(("copy_s", "policy_s", "wait_s", "finish_s"), 0.0)
         with self._resident(times), torch.no_grad():
-            n = self._generate(channel, num_chunks, sources, destinations, greedy, times)
+            n = self._generate(channel, out, num_chunks, sources, destinations, greedy, times)
+        timers = [c.take_timers() for c in used]
         return {
             **times,
-            **channel.take_timers(),
+            **{k: sum(t[k] for t in timers) for k in timers[0]},
             "wall_s": time.perf_counter() - start,
             "trajectories": n,
         }
@@ -503,6 +536,7 @@ class RolloutWorker(Worker):
     def _generate(
         self,
         channel: Channel,
+        trajectories: Channel,
         num_chunks: int,
         sources: list[tuple[int, int]],
         destinations: list[str],
@@ -553,7 +587,7 @@ class RolloutWorker(Worker):
         if pending is not None:
             channel.put(*pending)
         for src, key in zip(sources, destinations, strict=True):
-            channel.put(key, builders[src].build(self.version))
+            trajectories.put(key, builders[src].build(self.version))
         times["finish_s"] += clock() - t0
         return len(sources)
 

@@ -7,7 +7,10 @@ its trajectory to exactly one actor worker:
     source (env_rank, stage) ──obs/act──> rollout worker ──trajectory──> actor worker
 
 Sources are dealt out in order, round-robin: the i-th source goes to rollout worker
-``i % rollout_workers`` and to actor worker ``i % actor_workers``. The table is fixed for a
+``i % rollout_workers`` and to actor worker ``i % actor_workers``. Each rollout worker hosts the
+channel its sources' observations and actions go through, so a source talks to its rollout
+worker's process directly (with as many env workers as rollout workers, as in ``collocated``,
+env worker ``r`` and rollout worker ``r`` on the same device). The table is fixed for a
 run, and an actor orders what it receives by source, so the update does not depend on which
 rollout worker finished first.
 """
@@ -51,6 +54,13 @@ class Routing:
     @property
     def sources(self) -> list[Source]:
         return [r.source for r in self.routes]
+
+    def rollout_of(self, source: Source) -> int:
+        """The rollout worker that serves ``source``."""
+        for r in self.routes:
+            if r.source == source:
+                return r.rollout
+        raise KeyError(f"no route for env stage {source}")
 
     def served_by(self, rollout: int) -> tuple[list[Source], list[str]]:
         """The sources rollout worker ``rollout`` serves and the channel keys of their

@@ -105,14 +105,20 @@ class EmbodiedRunner:
         self._memory: dict[str, list[dict[str, float]]] = {}  # the last memory readings
         try:
             self._start_workers(LocalGroup if local else WorkerGroup, offload, sharded)
-            # The first rollout worker keeps the channel's queues (Ray modes): it takes the
-            # observations and puts the actions and trajectories without a call of its own.
+            # Each rollout worker keeps the queues of a channel (Ray modes): it takes its
+            # sources' observations and puts their actions without a call of its own, and the
+            # env stages it serves call its process directly. The first one's channel also
+            # carries the trajectories to the actor.
             name = f"embodied-{id(self)}"
-            self.channel = (
-                LocalChannel.create(name)
+            self.channels = [
+                LocalChannel.create(f"{name}-{w}")
                 if local
-                else Channel.create(name, host=self.rollout.actor(0))
-            )
+                else Channel.create(
+                    f"{name}-{w}", host=self.rollout.actor(w), pipes=job.cluster.pipes
+                )
+                for w in range(self.rollout.world_size)
+            ]
+            self.channel = self.channels[0]
             self._connect(sharded)
             self.start_iteration = 0
             if self.checkpoint is not None:
@@ -277,11 +283,18 @@ class EmbodiedRunner:
         self._sync_bytes = 0
         self._sync(version=it)
         t1 = time.perf_counter()
-        calls = [self.env.interact(self.channel, r.rollout_chunks)]
+        calls = [self.env.interact(self.channels, r.rollout_chunks, self.routing)]
         for w in range(self.rollout.world_size):
             mine, dests = self.routing.served_by(w)
             calls.append(
-                self.rollout.generate(self.channel, r.rollout_chunks, mine, dests, ranks=[w])
+                self.rollout.generate(
+                    self.channels[w],
+                    r.rollout_chunks,
+                    mine,
+                    dests,
+                    trajectories=self.channel,
+                    ranks=[w],
+                )
             )
         env_stats, *served = wait_all(calls)
         t2 = time.perf_counter()
@@ -402,8 +415,8 @@ class EmbodiedRunner:
                 self.rollout.close().wait(timeout=60)
         # first the channel: a (local) worker blocked on it ends its call, so its group's
         # shutdown can wait for its thread
-        if "channel" in self.__dict__:  # made once the workers started
-            self.channel.close()
+        for channel in self.__dict__.get("channels", ()):  # made once the workers started
+            channel.close()
         for name in ("env", "rollout", "actor"):
             if name in self.__dict__:  # all of them unless the start failed
                 self.__dict__[name].shutdown()

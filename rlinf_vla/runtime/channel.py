@@ -35,6 +35,14 @@ Semantics:
   response instead of two and one process less: on the 2-core machine a put and get of 0.8 MB
   through a separate channel actor took 9.3-11 ms of CPU in all processes, a direct call to
   the consumer 4.4 ms (docs/experiments/2026-11-30-channel-costs.md).
+- Same-node pipes: a process on the host's node (``pipes=True``, the default) talks to a
+  hosted channel over a Unix socket of its own instead of Ray calls: each thread of a handle
+  opens a connection to the host's pipe server, which answers it from a thread of its own.
+  ``exchange``, ``get``, ``get_batch`` and an unbounded channel's ``put`` go that way; items
+  travel pickled (protocol 5, their arrays as out-of-band buffers), never through the object
+  store. A round trip is then one socket write and one read on each side, where a Ray call
+  passes several threads of both processes and, for a big item, the object store. A host that
+  ends closes the connections: a waiting producer gets :class:`ChannelHostLost`.
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import os
+import pickle
+import struct
 import threading
 import time
 import uuid
@@ -141,9 +152,127 @@ def hosted_call(name: str, op: str, *arg: Any) -> Any:
     if op == "close":
         _HOSTED.pop(name, None)
         return None
+    if op == "pipe":  # where producers on this node connect (the server starts on first use)
+        return _pipe_server().info()
     if name not in _HOSTED:
         raise KeyError(f"no channel named {name!r} is hosted here (it was closed)")
     return getattr(_HOSTED[name], op)(*arg)
+
+
+class ChannelHostLost(ConnectionError):
+    """The process hosting a channel ended while a same-node pipe waited for its answer."""
+
+
+def _queues(name: str) -> _ChannelActor:
+    if name not in _HOSTED:
+        raise KeyError(f"no channel named {name!r} is hosted here (it was closed)")
+    return _HOSTED[name]
+
+
+def _send(conn: Any, obj: Any) -> None:
+    """``obj`` over ``conn``: one message with the pickle (protocol 5), then one per
+    out-of-band buffer (the bytes of its NumPy arrays, never copied into the pickle)."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    conn.send_bytes(struct.pack("!I", len(buffers)) + head)
+    for buffer in buffers:
+        conn.send_bytes(buffer.raw())
+
+
+def _recv(conn: Any) -> Any:
+    message = conn.recv_bytes()
+    (count,) = struct.unpack_from("!I", message)
+    buffers = [conn.recv_bytes() for _ in range(count)]
+    return pickle.loads(memoryview(message)[4:], buffers=buffers)
+
+
+def _encode(payload: tuple[str, Any]) -> tuple[str, Any]:
+    """A ``("v", item)`` payload for a pipe: its CPU tensors as NumPy arrays."""
+    kind, value = payload
+    return (kind, _map_tensors(value, _to_array)) if kind == "v" else payload
+
+
+def _decode(payload: tuple[str, Any]) -> tuple[str, Any]:
+    kind, value = payload
+    return (kind, _map_tensors(value, _from_array)) if kind == "v" else payload
+
+
+def _resolved(payloads: list[tuple[str, Any]] | None) -> list[tuple[str, Any]] | None:
+    """``payloads`` with the object-store ones fetched, for a pipe's answer."""
+    if payloads is None or all(kind == "v" for kind, _ in payloads):
+        return payloads
+    import ray
+
+    refs = [value[0] for kind, value in payloads if kind == "r"]
+    fetched = [_map_tensors(x, _from_array) for x in ray.get(refs)]
+    return [("v", item) for item in _merge(payloads, fetched)]
+
+
+class _PipeServer:
+    """The same-node pipes of a host process: one listening Unix socket, a thread per
+    connection, each answering the requests of one producer thread in order."""
+
+    def __init__(self) -> None:
+        from multiprocessing.connection import Listener
+
+        self.authkey = os.urandom(16)
+        self.listener = Listener(family="AF_UNIX", authkey=self.authkey)
+        threading.Thread(target=self._accept, name="channel-pipes", daemon=True).start()
+
+    def info(self) -> tuple[str, str, bytes]:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return node, self.listener.address, self.authkey
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except OSError:  # the listener was closed
+                return
+            except Exception:  # a peer that failed the handshake
+                continue
+            threading.Thread(
+                target=self._serve, args=(conn,), name="channel-pipe", daemon=True
+            ).start()
+
+    @staticmethod
+    def _serve(conn: Any) -> None:
+        with contextlib.suppress(EOFError, OSError), conn:
+            while True:
+                name, op, arg = _recv(conn)
+                try:
+                    if op == "put":  # unbounded: no answer (as a Ray put without an ack)
+                        key, producer, seq, payload = arg
+                        _queues(name).put((key, producer, seq, _decode(payload)))
+                        continue
+                    if op == "get":
+                        got = _queues(name).get(arg)
+                    else:  # exchange
+                        (key, producer, seq, payload), request = arg
+                        got = _queues(name).exchange(
+                            ((key, producer, seq, _decode(payload)), request)
+                        )
+                    got = _resolved(got)
+                    answer = ("ok", None if got is None else [_encode(p) for p in got])
+                except Exception as e:  # the producer raises it
+                    if op == "put":
+                        continue
+                    answer = ("error", f"{type(e).__name__}: {e}")
+                _send(conn, answer)
+
+
+_PIPE_SERVER: _PipeServer | None = None
+_PIPE_SERVER_LOCK = threading.Lock()
+
+
+def _pipe_server() -> _PipeServer:
+    global _PIPE_SERVER
+    with _PIPE_SERVER_LOCK:
+        if _PIPE_SERVER is None:
+            _PIPE_SERVER = _PipeServer()
+        return _PIPE_SERVER
 
 
 class _HostedQueues:
@@ -183,10 +312,16 @@ class Channel:
     """
 
     def __init__(
-        self, name: str, actor: Any, maxsize: int, inline_max_bytes: int = INLINE_MAX_BYTES
+        self,
+        name: str,
+        actor: Any,
+        maxsize: int,
+        inline_max_bytes: int = INLINE_MAX_BYTES,
+        pipes: bool = True,
     ):
         self.name, self._actor, self.maxsize = name, actor, maxsize
         self.inline_max_bytes = inline_max_bytes
+        self.pipes = pipes
         self._reset_producer()
 
     def _reset_producer(self) -> None:
@@ -202,6 +337,12 @@ class Channel:
         self._last_put: Any = None
         self._lock = threading.Lock()
         self._timers = {"send_s": 0.0, "fetch_s": 0.0}
+        # same-node pipes (module docs): the host's pipe address once known (False: none for
+        # this handle), and each thread's connection
+        self._pipe_info: tuple[str, str, bytes] | bool | None = None
+        if not (self.pipes and hosted and self._local is None):
+            self._pipe_info = False
+        self._threads = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -209,12 +350,64 @@ class Channel:
             "actor": self._actor,
             "maxsize": self.maxsize,
             "inline": self.inline_max_bytes,
+            "pipes": self.pipes,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.name, self._actor, self.maxsize = state["name"], state["actor"], state["maxsize"]
-        self.inline_max_bytes = state["inline"]
+        self.inline_max_bytes, self.pipes = state["inline"], state["pipes"]
         self._reset_producer()
+
+    # ------------------------------------------------------------------ same-node pipes
+    def _pipe(self) -> Any:
+        """The calling thread's connection to the host's pipe server, or ``None`` where this
+        handle talks to the channel through Ray calls (module docs)."""
+        if self._pipe_info is False:
+            return None
+        conn = getattr(self._threads, "conn", None)
+        if conn is not None:
+            return conn
+        import ray
+
+        with self._lock:
+            if self._pipe_info is None:
+                node, address, authkey = ray.get(self._actor.pipe.remote())
+                here = ray.get_runtime_context().get_node_id()
+                self._pipe_info = (node, address, authkey) if node == here else False
+        if self._pipe_info is False:
+            return None
+        from multiprocessing.connection import Client
+
+        _, address, authkey = self._pipe_info
+        conn = self._threads.conn = Client(address, family="AF_UNIX", authkey=authkey)
+        return conn
+
+    def _pipe_call(self, conn: Any, op: str, arg: Any) -> list[Any] | None:
+        """``op`` over ``conn``; the answer's payloads, decoded (``None``: a get timed out)."""
+        try:
+            _send(conn, (self.name, op, arg))
+            if op == "put":
+                return None
+            status, answer = _recv(conn)
+        except (EOFError, OSError) as e:
+            self._threads.conn = None
+            raise ChannelHostLost(
+                f"channel {self.name!r}: the process hosting it ended ({type(e).__name__})"
+            ) from None
+        if status == "error":
+            raise RuntimeError(f"channel {self.name!r}: {answer}")
+        if answer is None:
+            return None
+        t0 = time.perf_counter()
+        out = [_decode(p) for p in answer]
+        self._timers["fetch_s"] += time.perf_counter() - t0
+        return out
+
+    def _pipe_packet(self, key: str, item: Any) -> tuple[str, int, int, Any]:
+        with self._lock:
+            packet = (key, self._producer, self._seq, _encode(("v", item)))
+            self._seq += 1
+        return packet
 
     @classmethod
     def create(
@@ -223,6 +416,7 @@ class Channel:
         maxsize: int = 0,
         inline_max_bytes: int = INLINE_MAX_BYTES,
         host: Any = None,
+        pipes: bool = True,
     ) -> Channel:
         """Start a channel named ``name`` (unique in the cluster's namespace).
 
@@ -233,6 +427,8 @@ class Channel:
                 (``WorkerGroup(..., channels=True).actor(rank)``; module docs); ``None``: an
                 actor of the channel's own. A hosted channel ends with its host and cannot be
                 found by :meth:`connect`.
+            pipes: a hosted channel answers processes on its host's node over Unix sockets
+                (module docs); ``False``: through Ray calls, as processes on other nodes.
         """
         import ray
 
@@ -240,7 +436,7 @@ class Channel:
             raise ValueError(f"maxsize must be >= 0, got {maxsize}")
         if host is not None:
             ray.get(host.channel_call.remote(name, "host", maxsize))
-            return cls(name, _HostedQueues(host, name), maxsize, inline_max_bytes)
+            return cls(name, _HostedQueues(host, name), maxsize, inline_max_bytes, pipes)
         actor = (
             ray.remote(_ChannelActor)
             .options(name=f"channel:{name}", num_cpus=0, max_concurrency=MAX_BLOCKED_CALLS)
@@ -304,6 +500,12 @@ class Channel:
         import ray
 
         if self.maxsize <= 0:  # never full: nothing to wait for
+            conn = self._pipe()
+            if conn is not None:
+                t0 = time.perf_counter()
+                self._pipe_call(conn, "put", self._pipe_packet(key, item))
+                self._timers["send_s"] += time.perf_counter() - t0
+                return
             self._submit(key, item, ack=False)
             return
         previous, _ = self._submit(key, item, ack=True)
@@ -332,6 +534,13 @@ class Channel:
         """
         import ray
 
+        conn = self._pipe()
+        if conn is not None:
+            t0 = time.perf_counter()
+            packet = self._pipe_packet(put_key, item)
+            self._timers["send_s"] += time.perf_counter() - t0
+            got = self._pipe_call(conn, "exchange", (packet, (get_key, 1, timeout)))
+            return self._fetch(_check_timeout(self, get_key, got, timeout))[0]
         t0 = time.perf_counter()
         payload = self._payload(item)
         if self._local is not None:
@@ -383,6 +592,8 @@ class Channel:
         request = (key, n, timeout)
         if self._local is not None:
             got = self._local.get(request)
+        elif (conn := self._pipe()) is not None:
+            got = self._pipe_call(conn, "get", request)
         else:
             got = ray.get(self._remote_get.remote(request))
         return self._fetch(_check_timeout(self, key, got, timeout))

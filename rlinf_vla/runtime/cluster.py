@@ -68,6 +68,10 @@ class ClusterConfig:
             API, idle workers started ahead of demand (:data:`LEAN_RAY_ENV`). On a small
             machine the simulators and the policy then get the cores first. Only with
             ``address=None``: the processes of a cluster one joins are not this run's.
+        pipes: a channel kept in a worker's process answers the workers on its node over a
+            Unix socket instead of Ray calls (:mod:`rlinf_vla.runtime.channel`): in
+            ``rlinf-vla train``, the env workers' chunk steps to the rollout workers on their
+            node. ``false``: Ray calls everywhere.
     """
 
     address: str | None = None
@@ -81,6 +85,7 @@ class ClusterConfig:
     stall_factor: float | None = 5.0
     stall_min_s: float = 120.0
     lean: bool = True
+    pipes: bool = True
 
     def __post_init__(self) -> None:
         check_at_least(self, "cluster", ("num_nodes", "num_cpus", "devices_per_node"), 1)

@@ -211,12 +211,16 @@ def test_auto_simulation_follows_the_device_of_the_worker_that_builds_the_env():
 
 
 # ------------------------------------------------------------------ pipeline stages
-def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[dict, list, list]:
+def _run_env_worker(
+    envs: list[VectorEnv], chunks: int, turns: bool, rollouts: int = 1
+) -> tuple[dict, list, list]:
     """An env worker's rollout of ``chunks`` chunk steps over ``envs`` (its stages), answered
-    by a thread that plays the rollout worker (action 1 for every env, 2 steps a chunk).
+    by ``rollouts`` threads that play the rollout workers (action 1 for every env, 2 steps a
+    chunk), each over a channel of its own serving the stages the routing table gives it.
     Returns the stats, the observations the rollout received, and each chunk step's interval
     ``(stage, start, end)``."""
     from rlinf_vla.pipelines.rollout import EnvWorker, act_key, obs_key
+    from rlinf_vla.pipelines.routing import Routing
     from rlinf_vla.runtime.local import LocalChannel
 
     worker = EnvWorker.__new__(EnvWorker)  # its state, without a Ray actor around it
@@ -237,25 +241,35 @@ def _run_env_worker(envs: list[VectorEnv], chunks: int, turns: bool) -> tuple[di
             return out
 
         env.chunk_step = timed
-    channel = LocalChannel("stages")
+    routing = Routing.round_robin(1, len(envs), rollouts, 1)
+    channels = [LocalChannel(f"stages-{w}") for w in range(rollouts)]
     received: list[list[float]] = [[] for _ in envs]
 
-    def rollout() -> None:
-        for _ in range(chunks + 1):
-            for s, env in enumerate(envs):
+    def rollout(w: int) -> None:
+        channel = channels[w]
+        for t in range(chunks + 1):
+            for _, s in routing.served_by(w)[0]:
+                # a stage routed elsewhere never shows up here: the get would time out
                 msg = channel.get(obs_key(0, s), timeout=60)
                 received[s].append(msg.obs.state.flatten().tolist())
-                channel.put(act_key(0, s), torch.ones(env.num_envs, 2, 1))
+                if t < chunks:  # the last observation only ends the rollout
+                    channel.put(act_key(0, s), torch.ones(envs[s].num_envs, 2, 1))
 
-    thread = threading.Thread(target=rollout)
-    thread.start()
+    threads = [threading.Thread(target=rollout, args=(w,)) for w in range(rollouts)]
+    for thread in threads:
+        thread.start()
     if turns:
         per_stage = [{k: [] for k in EnvWorker.STATS} for _ in envs]
-        worker._take_turns(channel, chunks, per_stage)
+        routed = [channels[routing.rollout_of((0, s))] for s in range(len(envs))]
+        worker._take_turns(routed, chunks, per_stage)
         stats = {k: [v for st in per_stage for v in st[k]] for k in per_stage[0]}
     else:
-        stats = worker.interact(channel, chunks)
-    thread.join(timeout=60)
+        stats = worker.interact(channels if rollouts > 1 else channels[0], chunks, routing)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    for channel in channels:  # every message was taken by the rollout it was meant for
+        assert channel.sizes() == {}
     return stats, received, intervals
 
 
@@ -305,6 +319,26 @@ def test_cpu_seconds_count_what_the_children_compute_not_what_they_sleep() -> No
     # /proc counts in clock ticks (10 ms): 0.5 s of computing, within a few ticks
     assert 0.45 <= burnt - before < 0.7
     assert idle - burnt < 0.05
+
+
+@pytest.mark.parametrize("turns", [False, True])
+def test_stages_routed_to_two_rollout_workers_talk_to_their_own_channels(turns: bool) -> None:
+    """Two stages served by two rollout workers, each over the channel its process hosts:
+    every stage's messages go to its rollout's channel alone (a stray one would leave the
+    rollout threads waiting or a message behind), taking turns too (a stage's put and the
+    next stage's get go to different channels), and the rollout sees what one channel sees."""
+    cfg = EnvConfig(num_envs=2, max_episode_steps=20)
+    runs = {}
+    for rollouts in (1, 2):
+        envs = [CounterEnv(cfg), CounterEnv(dataclasses.replace(cfg, env_offset=2))]
+        try:
+            runs[rollouts] = _run_env_worker(envs, chunks=6, turns=turns, rollouts=rollouts)
+        finally:
+            for env in envs:
+                env.close()
+    (one, one_received, _), (two, two_received, _) = runs[1], runs[2]
+    assert two_received == one_received and len(two_received[1]) == 7
+    assert sorted(two["success"]) == sorted(one["success"]) and two["success"]
 
 
 def test_stages_in_subprocesses_step_at_the_same_time() -> None:

@@ -19,6 +19,9 @@ def test_round_robin_table_by_hand():
     ]
     assert routing.served_by(0) == ([(0, 0), (1, 1)], ["trajectory/0", "trajectory/1"])
     assert routing.served_by(2) == ([(1, 0)], ["trajectory/0"])
+    assert [routing.rollout_of(src) for src in [(0, 0), (0, 1), (1, 0), (1, 1)]] == [0, 1, 2, 0]
+    with pytest.raises(KeyError, match=r"\(2, 0\)"):
+        routing.rollout_of((2, 0))
     assert [routing.trajectories_for(a) for a in (0, 1)] == [2, 2]
 
 
@@ -33,6 +36,8 @@ def test_every_source_has_exactly_one_route(envs, stages, rollouts, actors):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_two_env_and_two_rollout_workers_give_the_same_run_twice(tmp_path):
+    """Two env workers of two stages each, served by two rollout workers over their own
+    channels: the same run twice, whichever rollout worker finishes first."""
     from rlinf_vla import cli
 
     args = [
@@ -52,8 +57,11 @@ def test_two_env_and_two_rollout_workers_give_the_same_run_twice(tmp_path):
         "runner.seed=5",
     ]
     rows = []
-    for run in ("a", "b"):
-        assert cli.main(["train", *args, f"runner.output_dir={tmp_path / run}"]) == 0
+    # the second run through Ray calls, the first over same-node pipes: the transport changes
+    # nothing either
+    for run, pipes in (("a", "true"), ("b", "false")):
+        out = f"runner.output_dir={tmp_path / run}"
+        assert cli.main(["train", *args, out, f"cluster.pipes={pipes}"]) == 0
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
         rows.append([json.loads(line) for line in lines])
     for a, b in zip(*rows, strict=True):
