@@ -84,7 +84,10 @@ def test_killed_stopped_and_interrupted_runs_resume_from_the_checkpoint_they_nam
     assert code == 1, err
     assert "rlinf-vla train: WorkerStalled: no answer from" in err
     first = err.split("WorkerStalled: ", 1)[1].splitlines()[1]
-    assert f"env[0].interact() (pid {pid} on " in first and "the process is stopped" in first
+    # whichever of its calls the stop caught: mostly the rollout's interact(), sometimes the
+    # memory reading after it
+    assert re.search(rf"env\[0\]\.(interact|memory)\(\) \(pid {pid} on ", first), first
+    assert "the process is stopped" in first
     deadline = re.search(r"has run (\d+) s, past its deadline of (\d+) s \(5 x the longest", err)
     assert deadline and int(deadline.group(1)) >= int(deadline.group(2)) >= STALL_MIN_S, err
     # Reported within the deadline of the call (it began before the stop), a poll, the shutdown.
