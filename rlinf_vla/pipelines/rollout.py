@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -40,8 +40,13 @@ from rlinf_vla.types import Observation
 
 if TYPE_CHECKING:
     from rlinf_vla.envs.base import EnvConfig
-    from rlinf_vla.pipelines.routing import Routing
     from rlinf_vla.policies.base import PolicyConfig
+
+
+class Routes(Protocol):
+    """Which rollout worker serves an env stage (:class:`~rlinf_vla.pipelines.routing.Routing`)."""
+
+    def rollout_of(self, source: tuple[int, int]) -> int: ...
 
 
 def obs_key(env_rank: int, stage: int) -> str:
@@ -213,7 +218,7 @@ class EnvWorker(Worker):
         self,
         channels: Channel | Sequence[Channel],
         num_chunks: int,
-        routing: Routing | None = None,
+        routing: Routes | None = None,
     ) -> dict[str, list[float]]:
         """Run ``num_chunks`` chunk steps of every stage; returns finished episodes' stats
         (``return``, ``success``, ``invalid``: one entry per episode; ``first_success``: one
