@@ -154,9 +154,7 @@ def hosted_call(name: str, op: str, *arg: Any) -> Any:
         return None
     if op == "pipe":  # where producers on this node connect (the server starts on first use)
         return _pipe_server().info()
-    if name not in _HOSTED:
-        raise KeyError(f"no channel named {name!r} is hosted here (it was closed)")
-    return getattr(_HOSTED[name], op)(*arg)
+    return getattr(_queues(name), op)(*arg)
 
 
 class ChannelHostLost(ConnectionError):
