@@ -249,8 +249,7 @@ class EnvWorker(Worker):
             chans = [channels for _ in stages]
         used = list({id(c): c for c in chans}.values())
         stats: list[dict[str, list[float]]] = [{k: [] for k in self.STATS} for _ in stages]
-        for c in used:
-            c.take_timers()  # from here on
+        _take_timers(used)  # from here on
         concurrent = len(self.envs) > 1 and all(env.workers is not None for env in self.envs)
         if concurrent:
             pool = ThreadPoolExecutor(len(self.envs), thread_name_prefix="env-stage")
@@ -266,9 +265,9 @@ class EnvWorker(Worker):
                     raise f.exception()
         else:
             self._take_turns(chans, num_chunks, stats)
-        timers = [c.take_timers() for c in used]
-        stats[0]["send_s"].append(sum(t["send_s"] for t in timers))
-        stats[0]["fetch_s"].append(sum(t["fetch_s"] for t in timers))
+        timers = _take_timers(used)
+        stats[0]["send_s"].append(timers["send_s"])
+        stats[0]["fetch_s"].append(timers["fetch_s"])
         out = {
             k: [v for st in stats for v in st[k]] for k in self.STATS if not k.startswith("path_")
         }
@@ -383,6 +382,16 @@ class EnvWorker(Worker):
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+def _take_timers(channels: list[Channel]) -> dict[str, float]:
+    """The serialisation and fetch seconds of ``channels`` since their previous call, summed
+    (:meth:`Channel.take_timers`); zeroes them."""
+    out = {"send_s": 0.0, "fetch_s": 0.0}
+    for channel in channels:
+        for k, v in channel.take_timers().items():
+            out[k] += v
+    return out
 
 
 def _timed(stats: dict[str, list[float]], call: Any, *args: Any) -> Any:
@@ -514,26 +523,24 @@ class RolloutWorker(Worker):
         taking their observations from ``channel`` and answering there.
 
         Puts the :class:`Trajectory` of ``sources[i]`` on ``trajectories`` (default:
-        ``channel``) under ``destinations[i]``. Returns where the call's seconds went: ``wall_s`` in all,
-        ``copy_s`` moving an offloaded policy to the device and back, ``policy_s`` computing
-        actions and values, ``wait_s`` in channel calls for the observations (sending the
-        previous actions, waiting, receiving), ``finish_s`` building and sending the
-        trajectories after the last observation, and ``send_s`` / ``fetch_s`` serialising
-        what it sent and fetching what it received (both inside ``wait_s`` and
-        ``finish_s``); ``trajectories``: how many it sent.
+        ``channel``) under ``destinations[i]``. Returns where the call's seconds went:
+        ``wall_s`` in all, ``copy_s`` moving an offloaded policy to the device and back,
+        ``policy_s`` computing actions and values, ``wait_s`` in channel calls for the
+        observations (sending the previous actions, waiting, receiving), ``finish_s``
+        building and sending the trajectories after the last observation, and ``send_s`` /
+        ``fetch_s`` serialising what it sent and fetching what it received (both inside
+        ``wait_s`` and ``finish_s``); ``trajectories``: how many it sent.
         """
         start = time.perf_counter()
         out = channel if trajectories is None else trajectories
         used = [channel] if out is channel else [channel, out]
-        for c in used:
-            c.take_timers()
+        _take_timers(used)
         times = dict.fromkeys(("copy_s", "policy_s", "wait_s", "finish_s"), 0.0)
         with self._resident(times), torch.no_grad():
             n = self._generate(channel, out, num_chunks, sources, destinations, greedy, times)
-        timers = [c.take_timers() for c in used]
         return {
             **times,
-            **{k: sum(t[k] for t in timers) for k in timers[0]},
+            **_take_timers(used),
             "wall_s": time.perf_counter() - start,
             "trajectories": n,
         }

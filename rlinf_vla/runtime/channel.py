@@ -195,15 +195,20 @@ def _decode(payload: tuple[str, Any]) -> tuple[str, Any]:
     return (kind, _map_tensors(value, _from_array)) if kind == "v" else payload
 
 
+def _fetched(payloads: list[tuple[str, Any]]) -> list[Any]:
+    """The items of ``payloads``, the object-store ones fetched (as tensors again)."""
+    import ray
+
+    refs = [value[0] for kind, value in payloads if kind == "r"]
+    fetched = [_map_tensors(x, _from_array) for x in ray.get(refs)] if refs else []
+    return _merge(payloads, fetched)
+
+
 def _resolved(payloads: list[tuple[str, Any]] | None) -> list[tuple[str, Any]] | None:
     """``payloads`` with the object-store ones fetched, for a pipe's answer."""
     if payloads is None or all(kind == "v" for kind, _ in payloads):
         return payloads
-    import ray
-
-    refs = [value[0] for kind, value in payloads if kind == "r"]
-    fetched = [_map_tensors(x, _from_array) for x in ray.get(refs)]
-    return [("v", item) for item in _merge(payloads, fetched)]
+    return [("v", item) for item in _fetched(payloads)]
 
 
 class _PipeServer:
@@ -337,9 +342,8 @@ class Channel:
         self._timers = {"send_s": 0.0, "fetch_s": 0.0}
         # same-node pipes (module docs): the host's pipe address once known (False: none for
         # this handle), and each thread's connection
-        self._pipe_info: tuple[str, str, bytes] | bool | None = None
-        if not (self.pipes and hosted and self._local is None):
-            self._pipe_info = False
+        piped = self.pipes and hosted and self._local is None
+        self._pipe_info: tuple[str, str, bytes] | bool | None = None if piped else False
         self._threads = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -598,15 +602,12 @@ class Channel:
 
     def _fetch(self, payloads: list[tuple[str, Any]]) -> list[Any]:
         """The items of ``payloads``, the object-store ones fetched (timed in ``fetch_s``)."""
-        import ray
-
-        refs = [value[0] for kind, value in payloads if kind == "r"]
-        if not refs:
+        if all(kind == "v" for kind, _ in payloads):
             return _merge(payloads, [])
         t0 = time.perf_counter()
-        fetched = [_map_tensors(x, _from_array) for x in ray.get(refs)]
+        items = _fetched(payloads)
         self._timers["fetch_s"] += time.perf_counter() - t0
-        return _merge(payloads, fetched)
+        return items
 
     def take_timers(self) -> dict[str, float]:
         """Seconds this handle spent since the previous call (or its creation) serialising
