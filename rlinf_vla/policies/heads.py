@@ -1,6 +1,8 @@
 """Heads and distributions shared by the policy families.
 
 - :class:`ValueHead`: the PPO critic MLP (RLinf's ``ValueHead``).
+- :class:`CriticEncoder`: features of the critic's own from the cameras and the robot state
+  (the convolutional encoder of ManiSkill's pixel PPO baseline).
 - :func:`restricted_logits` / :func:`categorical_logprob_entropy`: the categorical distribution
   over action tokens (temperature, top-k, restricted to the action ids).
 - :func:`gaussian_logprob` / :func:`gaussian_entropy`: element-wise normal densities.
@@ -15,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "CriticEncoder",
     "ValueHead",
     "categorical_logprob_entropy",
     "clipped_gaussian_logprob",
@@ -63,6 +66,51 @@ class ValueHead(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.mlp(x)
+
+
+class CriticEncoder(nn.Module):
+    """The critic's own features from the observation, so that the value is learned without
+    moving the features the actions are read from.
+
+    Per camera stack, three convolutions (32 filters of 8 x 8 at stride 4, 64 of 4 x 4 at
+    stride 2, 64 of 3 x 3 at stride 1, ReLU after each; the "Nature CNN" that ManiSkill's
+    pixel PPO baseline encodes its cameras with), pooled to 4 x 4 (exactly the 4 x 4 output
+    of a 64-pixel image, so nothing is pooled there) and projected to ``width``; the robot
+    state through one linear layer to ``width``; both with ReLU, concatenated.
+
+    Shapes: ``images float32 [B, 3 * n_cameras, H, W]`` in ``[0, 1]`` (``H, W >= 36``),
+    ``state [B, state_dim]`` (or ``None`` with ``state_dim=0``) -> ``[B, out_dim]``.
+    """
+
+    def __init__(self, n_cameras: int, state_dim: int = 0, width: int = 256) -> None:
+        super().__init__()
+        self.cnn = nn.Sequential(
+            nn.Conv2d(3 * n_cameras, 32, kernel_size=8, stride=4),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, kernel_size=4, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, kernel_size=3, stride=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4),
+            nn.Flatten(),
+            nn.Linear(64 * 4 * 4, width),
+            nn.ReLU(),
+        )
+        self.state = nn.Sequential(nn.Linear(state_dim, width), nn.ReLU()) if state_dim else None
+        self.out_dim = width * (2 if state_dim else 1)
+
+    def forward(self, images: Tensor, state: Tensor | None = None) -> Tensor:
+        if min(images.shape[-2:]) < 36:
+            raise ValueError(
+                f"the critic's encoder needs images of at least 36 x 36 pixels, got "
+                f"{tuple(images.shape[-2:])}"
+            )
+        features = self.cnn(images)
+        if self.state is None:
+            return features
+        if state is None:
+            raise ValueError("the critic's encoder was built for a robot state; got none")
+        return torch.cat([features, self.state(state)], dim=-1)
 
 
 def restricted_logits(

@@ -62,14 +62,15 @@ class AlgoConfig(AlgorithmSection):
         micro_batch_size: samples per forward/backward (gradient accumulation; the update
             does not depend on it).
         max_grad_norm: gradient clipping.
-        lr, value_lr: AdamW learning rates of the policy and of the value head.
+        lr, value_lr: AdamW learning rates of the policy and of the critic (its value head,
+            and its own encoder with ``policy.value_encoder=cnn``).
         log_std_lr: AdamW learning rate of the policy's state-independent log-std (parameters
             named ``log_std``, e.g. OpenVLA-OFT's Gaussian head) in a third group; ``None``:
             ``lr``, in the main group. Like ``lr``, 0 during the critic warm-up.
         weight_decay: AdamW weight decay.
         lr_schedule: ``constant`` or ``linear`` decay to 0 over the run.
         warmup_iterations: linear warmup of the learning rate.
-        critic_warmup_iterations: with a critic: for the first N iterations only the value head
+        critic_warmup_iterations: with a critic: for the first N iterations only the critic
             learns (the policy's learning rate is 0), so the first policy updates use
             advantages from a critic fitted to the starting policy's returns rather than from
             a random one.

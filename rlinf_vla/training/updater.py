@@ -30,13 +30,19 @@ def is_log_std(name: str) -> bool:
     return name.rsplit(".", 1)[-1] == "log_std"
 
 
+def is_critic(name: str) -> bool:
+    """A parameter of the critic: its value head, or the encoder of its own features."""
+    return "value_head" in name or "value_encoder" in name
+
+
 def build_learner(policy: torch.nn.Module, algo: AlgoConfig) -> Learner:
-    """The learner of an embodied policy: the value head at ``value_lr`` (it alone learns
-    during the critic warm-up), a log-std at ``log_std_lr`` when given, the rest at ``lr``."""
+    """The learner of an embodied policy: the critic (value head, and its own encoder when it
+    has one) at ``value_lr`` (it alone learns during the critic warm-up), a log-std at
+    ``log_std_lr`` when given, the rest at ``lr``."""
     return Learner(
         policy,
         algo.lr,
-        second_group=(lambda name: "value_head" in name, algo.value_lr),
+        second_group=(is_critic, algo.value_lr),
         extra_groups=[(is_log_std, algo.log_std_lr)] if algo.log_std_lr is not None else [],
         weight_decay=algo.weight_decay,
         max_grad_norm=algo.max_grad_norm,

@@ -21,6 +21,7 @@ __all__ = [
 
 #: ``image_pipeline`` values (see :class:`OpenVLAConfig`).
 IMAGE_PIPELINES = ("auto", "rlds", "torch")
+VALUE_ENCODERS = ("backbone", "cnn")
 
 #: Prismatic ``vision_backbone_id`` -> (timm ids, image sizes, act-layer overrides).
 VISION_BACKBONES: dict[str, tuple[tuple[str, ...], tuple[int, ...], tuple[str | None, ...]]] = {
@@ -205,6 +206,15 @@ class OpenVLAConfig(PolicyConfig):
         exact_logprob: ``act`` re-scores the sampled tokens with ``evaluate``'s teacher-forced
             pass (one extra forward), so ``evaluate`` reproduces the log-probs exactly; off,
             the decoding logits are used (they differ by float rounding).
+
+    The critic:
+        value_encoder: what the value head reads. ``backbone`` (the default, RLinf's critic):
+            the language model's hidden state, the features the actions are read from.
+            ``cnn``: features of its own, from the cameras at the env's resolution (each at
+            least 36 pixels) and, for a family that reads proprioception, the normalised
+            robot state (:class:`~rlinf_vla.policies.heads.CriticEncoder`); the value loss
+            then never moves the actor's features, and ``detach_value_input`` has no effect.
+            A checkpoint whose critic read other features loads without its value head.
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": TINY_OPENVLA, "full": {}}
@@ -232,6 +242,7 @@ class OpenVLAConfig(PolicyConfig):
     unnorm_key: str | None = None
     gripper: str = "auto"
     exact_logprob: bool = True
+    value_encoder: str = "backbone"
 
     def needs(self) -> PolicyNeeds:
         """Its cameras; OpenVLA reads no robot state."""
@@ -268,6 +279,18 @@ class OpenVLAConfig(PolicyConfig):
             "must be 'resize-naive' or 'letterbox'",
         )
         check(self, "image_keys", len(self.image_keys) >= 1, "must name at least one camera")
+        check(
+            self,
+            "value_encoder",
+            self.value_encoder in VALUE_ENCODERS,
+            f"must be one of {list(VALUE_ENCODERS)}",
+        )
+        check(
+            self,
+            "value_encoder",
+            self.value_encoder == "backbone" or self.value_head,
+            "needs value_head=true (a critic to feed)",
+        )
         files = checkpoint_files(self.checkpoint)
         check(
             self,

@@ -42,7 +42,12 @@ from rlinf_vla.policies.base import (
     save_safetensors_dir,
     seeded,
 )
-from rlinf_vla.policies.heads import ValueHead, categorical_logprob_entropy, restricted_logits
+from rlinf_vla.policies.heads import (
+    CriticEncoder,
+    ValueHead,
+    categorical_logprob_entropy,
+    restricted_logits,
+)
 from rlinf_vla.policies.openvla.config import OpenVLAConfig
 from rlinf_vla.policies.openvla.processor import OpenVLAProcessor, load_norm_stats
 from rlinf_vla.policies.tokenizers import save_tokenizer
@@ -226,6 +231,7 @@ _RL_FIELDS = (
     "value_head",
     "value_hidden_sizes",
     "detach_value_input",
+    "value_encoder",
     "image_keys",
     "center_crop",
     "image_pipeline",
@@ -381,7 +387,7 @@ class OpenVLAPolicy(Policy):
 
     config_cls = OpenVLAConfig
     config: OpenVLAConfig
-    _rl_heads = ("value_head",)
+    _rl_heads = ("value_head", "value_encoder")
 
     def __init__(
         self,
@@ -406,11 +412,24 @@ class OpenVLAPolicy(Policy):
     # -- construction pieces (OpenVLA-OFT extends these) --------------------------------------
     def _build_heads(self) -> None:
         cfg = self.config
+        self.value_encoder = None
+        width = self.vla.llm_dim
+        if cfg.value_encoder == "cnn":
+            self.value_encoder = CriticEncoder(len(cfg.image_keys), self._critic_state_dim())
+            width = self.value_encoder.out_dim
         self.value_head = (
-            ValueHead(self.vla.llm_dim, cfg.value_hidden_sizes, 1, "gelu", bias_last=False)
+            ValueHead(width, cfg.value_hidden_sizes, 1, "gelu", bias_last=False)
             if cfg.value_head
             else None
         )
+
+    def _critic_state_dim(self) -> int:
+        """The size of the robot state the critic's own encoder reads (OpenVLA: none)."""
+        return 0
+
+    def _critic_state(self, obs: Observation) -> Tensor | None:
+        """The robot state the critic's own encoder reads (OpenVLA: none)."""
+        return None
 
     def _make_processor(self, tokenizer: Any) -> OpenVLAProcessor:
         return OpenVLAProcessor(self.config, tokenizer)
@@ -458,10 +477,25 @@ class OpenVLAPolicy(Policy):
         first = self.processor.action_tokenizer.first_id
         return restricted_logits(logits, first, cfg.n_action_bins, cfg.temperature, cfg.top_k)
 
-    def _value(self, hidden: Tensor) -> Tensor | None:
+    def _value(self, hidden: Tensor | None, obs: Observation | None) -> Tensor | None:
+        """V from the backbone's ``hidden [B, D]``, or from ``obs`` by the critic's own
+        encoder (``value_encoder=cnn``; ``hidden`` is not read and may be ``None``)."""
         if self.value_head is None:
             return None
-        h = hidden.detach() if self.config.detach_value_input else hidden
+        if self.value_encoder is not None:
+            assert obs is not None, "the critic's own encoder reads the observation"
+            device = self.value_head.mlp[0].weight.device
+            images = [
+                obs.images[k].to(device).permute(0, 3, 1, 2).float() / 255.0
+                for k in self.config.image_keys
+            ]
+            state = self._critic_state(obs)
+            h = self.value_encoder(
+                torch.cat(images, dim=1), None if state is None else state.to(device).float()
+            )
+        else:
+            assert hidden is not None
+            h = hidden.detach() if self.config.detach_value_input else hidden
         return self.value_head(h.float()).squeeze(-1)
 
     def _shape_tokens(self, x: Tensor) -> Tensor:
@@ -493,7 +527,7 @@ class OpenVLAPolicy(Policy):
         cache = kv_cache(self.vla.language_model.model, DynamicCache())  # filled in place
         out = self._lm(embeds, mask, positions, use_cache=True, **cache)
         hidden = out.last_hidden_state[:, -1]
-        value = self._value(hidden)
+        value = self._value(hidden, obs)
         position = positions[:, -1:]
         tokens, logps, hiddens = [], [], []
         for i in range(self.num_action_tokens):
@@ -523,7 +557,7 @@ class OpenVLAPolicy(Policy):
         if rescore:
             # Score the sampled tokens with the same teacher-forced pass as ``evaluate``, so the
             # first PPO ratio is exactly 1 (the decoding logits differ by float rounding).
-            scored = self._score(prefix, ids)
+            scored = self._score(prefix, ids, obs)
             logprob, value = scored.logprob, scored.value
         else:
             logprob = self.reduce(logprob)
@@ -555,29 +589,35 @@ class OpenVLAPolicy(Policy):
         probes and auxiliary losses on the model's internal state."""
         return self._teacher_forced(self._prefix(obs), action_tokens)[0]
 
-    def _score(self, prefix: tuple[Tensor, Tensor, Tensor], ids: Tensor) -> EvalOutput:
-        return self._score_hidden(*self._teacher_forced(prefix, ids))
+    def _score(
+        self, prefix: tuple[Tensor, Tensor, Tensor], ids: Tensor, obs: Observation
+    ) -> EvalOutput:
+        return self._score_hidden(*self._teacher_forced(prefix, ids), obs)
 
-    def _score_hidden(self, hidden: Tensor, flat: Tensor) -> EvalOutput:
+    def _score_hidden(self, hidden: Tensor, flat: Tensor, obs: Observation | None) -> EvalOutput:
         """Log-prob, entropy and value of the action tokens ``flat [B, n]`` from the hidden
-        states that predict them ``[B, n, D]``: the read-out part of :meth:`_score`."""
+        states that predict them ``[B, n, D]``: the read-out part of :meth:`_score` (``obs``
+        feeds the critic's own encoder; ``None`` only where there is none)."""
         logits = self.action_logits(hidden)
         index = self.processor.action_tokenizer.to_index(flat)
         logp, entropy = categorical_logprob_entropy(logits, index)
         return EvalOutput(
             logprob=self.reduce(self._shape_tokens(logp)),
             entropy=self.reduce(self._shape_tokens(entropy)),
-            value=self._value(hidden[:, 0]),
+            value=self._value(hidden[:, 0], obs),
         )
 
     def evaluate(self, obs: Observation, replay: dict[str, Tensor]) -> EvalOutput:
-        return self._score(self._prefix(obs), replay["action_tokens"])
+        return self._score(self._prefix(obs), replay["action_tokens"], obs)
 
     #: Parameter-name prefixes of the read-out: the action logits and the value head.
     _READOUT = ("vla.language_model.lm_head.", "value_head.")
 
     def trains_readout_only(self) -> bool:
-        """Only ``lm_head`` (or its LoRA) and the value head train."""
+        """Only ``lm_head`` (or its LoRA) and the value head train, and the value head reads
+        the backbone (the critic's own encoder needs the observation, not the features)."""
+        if self.value_encoder is not None:
+            return False
         return not any(
             p.requires_grad and not name.startswith(self._READOUT)
             for name, p in self.named_parameters()
@@ -593,14 +633,17 @@ class OpenVLAPolicy(Policy):
 
     def evaluate_features(self, features: Tensor, replay: dict[str, Tensor]) -> EvalOutput:
         ids = replay["action_tokens"]
-        return self._score_hidden(features, ids.reshape(ids.shape[0], -1).to(features.device))
+        flat = ids.reshape(ids.shape[0], -1).to(features.device)
+        return self._score_hidden(features, flat, None)
 
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor | None:
         """V from the prompt's last hidden state: one prefix pass, no action decoding."""
         if self.value_head is None:
             return None
-        return self._value(self._lm(*self._prefix(obs)).last_hidden_state[:, -1])
+        if self.value_encoder is not None:
+            return self._value(None, obs)
+        return self._value(self._lm(*self._prefix(obs)).last_hidden_state[:, -1], obs)
 
     @classmethod
     def statistics_config(
@@ -701,4 +744,13 @@ class OpenVLAPolicy(Policy):
         expected = self.vla.state_dict()
         check_state_dict(expected, weights, str(path))
         self.vla.load_state_dict(weights)
-        load_rl_heads(self, path, self._rl_heads)
+        load_rl_heads(self, path, self._loadable_rl_heads(path))
+
+    def _loadable_rl_heads(self, path: Path) -> tuple[str, ...]:
+        """The RL heads to load from checkpoint ``path``: all, but the critic (value head and
+        encoder) when the checkpoint's critic read other features (``value_encoder``), whose
+        value head has another input; that critic starts fresh."""
+        saved = json.loads((path / "config.json").read_text()).get("rlinf_vla", {})
+        if saved.get("value_encoder", "backbone") == self.config.value_encoder:
+            return self._rl_heads
+        return tuple(h for h in self._rl_heads if h not in ("value_head", "value_encoder"))

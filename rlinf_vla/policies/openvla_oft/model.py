@@ -158,7 +158,7 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
 
     config_cls = OpenVLAOFTConfig
     config: OpenVLAOFTConfig
-    _rl_heads = ("value_head", "log_std")
+    _rl_heads = ("value_head", "value_encoder", "log_std")
 
     def _build_heads(self) -> None:
         super()._build_heads()
@@ -174,6 +174,16 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
 
     def _make_processor(self, tokenizer: Any) -> OpenVLAOFTProcessor:
         return OpenVLAOFTProcessor(self.config, tokenizer)
+
+    def _critic_state_dim(self) -> int:
+        """The critic's own encoder reads the robot state the actor reads (``use_proprio``)."""
+        return self.config.proprio_dim if self.config.use_proprio else 0
+
+    def _critic_state(self, obs: Observation) -> Tensor | None:
+        """The normalised proprioception, as the proprio projector gets it."""
+        if not self.config.use_proprio:
+            return None
+        return self.processor.proprio(obs, self.config.proprio_dim)
 
     # -- forward ---------------------------------------------------------------------------------
     def _action_hidden(self, obs: Observation) -> Tensor:
@@ -211,12 +221,14 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         """V from the first action position's hidden state (one parallel-decoding pass)."""
         if self.value_head is None:
             return None
-        return self._value(self._action_hidden(obs)[:, 0])
+        if self.value_encoder is not None:
+            return self._value(None, obs)
+        return self._value(self._action_hidden(obs)[:, 0], obs)
 
     @torch.no_grad()
     def act(self, obs: Observation, greedy: bool = False) -> ActOutput:
         hidden = self._action_hidden(obs)
-        value = self._value(hidden[:, 0])
+        value = self._value(hidden[:, 0], obs)
         if self.config.action_head == "discrete":
             logits = self.action_logits(hidden)
             if greedy:
@@ -263,7 +275,7 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         return EvalOutput(
             logprob=self.reduce(logp),
             entropy=reduce_to_granularity(entropy, self.config.logprob_granularity),
-            value=self._value(hidden[:, 0]),
+            value=self._value(hidden[:, 0], obs),
         )
 
     def loss(self, obs: Observation, actions: Tensor) -> Tensor:
