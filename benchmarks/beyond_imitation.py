@@ -69,7 +69,7 @@ ALGOS = ("ppo", "grpo", "dagger")
 # Settings of each algorithm (the RL ones: those of benchmarks/maniskill_learning.py's
 # OpenVLA-OFT recipe, on the whole policy unless --head-only; DAgger: behaviour cloning's rate
 # on the whole policy).
-HEAD_ONLY = 'policy.trainable_modules="(action_head|value_head|log_std)"'
+HEAD_ONLY = 'policy.trainable_modules="(action_head|value_head|value_encoder|log_std)"'
 RECIPE: dict[str, list[str]] = {
     "rl": [
         "policy.clip_greedy=true",  # evaluate the greedy action as the env executes it
