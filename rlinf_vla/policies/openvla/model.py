@@ -638,7 +638,8 @@ class OpenVLAPolicy(Policy):
 
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor | None:
-        """V from the prompt's last hidden state: one prefix pass, no action decoding."""
+        """V from the prompt's last hidden state (one prefix pass, no action decoding), or
+        from the critic's own encoder alone (``value_encoder=cnn``)."""
         if self.value_head is None:
             return None
         if self.value_encoder is not None:

@@ -218,7 +218,8 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
 
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor | None:
-        """V from the first action position's hidden state (one parallel-decoding pass)."""
+        """V from the first action position's hidden state (one parallel-decoding pass), or
+        from the critic's own encoder alone (``value_encoder=cnn``)."""
         if self.value_head is None:
             return None
         if self.value_encoder is not None:
