@@ -337,6 +337,16 @@ class Policy(nn.Module, ABC):
             return None
         return self.act(obs, greedy=True).value
 
+    def critic_values(self, obs: Observation, replay: dict[str, Tensor]) -> Tensor:
+        """The critic's values ``[B]`` (or per token, as :meth:`evaluate` gives them) with
+        gradients, for updates that fit the critic alone (``algo.critic_epochs``). The
+        default runs :meth:`evaluate`; a family whose critic has features of its own computes
+        just those."""
+        value = self.evaluate(obs, replay).value
+        if value is None:
+            raise ValueError(f"{type(self).__name__} has no value head (value_head=false)")
+        return value
+
     # -- checkpoints ---------------------------------------------------------------------------
     @abstractmethod
     def save_pretrained(self, path: str | Path) -> None:

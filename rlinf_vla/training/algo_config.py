@@ -70,6 +70,14 @@ class AlgoConfig(AlgorithmSection):
         weight_decay: AdamW weight decay.
         lr_schedule: ``constant`` or ``linear`` decay to 0 over the run.
         warmup_iterations: linear warmup of the learning rate.
+        critic_epochs: with a critic: after the update epochs, this many more passes over the
+            rollout batch fit the critic alone (its value loss; the other parameters' rates
+            are 0 for them), ``minibatch_size`` samples a step, as PPG's auxiliary phase fits
+            its value function; the critic's steps per iteration then no longer depend on how
+            many the policy takes. Cheap with a critic of its own (``policy.value_encoder=cnn``:
+            its encoder alone runs); with a value head on the backbone each step runs the whole
+            forward pass. ``0`` (the default): the critic learns in the update epochs only.
+            Not with ``fsdp``.
         critic_warmup_iterations: with a critic: for the first N iterations only the critic
             learns (the policy's learning rate is 0), so the first policy updates use
             advantages from a critic fitted to the starting policy's returns rather than from
@@ -136,6 +144,7 @@ class AlgoConfig(AlgorithmSection):
     lr_schedule: Literal["constant", "linear"] = "constant"
     warmup_iterations: int = 0
     critic_warmup_iterations: int = 0
+    critic_epochs: int = 0
     cache_frozen_features: bool = True
     autocast: Literal["auto", "bf16", "off"] = "auto"
     fsdp: bool = False
@@ -149,6 +158,7 @@ class AlgoConfig(AlgorithmSection):
     CONDITIONAL: ClassVar[dict[str, tuple[Callable[[AlgorithmPreset], bool], str]]] = {
         **AlgorithmSection.CRITIC_KEYS,
         "critic_warmup_iterations": (lambda p: p.use_critic, "needs a critic (use_critic)"),
+        "critic_epochs": (lambda p: p.use_critic, "needs a critic (use_critic)"),
         "bootstrap_truncated": (
             lambda p: estimator_kind(p.advantage) == "critic",
             "only a critic's advantages (GAE) bootstrap",
@@ -216,6 +226,12 @@ class AlgoConfig(AlgorithmSection):
                 ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
                 ("warmup_iterations", self.warmup_iterations >= 0, "must be >= 0"),
                 ("critic_warmup_iterations", self.critic_warmup_iterations >= 0, "must be >= 0"),
+                ("critic_epochs", self.critic_epochs >= 0, "must be >= 0"),
+                (
+                    "critic_epochs",
+                    not (self.critic_epochs and self.fsdp),
+                    "must be 0 with algo.fsdp (the critic's passes do not shard)",
+                ),
             ]
             if not ok
         ]

@@ -21,8 +21,9 @@ however the valid samples fall into micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -144,6 +145,20 @@ class Learner:
         for group, (_, critic) in zip(self.optimizer.param_groups, self._group_rates, strict=True):
             group["lr"] = group["base_lr"] * (scale if critic else main)
         return self.optimizer.param_groups[0]["lr"]
+
+    @contextlib.contextmanager
+    def critic_only(self) -> Iterator[None]:
+        """Steps inside move the critic's group alone: every other group's rate is 0 (AdamW
+        moves a parameter by its rate times its step and its decay), and back after."""
+        rates = [g["lr"] for g in self.optimizer.param_groups]
+        for group, (_, critic) in zip(self.optimizer.param_groups, self._group_rates, strict=True):
+            if not critic:
+                group["lr"] = 0.0
+        try:
+            yield
+        finally:
+            for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+                group["lr"] = rate
 
     # ----------------------------------------------------------------- accumulation
     def global_sum(self, value: float) -> float:

@@ -112,6 +112,8 @@ class PolicyUpdater:
         steps = max(tally.steps, 1)
         # the losses' metrics: a mean over the minibatches that held a valid sample
         result = {f"train/{k}": v / steps for k, v in tally.sums.items()}
+        if a.critic_epochs and settings.value_coef:
+            result.update(self._fit_critic(batch, settings))
         result["train/grad_norm"] = tally.grad_norm / steps
         result["train/skipped_updates"] = float(tally.skipped)
         result["train/skipped_zero_advantage"] = float(tally.zero)
@@ -180,6 +182,50 @@ class PolicyUpdater:
         tally.skipped += not math.isfinite(grad_norm)
         tally.grad_norm += grad_norm
         tally.steps += 1
+
+    def _fit_critic(self, batch: Batch, settings: LossSettings) -> dict[str, float]:
+        """``algo.critic_epochs`` passes over ``batch`` that fit the critic alone (its value
+        loss, the other groups' rates 0); returns their mean value loss and step count."""
+        from rlinf_vla.algos.granularity import expand_like
+        from rlinf_vla.algos.losses import value_loss
+
+        a, learner = self.algo, self.learner
+        total, steps = 0.0, 0
+        with learner.critic_only():
+            for _ in range(a.critic_epochs):
+                order = torch.randperm(len(batch), generator=self.generator)
+                for start in range(0, len(batch), a.minibatch_size):
+                    mb_idx = order[start : start + a.minibatch_size]
+                    valid = learner.global_sum(float(batch.mask[mb_idx].sum()))
+                    if not valid:
+                        continue
+                    learner.zero_grad()
+                    loss_sum = 0.0
+                    for m_start in range(0, len(mb_idx), a.micro_batch_size):
+                        mb = batch.select(mb_idx[m_start : m_start + a.micro_batch_size])
+                        if not mb.mask.any():
+                            continue
+                        replay = {k: v.to(self.device) for k, v in mb.replay.items()}
+                        with autocast(self.device, a.autocast):
+                            values = self.policy.critic_values(mb.obs, replay).float()
+                        dev = values.device
+                        vl, _ = value_loss(
+                            values=values,
+                            old_values=mb.old_value.to(dev),
+                            returns=mb.returns.to(dev),
+                            mask=expand_like(mb.mask.to(dev), values),
+                            clip=settings.value_clip,
+                            denominator=valid * values[0].numel(),
+                        )
+                        learner.backward(settings.value_coef * vl)
+                        loss_sum += float(vl.detach())
+                    learner.step()
+                    total += loss_sum
+                    steps += 1
+        return {
+            "train/critic_value_loss": total / max(steps, 1),
+            "train/critic_update_steps": float(steps),
+        }
 
     def _micro_loss(
         self,

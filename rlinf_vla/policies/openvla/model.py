@@ -636,6 +636,15 @@ class OpenVLAPolicy(Policy):
         flat = ids.reshape(ids.shape[0], -1).to(features.device)
         return self._score_hidden(features, flat, None)
 
+    def critic_values(self, obs: Observation, replay: dict[str, Tensor]) -> Tensor:
+        """With the critic's own encoder, that encoder and the value head alone; else the
+        value of :meth:`evaluate`."""
+        if self.value_encoder is None:
+            return super().critic_values(obs, replay)
+        value = self._value(None, obs)
+        assert value is not None  # value_encoder=cnn needs value_head=true
+        return value
+
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor | None:
         """V from the prompt's last hidden state (one prefix pass, no action decoding), or
