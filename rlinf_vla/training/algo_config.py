@@ -107,6 +107,14 @@ class AlgoConfig(AlgorithmSection):
             episode that reaches it without success is worth 0 from there on, as an evaluation
             that counts success within the limit scores it. Episodes the rollout's end cuts
             are bootstrapped either way.
+        reward_scale: GAE: the rewards are multiplied by this before the advantages and the
+            critic's targets are computed (ManiSkill's PPO baselines' ``reward_scale``), so a
+            critic whose returns run to the hundreds (a dense reward summed over long episodes)
+            fits targets of a size its value head reaches in fewer steps. Where the advantages
+            are normalised (``normalize_advantages``, the default) the scale reaches the policy
+            only through what the critic has learnt. The env's rewards, successes and ``env/`` metrics are never scaled;
+            ``train/return_mean``, ``train/value_mean`` and the value loss are in scaled units.
+            ``1.0``: the rewards as the env gives them.
         buffer_size: ``dagger``: the aggregate keeps the newest N samples (chunk steps);
             ``None`` (the default): every sample of the run, as DAgger aggregates. A sample
             holds its observation's images (a 64 x 64 camera: 12 KiB), so long runs with large
@@ -151,6 +159,7 @@ class AlgoConfig(AlgorithmSection):
     skip_zero_advantage: bool = True
     episode_weight: Literal["equal", "step"] = "equal"
     bootstrap_truncated: bool = True
+    reward_scale: float = 1.0
     target_kl: float | None = None
     buffer_size: int | None = None
 
@@ -162,6 +171,10 @@ class AlgoConfig(AlgorithmSection):
         "bootstrap_truncated": (
             lambda p: estimator_kind(p.advantage) == "critic",
             "only a critic's advantages (GAE) bootstrap",
+        ),
+        "reward_scale": (
+            lambda p: estimator_kind(p.advantage) == "critic",
+            "only a critic's targets are scaled",
         ),
         "group_size": (lambda p: p.uses_groups, "only group advantages (grpo, rloo) use groups"),
         "episode_weight": (
@@ -222,6 +235,7 @@ class AlgoConfig(AlgorithmSection):
                 ("entropy_coef", self.entropy_coef >= 0, "must be >= 0 (a bonus, not a penalty)"),
                 ("kl_coef", self.kl_coef >= 0, "must be >= 0"),
                 ("target_kl", self.target_kl is None or self.target_kl > 0, "must be > 0 or null"),
+                ("reward_scale", self.reward_scale > 0, "must be > 0"),
                 ("max_grad_norm", self.max_grad_norm > 0, "must be > 0 (the gradient's norm cap)"),
                 ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
                 ("warmup_iterations", self.warmup_iterations >= 0, "must be >= 0"),

@@ -76,7 +76,7 @@ def trajectory_advantages(traj: Any, algo: AlgoConfig) -> tuple[Tensor, Tensor, 
             values=traj.value,
             final_values=traj.final_value if algo.bootstrap_truncated else None,
             gamma=algo.gamma,
-            **chunks,
+            **(chunks | {"rewards": chunks["rewards"] * algo.reward_scale}),
         )
         return adv, ret, everything
     dones = chunks["terminated"] | chunks["truncated"]

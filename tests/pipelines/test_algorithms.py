@@ -35,6 +35,9 @@ def test_a_key_the_algorithm_does_not_use_is_refused_before_anything_starts(caps
     assert cli.main(["train", "env=toy", "algo=grpo", "algo.bootstrap_truncated=false"]) == 2
     err = capsys.readouterr().err
     assert "algo.bootstrap_truncated has no effect for grpo: only a critic's advantages" in err
+    assert cli.main(["train", "env=toy", "algo=grpo", "algo.reward_scale=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "algo.reward_scale has no effect for grpo: only a critic's targets are scaled" in err
     assert cli.main(["train", "env=toy", "algo=ppo", "algo.normalize_std=false"]) == 2
     assert (
         "algo.normalize_std has no effect with algo.advantage=gae (ppo)" in capsys.readouterr().err

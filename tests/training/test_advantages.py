@@ -72,6 +72,23 @@ def test_ppo_gae_with_the_time_limit_terminal():
     assert torch.allclose(ret[:, 0], torch.tensor([2.25, 2.0, 4.0]))
 
 
+def test_ppo_gae_with_scaled_rewards():
+    # The same rollout with algo.reward_scale=2: the rewards double, the critic's values (the
+    # scale it has learned) are used as they are.
+    algo = AlgoConfig(gamma=0.5, lam=0.5, reward_scale=2.0)
+    adv, ret, _ = _advantages(_time_limit_rollout(), algo)
+    # chunk 2: delta = 4 + 0.5 * 4 - 0.25 = 5.75
+    # chunk 1 (truncated): delta = 4 + 0.5 * 3 - 1 = 4.5
+    # chunk 0: delta = 3 + 0.5 * 1 - 0.5 = 3, plus 0.25 * 4.5 = 4.125
+    assert torch.allclose(adv[:, 0], torch.tensor([4.125, 4.5, 5.75]))
+    assert torch.allclose(ret[:, 0], torch.tensor([4.625, 5.5, 6.0]))
+
+
+def test_a_reward_scale_of_zero_is_refused():
+    with pytest.raises(ConfigError, match=r"algo.reward_scale must be > 0, got 0.0"):
+        AlgoConfig(reward_scale=0.0)
+
+
 def test_grpo_scores_first_episode_per_group():
     # 4 envs in 2 groups of 2, T=3 chunks of K=1. Env 0 succeeds at chunk 1 (reward 1), then
     # a second episode earns another reward that must not count; env 1 never succeeds; env 2
