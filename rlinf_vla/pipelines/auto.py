@@ -57,7 +57,14 @@ drive them); ``r_E`` likewise. Every rollout is ``r_E + T * step + tail + v / R`
 
 On a CPU cluster with subprocess simulators, the simulators and CPU inference share the
 node's ``C`` cores, so no chunk step is shorter than ``(c + R * b * threads) / C``: the
-overlap a plan promises is only there where the cores have room for it.
+overlap a plan promises is only there where the cores have room for it. There two more
+costs are measured rather than modelled: the chunk step of ``P`` stages stepped in one
+process as ``placement=local`` steps them (``staged_step_s``: threads, shared cores and a
+pipeline that empties make it longer than ``max(e, b)``; a stage plan's overlapped step is
+``max(a, b)`` times that measured step over its own ``max(e, b)``), and ``R`` calls on
+``B / R`` envs made at once as ``R`` rollout workers of the node make them
+(``infer_parallel_s``; each worker's busy time is scaled by what they took over one such call
+alone).
 The update adds ``u / A``.
 
 What a call costs whatever its batch is what makes many small stages lose: each stage is a
@@ -122,6 +129,13 @@ class Costs:
     cores: int | None = None
     #: Torch threads of the profiled device (CPU): the cores one inference call keeps busy.
     threads: int = 1
+    #: Measured seconds of one chunk step of all ``B`` envs cut into ``P`` stages in one
+    #: process, stage ``s`` simulating while the policy computes another stage's actions,
+    #: ``((P, seconds), ...)`` (a CPU node; empty: not measured).
+    staged_step_s: tuple[tuple[int, float], ...] = ()
+    #: Measured seconds of ``R`` calls made at once, each on ``B / R`` envs, as ``R`` rollout
+    #: workers of one node make them, ``((R, seconds), ...)`` (a CPU node; empty: not measured).
+    infer_parallel_s: tuple[tuple[int, float], ...] = ()
 
     def update_s(self, actors: int) -> float:
         """Seconds of one iteration's update on ``actors`` actor devices."""
@@ -139,8 +153,25 @@ class Costs:
 
     def rollout_busy_s(self, batches: int, workers: int) -> float:
         """Seconds a rollout worker computes per chunk step when the env batch is cut into
-        ``batches`` stage batches shared by ``workers`` rollout workers (module docstring)."""
-        return -(-batches // workers) * self.call_s(batches)
+        ``batches`` stage batches shared by ``workers`` rollout workers (module docstring).
+        Where calls made at once by ``workers`` workers were timed, each call is slowed by
+        what they cost over one such call alone (the workers share a node's cores)."""
+        busy = -(-batches // workers) * self.call_s(batches)
+        together = dict(self.infer_parallel_s).get(workers)
+        if together is not None and workers > 1:
+            busy *= max(1.0, together / self.call_s(workers))
+        return busy
+
+    def overlap_s(self, batches: int, a: float, b: float) -> float:
+        """A chunk step when env work ``a`` and inference ``b`` overlap over ``batches``
+        stage batches: ``max(a, b)``, times what the measured staged step of that many
+        batches in one process (:attr:`staged_step_s`) took over its own ``max(e, b)``
+        (threads, a shared node's cores, a pipeline that does not stay full)."""
+        measured = dict(self.staged_step_s).get(batches)
+        if measured is None:
+            return max(a, b)
+        ideal = max(self.env_chunk_s, batches * self.call_s(batches))
+        return max(a, b) * max(1.0, measured / ideal) if ideal > 0 else max(a, b, measured)
 
     def env_s(self, env_devices: int) -> tuple[float, float]:
         """``(e, r)``: a chunk step and a reset of all ``B`` envs spread over ``env_devices``
@@ -234,13 +265,15 @@ def stage_batches(num_devices: int, num_groups: int, max_stages: int) -> tuple[i
     )
 
 
-def _channel_step(a: float, b: float, o: float, stages: int) -> tuple[float, float]:
+def _channel_step(
+    costs: Costs, a: float, b: float, o: float, stages: int, batches: int
+) -> tuple[float, float]:
     """``(step, tail)`` of env workers (``a`` a chunk step) and rollout workers (busy ``b``)
     that meet over the channel: taking turns with one stage, overlapped after the pipeline
-    fills with several (module docstring)."""
+    fills with several, the env batch cut into ``batches`` (module docstring)."""
     if stages == 1:
         return a + b + o, 0.0
-    return max(a, b) + stages * o, min(a, b) / stages
+    return costs.overlap_s(batches, a, b) + stages * o, min(a, b) / stages
 
 
 def _collocated_plans(
@@ -256,7 +289,7 @@ def _collocated_plans(
         parts = n * stages
         if num_groups % parts == 0:
             b = costs.rollout_busy_s(parts, n)
-            step, tail = _channel_step(a, b, o, stages)
+            step, tail = _channel_step(costs, a, b, o, stages, parts)
             plans.append(
                 Plan(
                     "collocated",
@@ -280,7 +313,7 @@ def _local_plans(costs: Costs, num_groups: int, chunks: int, max_stages: int) ->
             if stages == 1:
                 step, tail = e + costs.infer_chunk_s, 0.0
             else:
-                step, tail = max(e, b), min(e, b) / stages
+                step, tail = costs.overlap_s(stages, e, b), min(e, b) / stages
             plans.append(
                 Plan(
                     "local",
@@ -310,7 +343,7 @@ def _split_plans(
         if num_groups % parts == 0:
             # the actor takes as many devices as share the trajectories evenly
             actors = max(d for d in range(1, n + 1) if parts % d == 0)
-            step, tail = _channel_step(a, b, o, stages)
+            step, tail = _channel_step(costs, a, b, o, stages, parts)
             components = {
                 "actor": "all" if actors == n else _span(0, actors),
                 "env": _span(0, env_devices),
@@ -373,6 +406,8 @@ def profile(
     cores: int | None = None,
     keep: dict[str, Any] | None = None,
     batches: tuple[int, ...] = (2,),
+    staged: tuple[int, ...] = (),
+    parallel: tuple[int, ...] = (),
 ) -> Costs:
     """Measure ``e``, ``i``, ``i_P``, ``u``, ``r``, ``v`` (module docstring) in this process on
     one device.
@@ -391,6 +426,11 @@ def profile(
     keeps its default here.
     ``batches``: the ``P`` of the stage batches (``B / P`` envs) to time a call on
     (:func:`stage_batches`); one that does not divide ``B`` is left out.
+    ``staged``: the ``P`` to time a staged chunk step on (``Costs.staged_step_s``: ``P``
+    stage envs of ``B / P`` envs each, stepped as ``placement=local`` steps them while one
+    thread computes their actions in turn), after the whole batch's env is closed.
+    ``parallel``: the ``R`` to time ``R`` calls made at once on (``Costs.infer_parallel_s``).
+    A ``P`` or ``R`` that does not split the env batch into whole groups is left out.
     """
     from rlinf_vla.envs import for_device, make_env
     from rlinf_vla.policies import make_policy
@@ -437,6 +477,17 @@ def profile(
             from rlinf_vla.pipelines.rollout import EnvMessage
 
             keep.update(obs=EnvMessage(obs=timing.obs), actions=timing.out.actions.cpu())
+        groups = env.num_envs // job.env_config.group_size
+        parallel_s = _time_parallel(
+            act, timing.obs, [r for r in parallel if r >= 2 and groups % r == 0], clock
+        )
+    staged_s = {}
+    with torch_threads(None if cuda else threads):
+        # one stage split at a time, after the whole batch's env closed: its simulators'
+        # processes and memory are gone
+        for p in staged:
+            if p >= 2 and groups % p == 0:
+                staged_s[p] = _time_stages(job, policy.device, p, act, clock, chunks)
     # the update was timed on one chunk step of all B envs; an iteration has T of them
     update_s = [
         (once_s + pass_s * job.algo.update_epochs) * job.runner.rollout_chunks
@@ -459,7 +510,82 @@ def profile(
         env_cpu_s=None if timing.env_cpu_s is None else timing.env_cpu_s / chunks,
         cores=cores if not cuda else None,
         threads=(threads or torch.get_num_threads()) if not cuda else 1,
+        staged_step_s=tuple(sorted(staged_s.items())),
+        infer_parallel_s=tuple(sorted(parallel_s.items())),
     )
+
+
+def _time_stages(
+    job: Any, device: torch.device, stages: int, act: Any, clock: Any, chunks: int
+) -> float:
+    """Seconds of one chunk step of all ``B`` envs cut into ``stages`` stage envs, as
+    ``placement=local`` runs them: each stage's simulators step in a thread of their own
+    (where they run in subprocesses; else the stages step in turn in one thread) while one
+    thread computes the stages' actions in the order they are asked for. One round fills
+    the pipeline, then ``chunks`` rounds are timed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlinf_vla.envs import for_device, make_stage_envs
+
+    envs = make_stage_envs(job.env_name, stages, for_device(job.env_config, device))
+    infer = ThreadPoolExecutor(1, thread_name_prefix="profile-infer")
+    stepping = ThreadPoolExecutor(stages, thread_name_prefix="profile-stage")
+    try:
+        obs = [env.reset() for env in envs]
+        concurrent = all(env.workers is not None for env in envs)
+
+        def stage(s: int, rounds: int) -> None:
+            for _ in range(rounds):
+                out, _ = infer.submit(act, obs[s]).result()
+                obs[s] = envs[s].chunk_step(out.actions).obs
+
+        def in_turn(rounds: int) -> None:
+            pending = [infer.submit(act, o) for o in obs]
+            for k in range(rounds):
+                for s, env in enumerate(envs):
+                    out, _ = pending[s].result()
+                    obs[s] = env.chunk_step(out.actions).obs
+                    if k < rounds - 1:
+                        pending[s] = infer.submit(act, obs[s])
+
+        def rounds(n: int) -> None:
+            if not concurrent:
+                return in_turn(n)
+            for future in [stepping.submit(stage, s, n) for s in range(stages)]:
+                future.result()
+
+        rounds(1)
+        t0 = clock()
+        rounds(chunks)
+        return (clock() - t0) / chunks
+    finally:
+        infer.shutdown()
+        stepping.shutdown()
+        for env in envs:
+            env.close()
+
+
+def _time_parallel(
+    act: Any, obs: Any, workers: list[int], clock: Any, reps: int = 3
+) -> dict[int, float]:
+    """``{R: seconds}``: ``R`` threads each calling ``act`` on ``B / R`` of the observations
+    ``obs`` at the same time, as ``R`` rollout workers on one node do; the median of ``reps``
+    after one untimed round."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = {}
+    for r in workers:
+        size = obs.batch_size // r
+        parts = [obs.select(torch.arange(k * size, (k + 1) * size)) for k in range(r)]
+        times = []
+        with ThreadPoolExecutor(r, thread_name_prefix="profile-call") as pool:
+            for _ in range(reps + 1):
+                t0 = clock()
+                for future in [pool.submit(act, part) for part in parts]:
+                    future.result()
+                times.append(clock() - t0)
+        out[r] = sorted(times[1:])[len(times[1:]) // 2]
+    return out
 
 
 def _rollout_call(policy: Any, cache: bool, precision: Callable[[], Any]) -> Callable[[Any], Any]:
@@ -591,7 +717,11 @@ class Profiler(Worker):
         sharded: bool,
         cores: int | None = None,
         batches: tuple[int, ...] = (2,),
+        parallel: tuple[int, ...] = (),
     ) -> Costs:
+        """:func:`profile` on this worker's device; on a CPU node (``cores``) also the staged
+        chunk step of each of ``batches`` and the calls made at once by each of ``parallel``
+        rollout workers, which the node's shared cores slow."""
         import gc
 
         from rlinf_vla.runtime.offload import release_cuda_memory
@@ -607,6 +737,8 @@ class Profiler(Worker):
             cores=cores,
             keep=self._sample,
             batches=batches,
+            staged=batches if cores is not None else (),
+            parallel=parallel if cores is not None else (),
         )
         gc.collect()
         # The model and env are gone; their cached GPU memory goes back to the driver now,
@@ -710,7 +842,12 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
         # on several, plans with one actor device keep the cache and the others do not.
         sharded = job.algo.fsdp and num_devices > 1
         costs = profiler.costs(
-            job, job.placement.profile_chunks, sharded, node_cores(cluster), batches
+            job,
+            job.placement.profile_chunks,
+            sharded,
+            node_cores(cluster),
+            batches,
+            tuple(range(2, num_devices + 1)),
         ).wait()[0]
         costs = replace(costs, overhead_s=_round_trip_s(profiler))
     finally:
@@ -742,6 +879,14 @@ def describe_costs(costs: Costs, num_envs: int) -> str:
         f"; reset {costs.reset_s * 1e3:.0f} ms, bootstrap values {costs.value_s * 1e3:.1f} ms, "
         f"channel round trip {costs.overhead_s * 1e3:.1f} ms per rollout/chunk step"
     )
+    if costs.staged_step_s:
+        staged = ", ".join(f"{p} stages {t * 1e3:.1f} ms" for p, t in costs.staged_step_s)
+        line += f"; a staged chunk step in one process: {staged}"
+    if costs.infer_parallel_s:
+        together = ", ".join(
+            f"{r} x {num_envs // r} envs {t * 1e3:.1f} ms" for r, t in costs.infer_parallel_s
+        )
+        line += f"; calls at once: {together}"
     if costs.env_cpu_s is not None and costs.cores is not None:
         line += (
             f"; the simulators' processes use {costs.env_cpu_s * 1e3:.0f} ms of CPU per chunk "

@@ -101,6 +101,46 @@ def test_a_measured_call_on_a_stage_batch_replaces_the_affine_cost():
     )
 
 
+def test_a_measured_staged_step_and_calls_at_once_replace_the_model():
+    # e = i = 0.2 s; a call on half the batch 0.15 s, on a quarter 0.1 s. Measured on the
+    # node: 2 stages in one process 0.36 s a chunk step (1.2x their max(e, b) = 0.3), and two
+    # calls on half the batch made at once 0.225 s each (1.5x one alone)
+    costs = Costs(
+        0.2,
+        0.2,
+        1.0,
+        overhead_s=0.0,
+        infer_call_s=((2, 0.15), (4, 0.1)),
+        staged_step_s=((2, 0.36),),
+        infer_parallel_s=((2, 0.225),),
+    )
+    plans = _by_key(candidate_plans(costs, num_devices=2, num_groups=8, chunks=10, max_stages=4))
+    # local S=2: b = 2 x 0.15 = 0.3, step max(0.2, 0.3) x 1.2 = 0.36, tail min / 2 = 0.1
+    assert plans[("local", "0", "0", 2)].rollout_s == pytest.approx(10 * 0.36 + 0.1)
+    # hybrid S=2 (one rollout worker): the same ratio on the same batches
+    assert plans[("hybrid", "0", "1", 2)].rollout_s == pytest.approx(10 * 0.36 + 0.1)
+    # collocated S=1: two rollout workers call at once, each 0.15 x 1.5; the env 0.2 / 2
+    assert plans[("collocated", "all", "all", 1)].rollout_s == pytest.approx(10 * (0.1 + 0.225))
+    # collocated S=2: 4 batches, 2 calls of 0.1 a worker, x 1.5; 4 stages unmeasured: max
+    assert plans[("collocated", "all", "all", 2)].rollout_s == pytest.approx(10 * 0.3 + 0.1 / 2)
+    # local S=4: not measured, the model's max(e, b)
+    assert plans[("local", "0", "0", 4)].rollout_s == pytest.approx(10 * 0.4 + 0.2 / 4)
+    # a measured step shorter than the model's max, or calls at once faster than one alone,
+    # never shorten the estimate
+    fast = Costs(
+        0.2,
+        0.2,
+        1.0,
+        overhead_s=0.0,
+        infer_call_s=((2, 0.15),),
+        staged_step_s=((2, 0.2),),
+        infer_parallel_s=((2, 0.1),),
+    )
+    plans = _by_key(candidate_plans(fast, num_devices=2, num_groups=8, chunks=10, max_stages=2))
+    assert plans[("local", "0", "0", 2)].rollout_s == pytest.approx(10 * 0.3 + 0.1)
+    assert plans[("collocated", "all", "all", 1)].rollout_s == pytest.approx(10 * (0.1 + 0.15))
+
+
 def test_the_stage_batches_profiled_are_those_the_plans_cut():
     # 2 devices, up to 4 stages: E * S in {1, 2, 4} x {1, 2}
     assert stage_batches(2, 8, 4) == (2, 4, 8)
@@ -408,6 +448,45 @@ def test_the_profile_times_a_call_on_each_stage_batch(monkeypatch):
     # f + (i - f) / 4 = 0.025 with i = 0.04: f = 0.02
     assert costs.infer_fixed_s == pytest.approx(0.02, abs=0.004)
     assert costs.rollout_busy_s(4, 1) == pytest.approx(4 * calls[4])
+
+
+def test_the_profile_times_the_staged_schedule_and_calls_at_once(monkeypatch):
+    """On a CPU node the profile also times ``P`` stages stepped as ``placement=local`` steps
+    them, and ``R`` calls made at once. The policy's call sleeps 20 ms + 5 ms per env and the
+    toy env barely computes, so the one thread that infers is the bottleneck: a staged chunk
+    step is ``P`` calls on ``B / P`` envs (2 x 30 ms, 4 x 25 ms), and two calls on 2 envs
+    made at once take as long as one (30 ms)."""
+    import time
+
+    from rlinf_vla.pipelines import auto
+
+    real = auto._rollout_call
+
+    def sleeping_call(policy, cache, precision):
+        act = real(policy, cache, precision)
+        first = {}  # one real call per batch size
+
+        def call(obs):
+            if obs.batch_size not in first:
+                first[obs.batch_size] = act(obs)
+            time.sleep(0.02 + 0.005 * obs.batch_size)
+            return first[obs.batch_size]
+
+        return call
+
+    monkeypatch.setattr(auto, "_rollout_call", sleeping_call)
+    costs = auto.profile(
+        _toy_job(), 2, threads=1, cores=2, batches=(2, 4), staged=(2, 3, 4), parallel=(2, 3)
+    )
+    staged = dict(costs.staged_step_s)
+    assert sorted(staged) == [2, 4]  # 3 stages do not split 4 envs
+    assert staged[2] == pytest.approx(0.06, rel=0.25)
+    assert staged[4] == pytest.approx(0.1, rel=0.25)
+    assert [r for r, _ in costs.infer_parallel_s] == [2]
+    assert dict(costs.infer_parallel_s)[2] == pytest.approx(0.03, rel=0.25)
+    # not asked for: nothing measured, and the plans keep the model
+    plain = auto.profile(_toy_job(), 1, threads=1)
+    assert plain.staged_step_s == () and plain.infer_parallel_s == ()
 
 
 @pytest.mark.ray
