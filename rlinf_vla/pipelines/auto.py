@@ -62,9 +62,9 @@ costs are measured rather than modelled: the chunk step of ``P`` stages stepped 
 process as ``placement=local`` steps them (``staged_step_s``: threads, shared cores and a
 pipeline that empties make it longer than ``max(e, b)``; a stage plan's overlapped step is
 ``max(a, b)`` times that measured step over its own ``max(e, b)``), and ``R`` calls on
-``B / R`` envs made at once as ``R`` rollout workers of the node make them
-(``infer_parallel_s``; each worker's busy time is scaled by what they took over one such call
-alone).
+``B / R`` envs made at once by ``R`` workers of the node's first devices, each a process of
+its own as a rollout worker is (``infer_parallel_s``; each rollout worker's busy time is
+scaled by what they took over one such call alone).
 The update adds ``u / A``.
 
 What a call costs whatever its batch is what makes many small stages lose: each stage is a
@@ -407,7 +407,6 @@ def profile(
     keep: dict[str, Any] | None = None,
     batches: tuple[int, ...] = (2,),
     staged: tuple[int, ...] = (),
-    parallel: tuple[int, ...] = (),
 ) -> Costs:
     """Measure ``e``, ``i``, ``i_P``, ``u``, ``r``, ``v`` (module docstring) in this process on
     one device.
@@ -429,8 +428,7 @@ def profile(
     ``staged``: the ``P`` to time a staged chunk step on (``Costs.staged_step_s``: ``P``
     stage envs of ``B / P`` envs each, stepped as ``placement=local`` steps them while one
     thread computes their actions in turn), after the whole batch's env is closed.
-    ``parallel``: the ``R`` to time ``R`` calls made at once on (``Costs.infer_parallel_s``).
-    A ``P`` or ``R`` that does not split the env batch into whole groups is left out.
+    A ``P`` that does not split the env batch into whole groups is left out.
     """
     from rlinf_vla.envs import for_device, make_env
     from rlinf_vla.policies import make_policy
@@ -478,9 +476,6 @@ def profile(
 
             keep.update(obs=EnvMessage(obs=timing.obs), actions=timing.out.actions.cpu())
         groups = env.num_envs // job.env_config.group_size
-        parallel_s = _time_parallel(
-            act, timing.obs, [r for r in parallel if r >= 2 and groups % r == 0], clock
-        )
     staged_s = {}
     with torch_threads(None if cuda else threads):
         # one stage split at a time, after the whole batch's env closed: its simulators'
@@ -511,7 +506,6 @@ def profile(
         cores=cores if not cuda else None,
         threads=(threads or torch.get_num_threads()) if not cuda else 1,
         staged_step_s=tuple(sorted(staged_s.items())),
-        infer_parallel_s=tuple(sorted(parallel_s.items())),
     )
 
 
@@ -563,29 +557,6 @@ def _time_stages(
         stepping.shutdown()
         for env in envs:
             env.close()
-
-
-def _time_parallel(
-    act: Any, obs: Any, workers: list[int], clock: Any, reps: int = 3
-) -> dict[int, float]:
-    """``{R: seconds}``: ``R`` threads each calling ``act`` on ``B / R`` of the observations
-    ``obs`` at the same time, as ``R`` rollout workers on one node do; the median of ``reps``
-    after one untimed round."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    out = {}
-    for r in workers:
-        size = obs.batch_size // r
-        parts = [obs.select(torch.arange(k * size, (k + 1) * size)) for k in range(r)]
-        times = []
-        with ThreadPoolExecutor(r, thread_name_prefix="profile-call") as pool:
-            for _ in range(reps + 1):
-                t0 = clock()
-                for future in [pool.submit(act, part) for part in parts]:
-                    future.result()
-                times.append(clock() - t0)
-        out[r] = sorted(times[1:])[len(times[1:]) // 2]
-    return out
 
 
 def _rollout_call(policy: Any, cache: bool, precision: Callable[[], Any]) -> Callable[[Any], Any]:
@@ -709,6 +680,8 @@ class Profiler(Worker):
 
     #: the observation message and actions of the profiled chunk step (set by ``costs``)
     _sample: dict[str, Any] | None = None
+    #: the call and the observations of :meth:`calls_at` (set by ``prepare_calls``)
+    _calls: tuple[Any, Any] | None = None
 
     def costs(
         self,
@@ -717,11 +690,9 @@ class Profiler(Worker):
         sharded: bool,
         cores: int | None = None,
         batches: tuple[int, ...] = (2,),
-        parallel: tuple[int, ...] = (),
     ) -> Costs:
         """:func:`profile` on this worker's device; on a CPU node (``cores``) also the staged
-        chunk step of each of ``batches`` and the calls made at once by each of ``parallel``
-        rollout workers, which the node's shared cores slow."""
+        chunk step of each of ``batches``."""
         import gc
 
         from rlinf_vla.runtime.offload import release_cuda_memory
@@ -738,7 +709,6 @@ class Profiler(Worker):
             keep=self._sample,
             batches=batches,
             staged=batches if cores is not None else (),
-            parallel=parallel if cores is not None else (),
         )
         gc.collect()
         # The model and env are gone; their cached GPU memory goes back to the driver now,
@@ -751,6 +721,43 @@ class Profiler(Worker):
         """The observation message of the profiled chunk step (after :meth:`costs`)."""
         assert self._sample is not None, "sample() needs costs() first"
         return self._sample["obs"]
+
+    def prepare_calls(self, job: Any, message: Any) -> int:
+        """Build the policy on this worker's device, as a rollout worker does, and make one
+        untimed call on this worker's share of the observations of ``message`` (the
+        profiled chunk step's, :meth:`sample`): ``B / world_size`` envs, by rank. Returns
+        how many."""
+        from rlinf_vla.policies import make_policy
+        from rlinf_vla.training.precision import autocast
+
+        policy = make_policy(
+            job.policy_name, job.policy_config, seed=job.runner.seed, device=str(self.device)
+        )
+        obs = message.obs
+        size = obs.batch_size // self.world_size
+        share = obs.select(torch.arange(self.rank * size, (self.rank + 1) * size))
+        act = _rollout_call(
+            policy,
+            job.algo.cache_frozen_features,
+            lambda: autocast(policy.device, job.algo.autocast),
+        )
+        act(share)  # one-off set-up
+        self._calls = (act, share)
+        return size
+
+    def calls_at(self, start: float, reps: int) -> tuple[float, float, float]:
+        """Wait until the wall-clock time ``start`` (``time.time()``), then make ``reps``
+        calls on this worker's share (:meth:`prepare_calls`): ``(median seconds, first
+        start, last end)``, the two ends in wall-clock time."""
+        act, share = self._calls
+        time.sleep(max(0.0, start - time.time()))
+        first = time.time()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            act(share)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2], first, time.time()
 
     def answer(self, channel: Any, n: int) -> int:
         """Answer ``n`` observations on ``channel`` (hosted here) as a rollout worker does:
@@ -842,16 +849,17 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
         # on several, plans with one actor device keep the cache and the others do not.
         sharded = job.algo.fsdp and num_devices > 1
         costs = profiler.costs(
-            job,
-            job.placement.profile_chunks,
-            sharded,
-            node_cores(cluster),
-            batches,
-            tuple(range(2, num_devices + 1)),
+            job, job.placement.profile_chunks, sharded, node_cores(cluster), batches
         ).wait()[0]
         costs = replace(costs, overhead_s=_round_trip_s(profiler))
+        message = profiler.sample().wait()[0]
     finally:
         profiler.shutdown()
+    if costs.cores is not None:  # a CPU node: rollout workers there share its cores
+        node = _first_node_devices(cluster)
+        workers = [r for r in range(2, len(node) + 1) if num_groups % r == 0]
+        together = _calls_at_once(job, cluster, message, workers)
+        costs = replace(costs, infer_parallel_s=tuple(sorted(together.items())))
     plans = candidate_plans(
         costs,
         num_devices,
@@ -860,6 +868,36 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
         job.placement.max_stages,
     )
     return costs, plans, choose(plans)
+
+
+def _first_node_devices(cluster: Any) -> list[int]:
+    """The cluster's devices on the node of its first device."""
+    node = cluster.device(0).node_rank
+    return [k for k in range(cluster.num_devices) if cluster.device(k).node_rank == node]
+
+
+def _calls_at_once(
+    job: Any, cluster: Any, message: Any, workers: list[int], reps: int = 5
+) -> dict[int, float]:
+    """``{R: seconds}``: ``R`` profiling workers on the first ``R`` devices of the first
+    node, each with the policy on ``B / R`` of the observations of ``message``, call at the
+    same time, as ``R`` rollout workers of one node do; the slowest worker's median of
+    ``reps`` calls."""
+    from rlinf_vla.runtime.worker import WorkerGroup
+
+    out = {}
+    for r in workers:
+        group = WorkerGroup(
+            cluster, Profiler, name=f"profile-calls-{r}", devices=_first_node_devices(cluster)[:r]
+        )
+        try:
+            group.prepare_calls(job, message).wait()
+            # a start far enough ahead that every worker has its call before it
+            timed = group.calls_at(time.time() + 1.0, reps).wait()
+        finally:
+            group.shutdown()
+        out[r] = max(median for median, _, _ in timed)
+    return out
 
 
 def describe_costs(costs: Costs, num_envs: int) -> str:

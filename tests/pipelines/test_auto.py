@@ -252,6 +252,9 @@ def test_auto_profiles_prints_its_choice_and_trains(tmp_path, capsys, monkeypatc
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "placement=auto: profiling" in out and "on device cpu:0@node0" in out
+    # a CPU node: the staged chunk steps and two rollout workers' calls at once measured
+    assert "a staged chunk step in one process: 2 stages" in out
+    assert "calls at once: 2 x 2 envs" in out
     assert "<- chosen" in out
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["placement"]
     assert saved["mode"] in ("collocated", "hybrid", "disaggregated", "local")
@@ -450,12 +453,11 @@ def test_the_profile_times_a_call_on_each_stage_batch(monkeypatch):
     assert costs.rollout_busy_s(4, 1) == pytest.approx(4 * calls[4])
 
 
-def test_the_profile_times_the_staged_schedule_and_calls_at_once(monkeypatch):
+def test_the_profile_times_the_staged_schedule(monkeypatch):
     """On a CPU node the profile also times ``P`` stages stepped as ``placement=local`` steps
-    them, and ``R`` calls made at once. The policy's call sleeps 20 ms + 5 ms per env and the
-    toy env barely computes, so the one thread that infers is the bottleneck: a staged chunk
-    step is ``P`` calls on ``B / P`` envs (2 x 30 ms, 4 x 25 ms), and two calls on 2 envs
-    made at once take as long as one (30 ms)."""
+    them. The policy's call sleeps 20 ms + 5 ms per env and the toy env barely computes, so
+    the one thread that infers is the bottleneck: a staged chunk step is ``P`` calls on
+    ``B / P`` envs (2 x 30 ms, 4 x 25 ms)."""
     import time
 
     from rlinf_vla.pipelines import auto
@@ -475,18 +477,47 @@ def test_the_profile_times_the_staged_schedule_and_calls_at_once(monkeypatch):
         return call
 
     monkeypatch.setattr(auto, "_rollout_call", sleeping_call)
-    costs = auto.profile(
-        _toy_job(), 2, threads=1, cores=2, batches=(2, 4), staged=(2, 3, 4), parallel=(2, 3)
-    )
+    costs = auto.profile(_toy_job(), 2, threads=1, cores=2, batches=(2, 4), staged=(2, 3, 4))
     staged = dict(costs.staged_step_s)
     assert sorted(staged) == [2, 4]  # 3 stages do not split 4 envs
     assert staged[2] == pytest.approx(0.06, rel=0.25)
     assert staged[4] == pytest.approx(0.1, rel=0.25)
-    assert [r for r, _ in costs.infer_parallel_s] == [2]
-    assert dict(costs.infer_parallel_s)[2] == pytest.approx(0.03, rel=0.25)
     # not asked for: nothing measured, and the plans keep the model
-    plain = auto.profile(_toy_job(), 1, threads=1)
-    assert plain.staged_step_s == () and plain.infer_parallel_s == ()
+    assert auto.profile(_toy_job(), 1, threads=1).staged_step_s == ()
+
+
+@pytest.mark.ray
+def test_calls_at_once_are_made_together_by_workers_of_their_own():
+    """``R`` rollout workers' calls made at once are timed in ``R`` worker processes (as a
+    run's rollout workers are: no interpreter lock shared), each with the policy on its
+    ``B / R`` envs, all starting at one wall-clock time so that their calls overlap."""
+    import time
+
+    from rlinf_vla.envs import make_env
+    from rlinf_vla.pipelines import auto
+    from rlinf_vla.pipelines.rollout import EnvMessage
+    from rlinf_vla.runtime import Cluster
+    from rlinf_vla.runtime.worker import WorkerGroup
+
+    job = _toy_job()
+    env = make_env(job.env_name, job.env_config)
+    try:
+        message = EnvMessage(obs=env.reset())
+    finally:
+        env.close()
+    with Cluster(num_cpus=2) as cluster:
+        group = WorkerGroup(cluster, auto.Profiler, name="calls", devices=[0, 1])
+        try:
+            assert group.prepare_calls(job, message).wait() == [2, 2]  # 4 envs over 2
+            start = time.time() + 1.0
+            (m0, s0, e0), (m1, s1, e1) = group.calls_at(start, 3).wait()
+        finally:
+            group.shutdown()
+        assert min(s0, s1) >= start - 0.01  # both waited for the start
+        assert max(s0, s1) < min(e0, e1)  # and their calls ran at the same time
+        assert 0 < m0 < e0 - s0 and 0 < m1 < e1 - s1
+        got = auto._calls_at_once(job, cluster, message, [2], reps=3)
+        assert list(got) == [2] and got[2] > 0
 
 
 @pytest.mark.ray
