@@ -515,8 +515,9 @@ def _time_stages(
     """Seconds of one chunk step of all ``B`` envs cut into ``stages`` stage envs, as
     ``placement=local`` runs them: each stage's simulators step in a thread of their own
     (where they run in subprocesses; else the stages step in turn in one thread) while one
-    thread computes the stages' actions in the order they are asked for. One round fills
-    the pipeline, then ``chunks`` rounds are timed."""
+    thread computes the stages' actions in the order they are asked for. Two untimed rounds
+    fill the pipeline and pay the new envs' first steps (as the whole batch's two untimed
+    chunk steps do), then ``chunks`` rounds are timed."""
     from concurrent.futures import ThreadPoolExecutor
 
     from rlinf_vla.envs import for_device, make_stage_envs
@@ -548,7 +549,7 @@ def _time_stages(
             for future in [stepping.submit(stage, s, n) for s in range(stages)]:
                 future.result()
 
-        rounds(1)
+        rounds(2)
         t0 = clock()
         rounds(chunks)
         return (clock() - t0) / chunks
