@@ -824,14 +824,18 @@ def plan_table(plans: list[Plan], chosen: Plan, env_steps: int) -> str:
     return "\n".join(lines)
 
 
+def _first_node_devices(cluster: Any) -> list[int]:
+    """The cluster's devices on the node of its first device."""
+    node = cluster.device(0).node_rank
+    return [k for k in range(cluster.num_devices) if cluster.device(k).node_rank == node]
+
+
 def node_cores(cluster: Any) -> int | None:
     """The cores of the first device's node that the cluster's CPU slots compute with (the
     simulators' processes share them), ``None`` on GPUs."""
-    first = cluster.device(0)
-    if first.kind != "cpu":
+    if cluster.device(0).kind != "cpu":
         return None
-    mine = [cluster.device(k) for k in range(cluster.num_devices)]
-    return sum(d.threads or 1 for d in mine if d.node_rank == first.node_rank)
+    return sum(cluster.device(k).threads or 1 for k in _first_node_devices(cluster))
 
 
 def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
@@ -859,7 +863,7 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
     if costs.cores is not None:  # a CPU node: rollout workers there share its cores
         node = _first_node_devices(cluster)
         workers = [r for r in range(2, len(node) + 1) if num_groups % r == 0]
-        together = _calls_at_once(job, cluster, message, workers)
+        together = _calls_at_once(job, cluster, message, node, workers)
         costs = replace(costs, infer_parallel_s=tuple(sorted(together.items())))
     plans = candidate_plans(
         costs,
@@ -871,26 +875,18 @@ def estimate(job: Any, cluster: Any) -> tuple[Costs, list[Plan], Plan]:
     return costs, plans, choose(plans)
 
 
-def _first_node_devices(cluster: Any) -> list[int]:
-    """The cluster's devices on the node of its first device."""
-    node = cluster.device(0).node_rank
-    return [k for k in range(cluster.num_devices) if cluster.device(k).node_rank == node]
-
-
 def _calls_at_once(
-    job: Any, cluster: Any, message: Any, workers: list[int], reps: int = 5
+    job: Any, cluster: Any, message: Any, node: list[int], workers: list[int], reps: int = 5
 ) -> dict[int, float]:
-    """``{R: seconds}``: ``R`` profiling workers on the first ``R`` devices of the first
-    node, each with the policy on ``B / R`` of the observations of ``message``, call at the
-    same time, as ``R`` rollout workers of one node do; the slowest worker's median of
-    ``reps`` calls."""
+    """``{R: seconds}``: ``R`` profiling workers on the first ``R`` devices of ``node`` (one
+    node's devices), each with the policy on ``B / R`` of the observations of ``message``,
+    call at the same time, as ``R`` rollout workers of one node do; the slowest worker's
+    median of ``reps`` calls."""
     from rlinf_vla.runtime.worker import WorkerGroup
 
     out = {}
     for r in workers:
-        group = WorkerGroup(
-            cluster, Profiler, name=f"profile-calls-{r}", devices=_first_node_devices(cluster)[:r]
-        )
+        group = WorkerGroup(cluster, Profiler, name=f"profile-calls-{r}", devices=node[:r])
         try:
             group.prepare_calls(job, message).wait()
             # a start far enough ahead that every worker has its call before it

@@ -516,7 +516,7 @@ def test_calls_at_once_are_made_together_by_workers_of_their_own():
         assert min(s0, s1) >= start - 0.01  # both waited for the start
         assert max(s0, s1) < min(e0, e1)  # and their calls ran at the same time
         assert 0 < m0 < e0 - s0 and 0 < m1 < e1 - s1
-        got = auto._calls_at_once(job, cluster, message, [2], reps=3)
+        got = auto._calls_at_once(job, cluster, message, [0, 1], [2], reps=3)
         assert list(got) == [2] and got[2] > 0
 
 
