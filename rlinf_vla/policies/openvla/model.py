@@ -48,6 +48,7 @@ from rlinf_vla.policies.heads import (
     categorical_logprob_entropy,
     restricted_logits,
 )
+from rlinf_vla.policies.llama_decode import LlamaStepDecoder
 from rlinf_vla.policies.openvla.config import OpenVLAConfig
 from rlinf_vla.policies.openvla.processor import OpenVLAProcessor, load_norm_stats
 from rlinf_vla.policies.tokenizers import save_tokenizer
@@ -524,13 +525,17 @@ class OpenVLAPolicy(Policy):
 
         prefix = self._prefix(obs)
         embeds, mask, positions = prefix
-        cache = kv_cache(self.vla.language_model.model, DynamicCache())  # filled in place
-        out = self._lm(embeds, mask, positions, use_cache=True, **cache)
+        lm = self.vla.language_model.model
+        cache = DynamicCache()
+        out = self._lm(embeds, mask, positions, use_cache=True, **kv_cache(lm, cache))
         hidden = out.last_hidden_state[:, -1]
         value = self._value(hidden, obs)
-        position = positions[:, -1:]
+        n = self.num_action_tokens
+        # The tokens after the first: each one position further than the last prompt token's.
+        steps = positions[:, -1:] + torch.arange(1, n, device=positions.device)
+        decoder = LlamaStepDecoder(lm, cache, mask, steps)
         tokens, logps, hiddens = [], [], []
-        for i in range(self.num_action_tokens):
+        for i in range(n):
             hiddens.append(hidden)
             logits = self.action_logits(hidden)
             index = (
@@ -541,17 +546,8 @@ class OpenVLAPolicy(Policy):
             logps.append(categorical_logprob_entropy(logits, index)[0])
             token = self.processor.action_tokenizer.from_index(index)
             tokens.append(token)
-            if i + 1 < self.num_action_tokens:
-                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-                position = position + 1
-                out = self._lm(
-                    self.vla.embed_tokens(token[:, None]),
-                    mask,
-                    position,
-                    use_cache=True,
-                    **cache,
-                )
-                hidden = out.last_hidden_state[:, -1]
+            if i + 1 < n:
+                hidden = decoder.step(self.vla.embed_tokens(token))
         ids = self._shape_tokens(torch.stack(tokens, dim=1))
         logprob = self._shape_tokens(torch.stack(logps, dim=1))
         if rescore:
