@@ -125,6 +125,8 @@ def make_stage_envs(
     stage ``s`` holds the global envs ``[s * n, (s + 1) * n)``.
     """
     cfg = env_config(name, config, **overrides)
+    if num_stages > 1:
+        cfg = cfg.for_stages()
     sizes = split_sizes(cfg.num_envs, num_stages, cfg.group_size)
     envs: list[VectorEnv] = []
     offset = cfg.env_offset

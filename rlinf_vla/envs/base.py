@@ -166,6 +166,13 @@ class EnvConfig:
         fixed returns itself."""
         return self
 
+    def for_stages(self) -> EnvConfig:
+        """This config with whatever depends on the batch size resolved for the whole batch,
+        before :func:`~rlinf_vla.envs.make_stage_envs` splits it into pipeline stages (the
+        stages step at the same time, so what they share is shared by the whole batch). An
+        env with nothing of the kind returns itself."""
+        return self
+
     def describe(self) -> str:
         """What the env runs, after its name in a run's header (``PickCube-v1``,
         ``libero_goal tasks [2, 5]``; empty: nothing more to say)."""

@@ -301,3 +301,21 @@ def test_envs_per_process_by_default_keeps_every_core_busy(monkeypatch) -> None:
     assert env_config("maniskill", num_envs=40, envs_per_process=8).envs_per_subprocess() == 8
     with pytest.raises(Exception, match="envs_per_process"):
         env_config("maniskill", envs_per_process=0)
+
+
+def test_pipeline_stages_share_the_whole_batchs_subprocesses(maniskill, monkeypatch) -> None:
+    """4 envs on 2 cores run in 2 subprocesses of 2; split into 2 stages, each stage gets one
+    subprocess of 2 envs (the stages simulate at the same time), not 2 subprocesses of 1."""
+    from rlinf_vla.envs import make_stage_envs
+    from rlinf_vla.envs.maniskill import config as ms_config
+
+    monkeypatch.setattr(ms_config.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    stages = make_stage_envs(
+        "maniskill", 2, num_envs=4, task="PushCube-v1", image_size=32, sim_backend="cpu"
+    )
+    try:
+        assert [env.num_envs for env in stages] == [2, 2]
+        assert [env.workers.num_processes for env in stages] == [1, 1]
+    finally:
+        for env in stages:
+            env.close()

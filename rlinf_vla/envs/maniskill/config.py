@@ -126,7 +126,10 @@ class ManiSkillEnvConfig(EnvConfig):
             ``None``: ``ceil(num_envs / cores)`` (the cores this process may use), which keeps
             every core busy with the fewest subprocesses (10 envs on 2 cores: 2 subprocesses
             of 5, 2.4 GB and 14 s to start instead of 11.9 GB and 57 s with one each, and
-            stepping as fast). Each env's episodes do not depend on it.
+            stepping as fast). With pipeline stages (``placement.stages``) it is resolved for
+            the whole batch before the split, since the stages simulate at the same time: 4
+            envs in 2 stages on 2 cores get one subprocess of 2 envs per stage. Each env's
+            episodes do not depend on it.
         worker_timeout_s: seconds a CPU worker may take for one command before it is
             considered hung and restarted.
         state_mode: ``"proprio"``: ``state`` is the robot's joint positions and TCP pose;
@@ -167,6 +170,15 @@ class ManiSkillEnvConfig(EnvConfig):
         if self.envs_per_process is not None:
             return self.envs_per_process
         return math.ceil(self.num_envs / usable_cpus())
+
+    def for_stages(self) -> ManiSkillConfig:
+        """The subprocess packing of the whole batch: pipeline stages simulate at the same time
+        (and beside inference), so their subprocesses together, not each stage's, fill the
+        cores (4 envs in 2 stages on 2 cores: one subprocess of 2 envs per stage, as the
+        unstaged batch's 2 subprocesses, not 2 of 1 env per stage)."""
+        if self.envs_per_process is not None or self.sim_backend == "gpu":
+            return self
+        return dataclasses.replace(self, envs_per_process=self.envs_per_subprocess())
 
     def describe(self) -> str:
         return self.task
