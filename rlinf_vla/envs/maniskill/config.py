@@ -171,7 +171,7 @@ class ManiSkillEnvConfig(EnvConfig):
             return self.envs_per_process
         return math.ceil(self.num_envs / usable_cpus())
 
-    def for_stages(self) -> ManiSkillConfig:
+    def for_stages(self) -> ManiSkillEnvConfig:
         """The subprocess packing of the whole batch: pipeline stages simulate at the same time
         (and beside inference), so their subprocesses together, not each stage's, fill the
         cores (4 envs in 2 stages on 2 cores: one subprocess of 2 envs per stage, as the
