@@ -95,6 +95,23 @@ def test_the_memory_of_subprocesses_counts_towards_their_parent():
         os.kill(child, signal.SIGKILL)
 
 
+@linux
+def test_a_workers_resident_memory_is_read_again_only_after_the_refresh_time(monkeypatch):
+    """Each reading walks the process tree's page tables, so a worker reuses its reading for
+    ``refresh_s``; the GPU figures are not affected (none on a CPU device)."""
+    from rlinf_vla.runtime import memory
+
+    reads = []
+    monkeypatch.setattr(memory, "_last_rss", [])
+    monkeypatch.setattr(memory, "process_tree_rss", lambda: reads.append(1) or float(len(reads)))
+    cpu = torch.device("cpu")
+    assert memory.worker_memory(cpu, refresh_s=60) == {"rss": 1.0}
+    assert memory.worker_memory(cpu, refresh_s=60) == {"rss": 1.0}  # reused, not read
+    assert len(reads) == 1
+    assert memory.worker_memory(cpu, refresh_s=0) == {"rss": 2.0}  # stale: read again
+    assert len(reads) == 2
+
+
 def test_the_metrics_take_the_largest_value_of_each_groups_ranks():
     groups = {
         "env": [{"rss": 1.0}, {"rss": 3.0}],
