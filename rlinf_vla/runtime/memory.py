@@ -67,8 +67,9 @@ def process_tree_rss(pid: int | None = None) -> float | None:
 #: proportional set size makes the kernel walk every page table of a process: 27 ms for a
 #: process with torch loaded and 30-32 ms for a ManiSkill simulator on the 2-core development
 #: machine, 64 ms for an env worker of 4 envs with its two simulators. Read at the end of
-#: every iteration of every worker, that was about 0.3 CPU-seconds per iteration of a 2-worker
-#: ``collocated`` run of the tiny policy on ManiSkill, whose rollouts take 0.8 s.
+#: every iteration of every worker, that is about 0.25 CPU-seconds per iteration of a
+#: 2-worker ``collocated`` run of the tiny policy on ManiSkill (rollouts of 0.8 s), on a
+#: machine of 2 cores.
 RSS_REFRESH_S = 10.0
 
 _last_rss: list[float] = []  # [time.monotonic() of the reading, GiB]
