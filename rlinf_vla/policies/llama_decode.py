@@ -25,11 +25,6 @@ from torch import Tensor, nn
 __all__ = ["LlamaStepDecoder"]
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _cached_kv(cache: Any, layer: int) -> tuple[Tensor, Tensor]:
     """The keys and values ``[B, H_kv, T, d]`` a ``DynamicCache`` holds for ``layer``
     (transformers >= 4.56 keeps them per layer object; earlier releases in two lists)."""
@@ -56,15 +51,17 @@ class LlamaStepDecoder:
     def __init__(self, model: nn.Module, cache: Any, mask: Tensor, positions: Tensor) -> None:
         self.model = model
         self.layers = list(model.layers)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.rope = apply_rotary_pos_emb
         batch, prompt = mask.shape
-        steps = positions.shape[1]
-        self.length = prompt
-        self.capacity = prompt + steps
+        self.prompt, self.steps = prompt, positions.shape[1]
+        steps = self.steps
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         for i in range(len(self.layers)):
             k, v = _cached_kv(cache, i)
-            shape = (*k.shape[:2], self.capacity, k.shape[-1])
+            shape = (*k.shape[:2], prompt + steps, k.shape[-1])
             keys = k.new_empty(shape)
             values = v.new_empty(shape)
             keys[:, :, :prompt] = k
@@ -74,9 +71,7 @@ class LlamaStepDecoder:
         # Every position to come at once: RoPE's angles are per position, so this is what the
         # per-call computation gives, bit for bit; in the dtype of the token embeddings, which
         # ``forward`` takes them in (it reads only the device and dtype of its first argument).
-        cos, sin = model.rotary_emb(model.embed_tokens.weight, positions)
-        self.cos = cos.unsqueeze(1)  # [B, 1, steps, d]
-        self.sin = sin.unsqueeze(1)
+        self.cos, self.sin = model.rotary_emb(model.embed_tokens.weight, positions)  # [B, steps, d]
         full = torch.cat([mask.bool(), mask.new_ones(batch, steps, dtype=torch.bool)], dim=1)
         # As Hugging Face's SDPA path: no mask at all where no position is padding.
         self.mask = None if bool(full.all()) else full[:, None, None, :]
@@ -85,10 +80,10 @@ class LlamaStepDecoder:
     @torch.no_grad()
     def step(self, embeds: Tensor) -> Tensor:
         i = self.step_index
-        if self.length >= self.capacity:
+        if i >= self.steps:
             raise RuntimeError(f"LlamaStepDecoder: all {i} steps it was sized for are used")
-        t = self.length
-        cos, sin = self.cos[:, :, i : i + 1], self.sin[:, :, i : i + 1]
+        t = self.prompt + i  # the new token's place in the keys and values
+        cos, sin = self.cos[:, i : i + 1], self.sin[:, i : i + 1]
         mask = None if self.mask is None else self.mask[..., : t + 1]
         x = embeds[:, None, :]
         batch = x.shape[0]
@@ -98,8 +93,7 @@ class LlamaStepDecoder:
             q = attn.q_proj(h).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
             k = attn.k_proj(h).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = self.rope(q, k, cos, sin)
             keys[:, :, t : t + 1] = k
             values[:, :, t : t + 1] = v
             k_all, v_all = keys[:, :, : t + 1], values[:, :, : t + 1]
@@ -112,6 +106,5 @@ class LlamaStepDecoder:
             )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        self.length = t + 1
         self.step_index = i + 1
         return self.model.norm(x)[:, -1]
