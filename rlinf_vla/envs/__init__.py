@@ -126,7 +126,7 @@ def make_stage_envs(
     """
     cfg = env_config(name, config, **overrides)
     if num_stages > 1:
-        cfg = cfg.for_stages()
+        cfg = cfg.for_whole_batch()
     sizes = split_sizes(cfg.num_envs, num_stages, cfg.group_size)
     envs: list[VectorEnv] = []
     offset = cfg.env_offset

@@ -166,11 +166,11 @@ class EnvConfig:
         fixed returns itself."""
         return self
 
-    def for_stages(self) -> EnvConfig:
+    def for_whole_batch(self) -> EnvConfig:
         """This config with whatever depends on the batch size resolved for the whole batch,
-        before :func:`~rlinf_vla.envs.make_stage_envs` splits it into pipeline stages (the
-        stages step at the same time, so what they share is shared by the whole batch). An
-        env with nothing of the kind returns itself."""
+        before the batch is split into parts that step at the same time and share what the
+        whole batch would (pipeline stages in :func:`~rlinf_vla.envs.make_stage_envs`, the env
+        workers of one node). An env with nothing of the kind returns itself."""
         return self
 
     def describe(self) -> str:

@@ -197,10 +197,15 @@ class EnvWorker(Worker):
     def __init__(
         self, env_name: str, env_config: EnvConfig, num_stages: int, expert: bool = False
     ) -> None:
-        from rlinf_vla.envs import for_device, make_stage_envs
+        from rlinf_vla.envs import for_device, make_stage_envs, replace_config
 
         cfg = for_device(env_config, self.device)
         per_worker = cfg.num_envs // self.world_size
+        if self.node_world_size > 1:
+            # the env workers of a node simulate at the same time, on its cores: what their
+            # envs share (ManiSkill's subprocess packing) is resolved for their envs together
+            node_envs = per_worker * self.node_world_size
+            cfg = replace_config(cfg, num_envs=node_envs).for_whole_batch()
         self.envs = make_stage_envs(
             env_name,
             num_stages,

@@ -43,6 +43,7 @@ from rlinf_vla.runtime.worker import (
     WorkerContext,
     guarded,
     invoke,
+    node_world_sizes,
 )
 
 LOCAL_NODE = "local"
@@ -272,8 +273,11 @@ class LocalGroup(GroupBase):
         self._workers: list[Any] = []
         self._hosts: list[_Host] = []
         futures = []
+        on_node = node_world_sizes(self.devices)
         for rank, device in enumerate(self.devices):
-            ctx = WorkerContext(name, rank, len(self.devices), device, in_process=True)
+            ctx = WorkerContext(
+                name, rank, len(self.devices), device, True, node_world_size=on_node[rank]
+            )
 
             def build(ctx: WorkerContext = ctx) -> Process:
                 worker = worker_cls.__new__(worker_cls)

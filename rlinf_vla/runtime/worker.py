@@ -33,6 +33,7 @@ import signal
 import socket
 import time
 import traceback
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as futures_wait
@@ -132,6 +133,14 @@ class WorkerContext:
     device: Device
     #: built in the driver's process (:mod:`rlinf_vla.runtime.local`), which sees every GPU
     in_process: bool = False
+    #: the workers of the group on this worker's node, itself included (they share its cores)
+    node_world_size: int = 1
+
+
+def node_world_sizes(devices: list[Device]) -> list[int]:
+    """For each of ``devices`` (a group's, by rank), how many of them are on its node."""
+    per_node = Counter(d.node_id for d in devices)
+    return [per_node[d.node_id] for d in devices]
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,7 @@ class Worker:
 
     Attributes available in ``__init__`` and every method:
         rank, world_size, group_name: the worker's place in its group.
+        node_world_size: the workers of its group on its node, itself included.
         device_info: the :class:`Device` it was placed on.
         device: the ``torch.device`` to put tensors on (``cuda:0`` or ``cpu``; each worker
             sees only its own GPU).
@@ -167,6 +177,10 @@ class Worker:
     @property
     def group_name(self) -> str:
         return self._ctx.group_name
+
+    @property
+    def node_world_size(self) -> int:
+        return self._ctx.node_world_size
 
     @property
     def device_info(self) -> Device:
@@ -702,9 +716,13 @@ class WorkerGroup(GroupBase, Generic[W]):
                 scheduling_strategy=NodeAffinitySchedulingStrategy(device.node_id, soft=False),
             ).remote()
             self._actors.append(actor)
+        size, on_node = len(self.devices), node_world_sizes(self.devices)
         refs = [
             actor.init.remote(
-                worker_cls, WorkerContext(name, rank, len(self.devices), device), args, kwargs or {}
+                worker_cls,
+                WorkerContext(name, rank, size, device, node_world_size=on_node[rank]),
+                args,
+                kwargs or {},
             )
             for rank, (actor, device) in enumerate(zip(self._actors, self.devices, strict=True))
         ]

@@ -319,3 +319,26 @@ def test_pipeline_stages_share_the_whole_batchs_subprocesses(maniskill, monkeypa
     finally:
         for env in stages:
             env.close()
+
+
+def test_env_workers_of_one_node_share_the_whole_batchs_subprocesses(maniskill, monkeypatch):
+    """Two env workers on one node with 2 cores and 4 envs in all: each simulates its 2 envs
+    in one subprocess (2 in all, as one worker with the whole batch would), not in 2 of 1."""
+    from rlinf_vla.envs import env_config
+    from rlinf_vla.envs.maniskill import config as ms_config
+    from rlinf_vla.pipelines.rollout import EnvWorker
+    from rlinf_vla.runtime.cluster import ClusterConfig
+    from rlinf_vla.runtime.local import LocalCluster, LocalGroup
+
+    monkeypatch.setattr(ms_config.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    cfg = env_config("maniskill", num_envs=4, task="PushCube-v1", image_size=32, sim_backend="cpu")
+    cluster = LocalCluster(ClusterConfig(devices_per_node=2))
+    group = LocalGroup(cluster, EnvWorker, "env", [0, 1], args=("maniskill", cfg, 1))
+    try:
+        workers = [group.worker(rank) for rank in (0, 1)]
+        assert [w.node_world_size for w in workers] == [2, 2]
+        assert [[env.num_envs for env in w.envs] for w in workers] == [[2], [2]]
+        assert [[env.workers.num_processes for env in w.envs] for w in workers] == [[1], [1]]
+    finally:
+        group.close().wait()
+        group.shutdown()

@@ -11,6 +11,9 @@ class WhereAmI(Worker):
 
         return self.rank, ray.get_runtime_context().get_node_id(), self.node_id
 
+    def on_my_node(self):
+        return self.node_world_size
+
 
 @pytest.fixture(scope="module")
 def two_node_cluster():
@@ -41,9 +44,12 @@ def test_workers_are_placed_on_their_device_node(two_node_cluster):
     group = WorkerGroup(two_node_cluster, WhereAmI, "where", devices=[1, 0, 1])
     try:
         placed = group.where().wait(timeout=120)
+        on_node = group.on_my_node().wait(timeout=60)
     finally:
         group.shutdown()
     devices = two_node_cluster.devices
     expected = [devices[1].node_id, devices[0].node_id, devices[1].node_id]
     assert [actual for _, actual, _ in placed] == expected
     assert [declared for _, _, declared in placed] == expected
+    # ranks 0 and 2 share node 1; rank 1 is alone on node 0
+    assert on_node == [2, 1, 2]

@@ -171,11 +171,12 @@ class ManiSkillEnvConfig(EnvConfig):
             return self.envs_per_process
         return math.ceil(self.num_envs / usable_cpus())
 
-    def for_stages(self) -> ManiSkillEnvConfig:
-        """The subprocess packing of the whole batch: pipeline stages simulate at the same time
-        (and beside inference), so their subprocesses together, not each stage's, fill the
-        cores (4 envs in 2 stages on 2 cores: one subprocess of 2 envs per stage, as the
-        unstaged batch's 2 subprocesses, not 2 of 1 env per stage)."""
+    def for_whole_batch(self) -> ManiSkillEnvConfig:
+        """The subprocess packing of the whole batch: pipeline stages, and the env workers of
+        one node, simulate at the same time (and beside inference), so their subprocesses
+        together, not each part's, fill the cores (4 envs in 2 stages, or 2 env workers, on 2
+        cores: one subprocess of 2 envs per part, as the whole batch's 2 subprocesses, not 2
+        of 1 env per part)."""
         if self.envs_per_process is not None or self.sim_backend == "gpu":
             return self
         return dataclasses.replace(self, envs_per_process=self.envs_per_subprocess())
