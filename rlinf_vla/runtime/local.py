@@ -276,7 +276,12 @@ class LocalGroup(GroupBase):
         on_node = node_world_sizes(self.devices)
         for rank, device in enumerate(self.devices):
             ctx = WorkerContext(
-                name, rank, len(self.devices), device, True, node_world_size=on_node[rank]
+                name,
+                rank,
+                len(self.devices),
+                device,
+                in_process=True,
+                node_world_size=on_node[rank],
             )
 
             def build(ctx: WorkerContext = ctx) -> Process:

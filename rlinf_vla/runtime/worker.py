@@ -137,7 +137,7 @@ class WorkerContext:
     node_world_size: int = 1
 
 
-def node_world_sizes(devices: list[Device]) -> list[int]:
+def node_world_sizes(devices: Sequence[Device]) -> list[int]:
     """For each of ``devices`` (a group's, by rank), how many of them are on its node."""
     per_node = Counter(d.node_id for d in devices)
     return [per_node[d.node_id] for d in devices]
