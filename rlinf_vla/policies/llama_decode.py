@@ -55,8 +55,8 @@ class LlamaStepDecoder:
 
         self.rope = apply_rotary_pos_emb
         batch, prompt = mask.shape
-        self.prompt, self.steps = prompt, positions.shape[1]
-        steps = self.steps
+        steps = positions.shape[1]
+        self.prompt, self.steps = prompt, steps
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         for i in range(len(self.layers)):
