@@ -39,7 +39,7 @@ PANELS: list[tuple[str, list[str]]] = [
     ("reward", ["reward/mean"]),
     ("response length (tokens)", ["response/length_mean", "eval/response_length"]),
     ("generated tokens / s", ["throughput/tokens_per_s"]),
-    ("resident memory (GiB)", [f"memory/{g}_rss_gib" for g in _GROUPS]),
+    ("resident memory (GiB)", [f"memory/{g}_rss_gib" for g in _GROUPS] + ["memory/total_rss_gib"]),
     ("GPU memory peak (GiB)", [f"memory/{g}_gpu_peak_gib" for g in _GROUPS]),
 ]
 

@@ -3,7 +3,8 @@
 Every :class:`~rlinf_vla.runtime.Worker` answers :meth:`~rlinf_vla.runtime.Worker.memory`;
 the trainers log the largest value over each group's ranks as ``memory/<group>_<kind>_gib``
 every iteration, so a run that creeps towards an out-of-memory error shows it in its metrics
-before it happens, and which component is to blame.
+before it happens, and which component is to blame; ``memory/total_rss_gib`` is what all the
+run's workers hold together, the figure to size a machine by.
 """
 
 from __future__ import annotations
@@ -131,7 +132,12 @@ def read_memory(groups: Mapping[str, Any]) -> dict[str, list[dict[str, float]]]:
 
 
 def group_memory_metrics(groups: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[str, float]:
-    """``memory/<group>_<kind>_gib``: the largest value over each group's ranks.
+    """``memory/<group>_<kind>_gib``: the largest value over each group's ranks; and
+    ``memory/total_rss_gib``: the resident memory of every rank of every group added up, each
+    process once. Ranks that share a process share one reading (:func:`read_memory` hands each
+    of them the same object), which counts once; resident memory counts a page that several
+    processes map by its share in each (:func:`process_tree_rss`), so the sum is what the
+    workers hold together, the driver and Ray's own processes aside.
 
     Args:
         groups: group name -> the :func:`worker_memory` of each rank.
@@ -140,6 +146,9 @@ def group_memory_metrics(groups: Mapping[str, Sequence[Mapping[str, float]]]) ->
     for name, ranks in groups.items():
         for kind in sorted({k for r in ranks for k in r}):
             metrics[f"memory/{name}_{kind}_gib"] = max(r[kind] for r in ranks if kind in r)
+    readings = {id(r): r for ranks in groups.values() for r in ranks if "rss" in r}
+    if readings:
+        metrics["memory/total_rss_gib"] = sum(r["rss"] for r in readings.values())
     return metrics
 
 

@@ -140,6 +140,9 @@ def test_grpo_two_iterations(tmp_path, capsys):
     assert "train/value_loss" not in rows[0]  # GRPO has no critic
     for group in ("env", "rollout", "actor"):  # each worker holds at least its Python and torch
         assert 0.1 < rows[0][f"memory/{group}_rss_gib"] < 24, group
+    # three processes of one rank each (collocated on Ray): the total is their sum
+    groups = sum(rows[0][f"memory/{g}_rss_gib"] for g in ("env", "rollout", "actor"))
+    assert rows[0]["memory/total_rss_gib"] == pytest.approx(groups)
     # The header says what ran: the tiny OpenVLA's parameters counted here independently.
     from rlinf_vla.policies import make_policy
     from rlinf_vla.run.loop import count_text

@@ -112,7 +112,7 @@ def test_a_workers_resident_memory_is_read_again_only_after_the_refresh_time(mon
     assert len(reads) == 2
 
 
-def test_the_metrics_take_the_largest_value_of_each_groups_ranks():
+def test_the_metrics_take_the_largest_value_of_each_groups_ranks_and_the_sum_of_all():
     groups = {
         "env": [{"rss": 1.0}, {"rss": 3.0}],
         "actor": [{"rss": 2.0, "gpu_peak": 5.0}, {"rss": 2.5, "gpu_peak": 4.0}],
@@ -121,7 +121,19 @@ def test_the_metrics_take_the_largest_value_of_each_groups_ranks():
         "memory/env_rss_gib": 3.0,
         "memory/actor_gpu_peak_gib": 5.0,
         "memory/actor_rss_gib": 2.5,
+        "memory/total_rss_gib": 8.5,  # 1 + 3 + 2 + 2.5
     }
+
+
+def test_a_process_that_several_ranks_share_counts_once_in_the_total():
+    """``placement=local``: every group's ranks live in one process and share its reading; two
+    processes that happen to read the same amount are still two."""
+    shared = {"rss": 4.0}
+    groups = {"env": [shared], "rollout": [shared], "actor": [shared, {"rss": 4.0}]}
+    metrics = group_memory_metrics(groups)
+    assert metrics["memory/total_rss_gib"] == 8.0
+    assert metrics["memory/env_rss_gib"] == metrics["memory/actor_rss_gib"] == 4.0
+    assert "memory/total_rss_gib" not in group_memory_metrics({"actor": [{"gpu": 1.0}]})
 
 
 class Holder(Worker):
@@ -227,6 +239,8 @@ def test_groups_that_share_a_process_read_its_memory_once():
         assert CountedReadings.readings == before + 1
         one = {"pid": os.getpid(), "reading": before + 1, "calls": 1}
         assert memory == {"env": [one, one], "rollout": [one], "actor": [one, one]}
+        # the one reading itself, which memory/total_rss_gib then counts once
+        assert len({id(r) for readings in memory.values() for r in readings}) == 1
     finally:
         for group in groups.values():
             group.shutdown()
