@@ -57,6 +57,9 @@ log monitor, autoscaler monitor, dashboard, agents, idle workers). A mode's iter
 rollout, update and weight sync (the iterations after the first), the loop's its rollout.
 Unlike the wall-clock ratios it hardly depends on how fast the machine is that minute: where the
 modes' simulators do the same work as the loop's, what a mode adds shows in the other columns.
+The same table gives each mode's memory: what its workers held together at the most
+(``memory/total_rss_gib`` of ``rlinf-vla train``, the largest over the iterations and
+repeats), the figure to size a machine by.
 
 The toy workload adds a sleep per env step (``step_time_per_env_s``) that makes up the
 difference between the env's own compute and the inference time, both measured by the loop
@@ -209,6 +212,9 @@ class Row:
     #: CPU seconds of each class of process (:data:`CPU_CLASSES`) per iteration (a mode's
     #: rollout, update and weight sync; the loop's rollout), medians over the repeats
     cpu: dict[str, float] | None = None
+    #: GiB the mode's workers held together at the most (``memory/total_rss_gib``), the
+    #: largest over its iterations and repeats
+    memory_gib: float | None = None
 
 
 class Measured:
@@ -230,14 +236,24 @@ class Measured:
         self.of_bound: dict[str, list[float]] = {}
         self.parts: dict[str, list[dict[str, float]]] = {}
         self.cpu: dict[str, list[dict[str, float]]] = {}
+        self.memory: dict[str, list[float]] = {}
         #: the mode measured since the last loop: (mode, rate, parts, CPU, loop before, repeat)
         self.waiting: tuple[str, float, dict[str, float], dict[str, float], int, int] | None = None
 
     def add_mode(
-        self, mode: str, rate: float, parts: dict[str, float], cpu: dict[str, float], rep: int
+        self,
+        mode: str,
+        rate: float,
+        parts: dict[str, float],
+        cpu: dict[str, float],
+        rep: int,
+        memory: float | None = None,
     ) -> None:
-        """A mode measured after the last loop; its ratio waits for the next loop."""
+        """A mode measured after the last loop; its ratio waits for the next loop. ``memory``:
+        what its workers held together at the most (GiB), where the run reported it."""
         self.waiting = (mode, rate, parts, cpu, len(self.loops) - 1, rep)
+        if memory is not None:
+            self.memory.setdefault(mode, []).append(memory)
 
     def add_loop(self, loop: LoopResult) -> None:
         """A loop measured; the mode before it (if any) gets its ratio."""
@@ -468,10 +484,12 @@ def _count_cpu(window: CpuWindow, metrics: Path, rows: int, done: threading.Even
 
 def mode_rate(
     w: Workload, mode: list[str], policy_args: list[str], devices: int, iterations: int, out: Path
-) -> tuple[float, dict[str, float], dict[str, float]]:
+) -> tuple[float, dict[str, float], dict[str, float], float | None]:
     """Median rollout env steps/s of ``rlinf-vla train`` in ``mode`` (iterations after the
-    first), the median of each part of the rollout's time (:data:`PARTS`), and the CPU seconds
-    per iteration of each class of process (:data:`CPU_CLASSES`) over those iterations."""
+    first), the median of each part of the rollout's time (:data:`PARTS`), the CPU seconds
+    per iteration of each class of process (:data:`CPU_CLASSES`) over those iterations, and
+    the most its workers held together (``memory/total_rss_gib``, every iteration; ``None``
+    if no row has it)."""
     args = [
         "train",
         *env_overrides(w),
@@ -501,11 +519,13 @@ def mode_rate(
     finally:
         done.set()
         counter.join()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    every = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = every[1:]
     parts = {name: statistics.median(r[key] for r in rows) for name, key in PARTS.items()}
     per_iteration = {k: v / max(len(rows), 1) for k, v in cpu.totals().items()}
     rate = statistics.median(r["throughput/env_steps_per_s"] for r in rows)
-    return rate, with_rest(parts), per_iteration
+    held = [r["memory/total_rss_gib"] for r in every if "memory/total_rss_gib" in r]
+    return rate, with_rest(parts), per_iteration, max(held, default=None)
 
 
 def main() -> int:
@@ -668,14 +688,14 @@ def main() -> int:
                     torch.cuda.empty_cache()  # the loop's policy is gone; the workers need it
                 with tempfile.TemporaryDirectory() as tmp:
                     try:
-                        rate, parts, cpu = mode_rate(
+                        rate, parts, cpu, held = mode_rate(
                             w, overrides, policy_args, devices, args.iterations, Path(tmp)
                         )
                     except Skipped as e:
                         skipped[f"{w.name}: {mode}"] = str(e)
                         print(f"{w.name}: {mode} skipped: {e}", flush=True)
                         continue
-                m.add_mode(mode, rate, parts, cpu, rep)
+                m.add_mode(mode, rate, parts, cpu, rep, held)
         if m.waiting is not None or not m.loops:  # the loop after the last mode (or alone)
             m.add_loop(sync_loop(w, policy_args, w.chunks, rollouts=args.iterations))
         loops, rates, ratios, parts_of = m.loops, m.rates, m.ratios, m.parts
@@ -738,6 +758,7 @@ def main() -> int:
                     if mode in estimates and "local S=1" in estimates
                     else None,
                     median_cpu(m.cpu[mode]),
+                    round(max(m.memory[mode]), 2) if m.memory.get(mode) else None,
                 )
             )
         results.append(Row(w.name, "overlap bound", round(bound, 1), round(bound / sync, 2), 1.0))
@@ -773,15 +794,20 @@ def main() -> int:
     print(
         "\nCPU seconds per iteration (a mode's rollout, update and weight sync; the loop's "
         "rollout): the simulator processes, the run (this process and the Ray workers) and "
-        "Ray's daemons"
+        "Ray's daemons; and the GiB a mode's workers held together at the most"
     )
-    print(f"{'workload':<20} {'mode':<15}" + "".join(f" {n:>10}" for n in (*CPU_CLASSES, "all")))
+    print(
+        f"{'workload':<20} {'mode':<15}"
+        + "".join(f" {n:>10}" for n in (*CPU_CLASSES, "all", "held GiB"))
+    )
     for r in results:
         if r.cpu is not None:
             counts = [r.cpu[k] for k in CPU_CLASSES]
+            held = f" {r.memory_gib:>10.2f}" if r.memory_gib is not None else ""
             print(
                 f"{r.workload:<20} {r.mode:<15}"
                 + "".join(f" {c:>10.2f}" for c in (*counts, sum(counts)))
+                + held
             )
     for name, m in meta.items():
         print(

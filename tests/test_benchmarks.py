@@ -264,3 +264,25 @@ def test_behaviour_cloning_against_the_number_of_demonstrations(monkeypatch, cap
     assert lines[-2].split()[:4] == ["5", "0.250", "+-", "0.071"]  # best points 0.2 and 0.3
     assert lines[-2].split()[4:8] == ["0.300", "+-", "0.141", "[0.20,"]
     assert lines[-1].split()[:4] == ["20", "0.600", "+-", "0.141"]  # 0.5 and 0.7
+
+
+def test_the_pipeline_benchmark_reads_what_a_modes_workers_held(tmp_path: Path) -> None:
+    """A mode's row carries the most its workers held together (``memory/total_rss_gib`` of
+    the run): at least a Python process with torch and the tiny policy, less than the machine
+    has, and no less than any single group's reading of the same run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_pipeline_mem", BENCHMARKS / "pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = pipeline
+    spec.loader.exec_module(pipeline)
+    toy = pipeline.Workload("toy", "toy", {}, 4, 2)
+    policy = pipeline.policy_overrides("openvla", "tiny", 2, [])
+    rate, parts, _, held = pipeline.mode_rate(
+        toy, ["placement=local"], policy, 1, 2, tmp_path / "run"
+    )
+    assert rate > 0 and parts["wall"] > 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    groups = [v for r in rows for k, v in r.items() if k.endswith("_rss_gib") and "total" not in k]
+    assert 0.2 < held < 24
+    assert held >= max(groups) - 1e-9
