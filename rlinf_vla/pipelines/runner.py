@@ -481,7 +481,10 @@ def _status(metrics: dict[str, Any]) -> str:
     # the first episodes' rate: env/success_rate over-counts quick successes
     success = metrics["env/first_episode_success_rate"]
     rate = "-" if success is None else f"{success:.2f}"
-    return f"{metrics['throughput/env_steps_per_s']:.0f} env steps/s  success {rate}"
+    text = f"{metrics['throughput/env_steps_per_s']:.0f} env steps/s  success {rate}"
+    if "memory/total_rss_gib" in metrics:  # what the workers hold together
+        text += f"  {metrics['memory/total_rss_gib']:.1f} GiB"
+    return text
 
 
 def _env_text(job: TrainJob) -> str:

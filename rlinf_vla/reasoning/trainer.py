@@ -552,6 +552,8 @@ def _status(metrics: dict[str, Any]) -> str:
     )
     if "eval/accuracy" in metrics:
         text += f"  held-out {metrics['eval/accuracy']:.3f}"
+    if "memory/total_rss_gib" in metrics:  # what the workers hold together
+        text += f"  {metrics['memory/total_rss_gib']:.1f} GiB"
     return text
 
 

@@ -1,6 +1,7 @@
 """`rlinf-vla train` end to end on the toy env with the tiny OpenVLA."""
 
 import json
+import re
 import time
 
 import pytest
@@ -150,6 +151,9 @@ def test_grpo_two_iterations(tmp_path, capsys):
     params = sum(p.numel() for p in make_policy("openvla", preset="tiny").parameters())
     err = capsys.readouterr().err
     assert "rlinf-vla train: grpo on toy, 4 envs, 4 chunks of 2 steps per iteration" in err
+    # each iteration's line ends with what the workers hold (read after its update)
+    total = rows[1]["memory/total_rss_gib"]
+    assert re.search(rf"iter 2/2 .* env steps/s  success \S+  {total:.1f} GiB", err), err
     assert f"policy openvla (preset tiny, random weights): {count_text(params)} parameters" in err
     assert "placement collocated: env 0, rollout 0, actor 0 on 1 cpu slot" in err
     # Envs reset every rollout: each of the 4 envs ends exactly one 8-step episode in 4 chunks of 2.

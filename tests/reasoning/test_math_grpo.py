@@ -384,3 +384,17 @@ def test_invalid_configs_fail_before_anything_starts(tiny_model_dir: Path, tmp_p
     with pytest.raises(ConfigError, match="has no complete checkpoint"):
         job(f"runner.resume={tmp_path / 'run'}")
     assert job("algo=dapo").algo.overlong_tokens == round(0.2 * 96)
+
+
+def test_a_steps_status_line_ends_with_what_the_workers_hold():
+    from rlinf_vla.reasoning.trainer import _status
+
+    step = {
+        "reward/mean": 0.25,
+        "reward/accuracy": 0.5,
+        "response/length_mean": 41.6,
+        "throughput/tokens_per_s": 120.4,
+    }
+    assert _status(step) == "reward 0.25  acc 0.50  len 42  120 tok/s"
+    held = _status({**step, "eval/accuracy": 0.125, "memory/total_rss_gib": 3.26})
+    assert held == "reward 0.25  acc 0.50  len 42  120 tok/s  held-out 0.125  3.3 GiB"
