@@ -291,9 +291,19 @@ def rl_run(
         "sft_seed": warm["seed"],
         "run_dir": str(out),
         "curve": evaluations(out),
+        "held_gib": held_memory(out),
         "seconds": wall,
         "last": str(last),
     }
+
+
+def held_memory(run_dir: Path) -> float | None:
+    """The most a run's workers held together (GiB, ``memory/total_rss_gib`` over its
+    iterations); ``None`` for a run that did not log it."""
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    held = [r["memory/total_rss_gib"] for r in rows if "memory/total_rss_gib" in r]
+    return round(max(held), 2) if held else None
 
 
 def train_stage(args: argparse.Namespace, algo: str, warm: dict[str, Any], seed: int) -> dict:
@@ -420,6 +430,10 @@ def study(args: argparse.Namespace, n: int) -> dict[str, Any]:
     ]
     rows = table(warm, runs, args.head_only)
     show(rows, args, n)
+    for algo in args.algos:
+        held = [r["held_gib"] for r in runs if r["algo"] == algo and r["held_gib"] is not None]
+        if held:  # what a machine needs for one run (add them up for runs at once)
+            print(f"{algo}: a run's workers held at most {max(held):.1f} GiB")
     for w in warm:
         curve = " ".join(f"{r:.2f}@{s}" for s, r in w["validation_curve"])
         print(f"bc seed {w['seed']}: validation {curve}; chose step {w['chosen_step']}")

@@ -171,7 +171,12 @@ def test_a_variant_gets_rl_folders_of_its_own_beside_the_warm_start(monkeypatch,
             f"algo:\n  update_epochs: 2\n  minibatch_size: 260\n  gamma: {gamma}\n"
         )
         metrics = {"iteration": 40, "eval/success_rate": gamma}
-        (run / "metrics.jsonl").write_text(json.dumps(metrics) + "\n")
+        held = [
+            {"iteration": 39, "memory/total_rss_gib": 7.4},
+            {**metrics, "memory/total_rss_gib": 7.1},
+        ]
+        rows = held if "boot" in name else [metrics]  # the plain run logged no total
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = argparse.Namespace(
         head_only=False, ppo_iterations=40, minibatches=2, epochs=2, group=5, eval_every=20,
         eval_episodes=64, eval_envs=4, set=["ppo.algo.gamma=0.8"], variant="boot",
@@ -180,6 +185,7 @@ def test_a_variant_gets_rl_folders_of_its_own_beside_the_warm_start(monkeypatch,
     assert record["run_dir"].endswith("-seed1-ppo0-boot") and record["variant"] == "boot"
     assert record["last"].endswith("ppo0-boot/checkpoints/iter_40/policy")
     assert record["curve"] == [(40, 0.8)]  # the variant's own evaluations
+    assert record["held_gib"] == 7.4  # the most its workers held, over its iterations
     args.variant = ""  # the same --set without the name would be the plain run's folder
     with pytest.raises(SystemExit, match=r"algo\.gamma=0\.99 there, 0\.8 here"):
         rl_run(args, "ppo", warm, 0, [], 40, 13)
